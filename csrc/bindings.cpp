@@ -1,0 +1,132 @@
+// lowbit._C: pointer-level entry points for lowbit/_ops.py, plus build information.
+// Nothing here sees a torch tensor; the GIL is released around every native loop.
+#include <pybind11/pybind11.h>
+
+#include <omp.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels.h"
+
+namespace py = pybind11;
+using lowbit::DequantizeArgs;
+using lowbit::PackArgs;
+using lowbit::QuantizeArgs;
+
+namespace {
+
+template <typename T>
+T* ptr(uintptr_t p) {
+  return reinterpret_cast<T*>(p);
+}
+
+QuantizeArgs quantize_args(uintptr_t x, int64_t n, int dtype, uintptr_t map, int64_t map_n, int bits,
+                           int64_t blocksize, bool stochastic, uint64_t seed, uint64_t offset, uintptr_t out,
+                           uintptr_t absmax) {
+  return QuantizeArgs{ptr<const void>(x), n,        dtype,      ptr<const float>(map), map_n,
+                      bits,               blocksize, stochastic, seed,                  offset,
+                      ptr<uint8_t>(out),  ptr<float>(absmax)};
+}
+
+DequantizeArgs dequantize_args(uintptr_t in, uintptr_t absmax, int64_t n, uintptr_t map, int64_t map_n, int bits,
+                               int64_t blocksize, uintptr_t out, int dtype) {
+  return DequantizeArgs{ptr<const uint8_t>(in), ptr<const float>(absmax), n, ptr<const float>(map), map_n, bits,
+                        blocksize,              ptr<void>(out),           dtype};
+}
+
+py::dict build_info() {
+  py::dict info;
+  info["version"] = LOWBIT_VERSION;
+  info["openmp"] = _OPENMP;
+  info["omp_max_threads"] = omp_get_max_threads();
+  info["compiler"] = __VERSION__;
+#ifdef LOWBIT_WITH_CUDA
+  info["cuda"] = true;
+  info["cuda_archs"] = LOWBIT_CUDA_ARCHS;
+  info["cuda_runtime"] = lowbit::cuda::runtime_version();
+#else
+  info["cuda"] = false;
+  info["cuda_archs"] = "";
+  info["cuda_runtime"] = "";
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "lowbit native core (torch-free): block-wise quantization, packing";
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+
+  m.def("cuda_built", []() {
+#ifdef LOWBIT_WITH_CUDA
+    return true;
+#else
+    return false;
+#endif
+  });
+  m.def("build_info", &build_info);
+
+  m.def(
+      "quantize_cpu",
+      [](uintptr_t x, int64_t n, int dtype, uintptr_t map, int64_t map_n, int bits, int64_t blocksize,
+         bool stochastic, uint64_t seed, uint64_t offset, uintptr_t out, uintptr_t absmax, int threads) {
+        lowbit::cpu::quantize(
+            quantize_args(x, n, dtype, map, map_n, bits, blocksize, stochastic, seed, offset, out, absmax),
+            threads);
+      },
+      nogil);
+  m.def(
+      "dequantize_cpu",
+      [](uintptr_t in, uintptr_t absmax, int64_t n, uintptr_t map, int64_t map_n, int bits, int64_t blocksize,
+         uintptr_t out, int dtype, int threads) {
+        lowbit::cpu::dequantize(dequantize_args(in, absmax, n, map, map_n, bits, blocksize, out, dtype), threads);
+      },
+      nogil);
+  m.def(
+      "pack_bits_cpu",
+      [](uintptr_t in, uintptr_t out, int64_t n, int bits, int threads) {
+        lowbit::cpu::pack_bits(PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits}, threads);
+      },
+      nogil);
+  m.def(
+      "unpack_bits_cpu",
+      [](uintptr_t in, uintptr_t out, int64_t n, int bits, int threads) {
+        lowbit::cpu::unpack_bits(PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits}, threads);
+      },
+      nogil);
+
+#ifdef LOWBIT_WITH_CUDA
+  m.def(
+      "quantize_cuda",
+      [](uintptr_t x, int64_t n, int dtype, uintptr_t map, int64_t map_n, int bits, int64_t blocksize,
+         bool stochastic, uint64_t seed, uint64_t offset, uintptr_t out, uintptr_t absmax, int device,
+         uintptr_t stream) {
+        lowbit::cuda::quantize(
+            quantize_args(x, n, dtype, map, map_n, bits, blocksize, stochastic, seed, offset, out, absmax), device,
+            stream);
+      },
+      nogil);
+  m.def(
+      "dequantize_cuda",
+      [](uintptr_t in, uintptr_t absmax, int64_t n, uintptr_t map, int64_t map_n, int bits, int64_t blocksize,
+         uintptr_t out, int dtype, int device, uintptr_t stream) {
+        lowbit::cuda::dequantize(dequantize_args(in, absmax, n, map, map_n, bits, blocksize, out, dtype), device,
+                                 stream);
+      },
+      nogil);
+  m.def(
+      "pack_bits_cuda",
+      [](uintptr_t in, uintptr_t out, int64_t n, int bits, int device, uintptr_t stream) {
+        lowbit::cuda::pack_bits(PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits}, device, stream);
+      },
+      nogil);
+  m.def(
+      "unpack_bits_cuda",
+      [](uintptr_t in, uintptr_t out, int64_t n, int bits, int device, uintptr_t stream) {
+        lowbit::cuda::unpack_bits(PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits}, device, stream);
+      },
+      nogil);
+#endif
+}

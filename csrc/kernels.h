@@ -1,0 +1,62 @@
+// Entry points of the native loops. Pointers arrive from lowbit/_ops.py, which has already checked
+// dtypes, devices, sizes, contiguity and aliasing; these functions trust their arguments.
+#pragma once
+
+#include <cstdint>
+
+namespace lowbit {
+
+// map_n == 0 selects the linear absmax quantizer; otherwise `map` holds map_n sorted fp32 values.
+// blocksize == 0 means one block for the whole tensor.
+struct QuantizeArgs {
+  const void* x;
+  int64_t n;
+  int dtype;
+  const float* map;
+  int64_t map_n;
+  int bits;
+  int64_t blocksize;
+  bool stochastic;
+  uint64_t seed;
+  uint64_t offset;
+  uint8_t* out;
+  float* absmax;
+};
+
+struct DequantizeArgs {
+  const uint8_t* in;
+  const float* absmax;
+  int64_t n;
+  const float* map;
+  int64_t map_n;
+  int bits;
+  int64_t blocksize;
+  void* out;
+  int dtype;
+};
+
+struct PackArgs {
+  const uint8_t* in;
+  uint8_t* out;
+  int64_t n;
+  int bits;
+};
+
+namespace cpu {
+void quantize(const QuantizeArgs& a, int threads);
+void dequantize(const DequantizeArgs& a, int threads);
+void pack_bits(const PackArgs& a, int threads);
+void unpack_bits(const PackArgs& a, int threads);
+}  // namespace cpu
+
+#ifdef LOWBIT_WITH_CUDA
+namespace cuda {
+void quantize(const QuantizeArgs& a, int device, uintptr_t stream);
+void dequantize(const DequantizeArgs& a, int device, uintptr_t stream);
+void pack_bits(const PackArgs& a, int device, uintptr_t stream);
+void unpack_bits(const PackArgs& a, int device, uintptr_t stream);
+const char* runtime_version();
+}  // namespace cuda
+#endif
+
+}  // namespace lowbit

@@ -1,0 +1,68 @@
+// Per-block absmax and the two element coders (map-based and linear absmax), shared by the CPU
+// loops and the CUDA kernels. Paper: 8bit-optimizers.txt section 2.1 (block-wise normalisation,
+// eq. 4); lpmm.txt section 3.3 (stochastic rounding) and eq. 6 (linear quantizer Q_{delta,B}).
+//
+// Non-finite policy: a block holding NaN or +-Inf is "poisoned": its absmax is stored as NaN, its
+// codes are the code of 0, and every element of it dequantizes to NaN. Divergence stays visible
+// and a single bad value never corrupts other blocks. An all-zero block has absmax 0 and
+// dequantizes to exact zeros.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "lowbit/dispatch.h"
+#include "lowbit/qmap.h"
+
+namespace lowbit {
+
+// Non-negative floats order like their bit patterns, so the absmax is an exact integer max that
+// vectorises, and every NaN/Inf shows up as a pattern >= kNonFiniteBits.
+constexpr uint32_t kNonFiniteBits = 0x7F800000u;
+constexpr uint32_t kQuietNaNBits = 0x7FC00000u;
+
+LB_HD uint32_t abs_bits(float v) { return float_to_bits(v) & 0x7FFFFFFFu; }
+
+LB_HD float absmax_from_bits(uint32_t m) { return bits_to_float(m >= kNonFiniteBits ? kQuietNaNBits : m); }
+
+// Normalised input of one element; 0 for all-zero and poisoned (NaN absmax) blocks.
+LB_HD float normalise(float v, float absmax) { return absmax > 0.f ? v / absmax : 0.f; }
+
+// Codes are indices into a sorted map of `n` entries (dynamic, linear, quantile, ... maps).
+struct MapCoder {
+  const float* map;
+  uint32_t n;
+
+  template <bool kStochastic>
+  LB_HD uint32_t encode(float v, float absmax, float u) const {
+    const float x = normalise(v, absmax);
+    return kStochastic ? map_encode_stochastic(map, n, x, u) : map_encode_nearest(map, n, x);
+  }
+  LB_HD float decode(uint32_t code, float absmax) const { return map[code] * absmax; }
+};
+
+// Symmetric linear absmax quantizer with qmax = 2^(bits-1) - 1 levels each side; the code is
+// q + qmax in [0, 2*qmax]. (v / absmax) * qmax is exactly +-qmax at the absmax element, so the
+// absmax is reconstructed exactly under both rounding modes.
+struct LinearCoder {
+  float qmax;
+
+  template <bool kStochastic>
+  LB_HD uint32_t encode(float v, float absmax, float u) const {
+    float y = normalise(v, absmax) * qmax;
+    y = fminf(fmaxf(y, -qmax), qmax);
+    float q;
+    if (kStochastic) {
+      const float f = floorf(y);
+      q = f + ((u < y - f) ? 1.f : 0.f);
+    } else {
+      q = rintf(y);
+    }
+    return static_cast<uint32_t>(static_cast<int32_t>(q + qmax));
+  }
+  LB_HD float decode(uint32_t code, float absmax) const {
+    return ((static_cast<float>(code) - qmax) / qmax) * absmax;
+  }
+};
+
+}  // namespace lowbit

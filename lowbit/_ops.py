@@ -1,0 +1,260 @@
+"""Every lowbit tensor op, defined once as a ``torch.library`` custom op with a fake kernel.
+
+This module is the only place that turns tensors into raw pointers for ``lowbit._C``. Each op checks
+dtype, device, contiguity and sizes before it does so; the native side trusts these checks. The ops
+work on flat element streams; shapes, maps and argument policy live in :mod:`lowbit.functional`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from lowbit import _C
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+FLOAT_DTYPES = tuple(_DTYPE_CODES)
+MAX_MAP_BITS = 8
+MAX_LINEAR_BITS = 16
+
+CUDA_NOT_BUILT = (
+    "lowbit was built without CUDA kernels, but a CUDA tensor was passed. Rebuild with nvcc on PATH "
+    "(or CUDACXX set): `LOWBIT_CUDA=ON pip install --no-build-isolation -e .`; "
+    "`python -m lowbit` shows what this build contains."
+)
+
+
+def packed_bytes(numel: int, bits: int) -> int:
+    """Bytes taken by ``numel`` codes of ``bits`` bits each when bit-packed: ``ceil(numel*bits/8)``."""
+    return (numel * bits + 7) // 8
+
+
+def num_blocks(numel: int, blocksize: int) -> int:
+    """Number of quantization blocks; ``blocksize == 0`` means one block for the whole tensor."""
+    if blocksize == 0:
+        return torch.sym_min(numel, 1)
+    return (numel + blocksize - 1) // blocksize
+
+
+def _launch(name: str, device: torch.device) -> Callable[..., None]:
+    """The native entry point for ``device``, with the trailing thread/stream arguments bound."""
+    if device.type == "cpu":
+        fn = getattr(_C, f"{name}_cpu")
+        threads = torch.get_num_threads()
+        return lambda *args: fn(*args, threads)
+    if device.type == "cuda":
+        if not _C.cuda_built():
+            raise RuntimeError(CUDA_NOT_BUILT)
+        fn = getattr(_C, f"{name}_cuda")
+        stream = torch.cuda.current_stream(device).cuda_stream
+        return lambda *args: fn(*args, device.index, stream)
+    raise ValueError(f"lowbit: tensors on device type {device.type!r} are not supported (expected cpu or cuda)")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(f"lowbit: {msg}")
+
+
+def _check_input(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"lowbit: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        expected = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"lowbit: {name} has dtype {t.dtype}; expected one of: {expected}")
+    _check(t.is_contiguous(), f"{name} must be contiguous")
+
+
+def _check_same_device(ref_name: str, ref: Tensor, **others: Tensor) -> None:
+    for name, t in others.items():
+        _check(
+            t.device == ref.device,
+            f"{name} is on {t.device} but {ref_name} is on {ref.device}; move them to the same device",
+        )
+
+
+def _check_map(code: Tensor, bits: int) -> None:
+    _check_input("code", code, (torch.float32,))
+    _check(1 <= bits <= MAX_MAP_BITS, f"bits must be in 1..{MAX_MAP_BITS} for map quantization, got {bits}")
+    _check(code.dim() == 1 and code.numel() == 1 << bits, f"code must be 1-D with 2**bits = {1 << bits} entries")
+
+
+def _check_blocksize(blocksize: int) -> None:
+    _check(
+        blocksize == 0 or (64 <= blocksize <= 4096 and blocksize & (blocksize - 1) == 0),
+        f"blocksize must be a power of two in 64..4096, or 0 for tensor-wise; got {blocksize}",
+    )
+
+
+def _check_codes(name: str, codes: Tensor, numel: int, bits: int) -> None:
+    _check_input(name, codes, (torch.uint8,))
+    expected = packed_bytes(numel, bits)
+    _check(
+        codes.numel() == expected,
+        f"{name} has {codes.numel()} bytes but {numel} codes of {bits} bits take {expected}",
+    )
+
+
+def _check_absmax(absmax: Tensor, numel: int, blocksize: int) -> None:
+    _check_input("absmax", absmax, (torch.float32,))
+    expected = num_blocks(numel, blocksize)
+    _check(absmax.numel() == expected, f"absmax has {absmax.numel()} entries but {numel} elements need {expected}")
+
+
+def _quantize(
+    x: Tensor, code: Tensor | None, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    n = x.numel()
+    out = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(num_blocks(n, blocksize), dtype=torch.float32, device=x.device)
+    if n > 0:
+        map_ptr, map_n = (code.data_ptr(), code.numel()) if code is not None else (0, 0)
+        _launch("quantize", x.device)(
+            x.data_ptr(), n, _DTYPE_CODES[x.dtype], map_ptr, map_n, bits, blocksize, stochastic, seed, offset,
+            out.data_ptr(), absmax.data_ptr(),
+        )
+    return out, absmax
+
+
+def _dequantize(
+    codes: Tensor, absmax: Tensor, code: Tensor | None, bits: int, blocksize: int, numel: int, dtype: torch.dtype
+) -> Tensor:
+    out = torch.empty(numel, dtype=dtype, device=codes.device)
+    if numel > 0:
+        map_ptr, map_n = (code.data_ptr(), code.numel()) if code is not None else (0, 0)
+        _launch("dequantize", codes.device)(
+            codes.data_ptr(), absmax.data_ptr(), numel, map_ptr, map_n, bits, blocksize, out.data_ptr(),
+            _DTYPE_CODES[dtype],
+        )
+    return out
+
+
+def _check_rng(seed: int, offset: int) -> None:
+    _check(0 <= seed < 2**63, f"seed must be in [0, 2**63), got {seed}")
+    _check(0 <= offset < 2**63, f"offset must be in [0, 2**63), got {offset}")
+
+
+@torch.library.custom_op("lowbit::quantize_blockwise", mutates_args=())
+def quantize_blockwise(
+    x: Tensor, code: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    """Block-wise map quantization of the elements of ``x`` (flattened).
+
+    Returns ``(packed, absmax)``: ``ceil(numel*bits/8)`` bytes of bit-packed indices into ``code`` and
+    one fp32 absmax per block. Stochastic rounding draws element ``i`` from counter ``offset + i``
+    of the stream keyed by ``seed``.
+    """
+    _check_input("x", x, FLOAT_DTYPES)
+    _check_map(code, bits)
+    _check_same_device("x", x, code=code)
+    _check_blocksize(blocksize)
+    _check_rng(seed, offset)
+    return _quantize(x, code, bits, blocksize, stochastic, seed, offset)
+
+
+@quantize_blockwise.register_fake
+def _(x: Tensor, code: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int) -> tuple[Tensor, Tensor]:
+    n = x.numel()
+    return (
+        x.new_empty(packed_bytes(n, bits), dtype=torch.uint8),
+        x.new_empty(num_blocks(n, blocksize), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("lowbit::dequantize_blockwise", mutates_args=())
+def dequantize_blockwise(
+    codes: Tensor, absmax: Tensor, code: Tensor, bits: int, blocksize: int, numel: int, dtype: torch.dtype
+) -> Tensor:
+    """Inverse of :func:`quantize_blockwise`: a flat tensor of ``numel`` elements of ``dtype``."""
+    _check_map(code, bits)
+    _check_blocksize(blocksize)
+    _check(dtype in FLOAT_DTYPES, f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    _check_codes("codes", codes, numel, bits)
+    _check_absmax(absmax, numel, blocksize)
+    _check_same_device("codes", codes, absmax=absmax, code=code)
+    return _dequantize(codes, absmax, code, bits, blocksize, numel, dtype)
+
+
+@dequantize_blockwise.register_fake
+def _(codes: Tensor, absmax: Tensor, code: Tensor, bits: int, blocksize: int, numel: int, dtype: torch.dtype) -> Tensor:
+    return codes.new_empty(numel, dtype=dtype)
+
+
+@torch.library.custom_op("lowbit::quantize_linear", mutates_args=())
+def quantize_linear(
+    x: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    """Group-wise symmetric linear absmax quantization (lpmm.txt eq. 6) to ``bits`` in 2..16.
+
+    Element codes are ``q + qmax`` with ``q = round(x / absmax * qmax)``, ``qmax = 2**(bits-1) - 1``,
+    bit-packed. Returns ``(packed, absmax)``.
+    """
+    _check_input("x", x, FLOAT_DTYPES)
+    _check(2 <= bits <= MAX_LINEAR_BITS, f"bits must be in 2..{MAX_LINEAR_BITS}, got {bits}")
+    _check_blocksize(blocksize)
+    _check_rng(seed, offset)
+    return _quantize(x, None, bits, blocksize, stochastic, seed, offset)
+
+
+@quantize_linear.register_fake
+def _(x: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int) -> tuple[Tensor, Tensor]:
+    n = x.numel()
+    return (
+        x.new_empty(packed_bytes(n, bits), dtype=torch.uint8),
+        x.new_empty(num_blocks(n, blocksize), dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("lowbit::dequantize_linear", mutates_args=())
+def dequantize_linear(
+    codes: Tensor, absmax: Tensor, bits: int, blocksize: int, numel: int, dtype: torch.dtype
+) -> Tensor:
+    """Inverse of :func:`quantize_linear`: a flat tensor of ``numel`` elements of ``dtype``."""
+    _check(2 <= bits <= MAX_LINEAR_BITS, f"bits must be in 2..{MAX_LINEAR_BITS}, got {bits}")
+    _check_blocksize(blocksize)
+    _check(dtype in FLOAT_DTYPES, f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    _check_codes("codes", codes, numel, bits)
+    _check_absmax(absmax, numel, blocksize)
+    _check_same_device("codes", codes, absmax=absmax)
+    return _dequantize(codes, absmax, None, bits, blocksize, numel, dtype)
+
+
+@dequantize_linear.register_fake
+def _(codes: Tensor, absmax: Tensor, bits: int, blocksize: int, numel: int, dtype: torch.dtype) -> Tensor:
+    return codes.new_empty(numel, dtype=dtype)
+
+
+@torch.library.custom_op("lowbit::pack_bits", mutates_args=())
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """Packs uint8 codes (each below ``2**bits``) into ``ceil(numel*bits/8)`` bytes, LSB first."""
+    _check_input("codes", codes, (torch.uint8,))
+    _check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
+    n = codes.numel()
+    out = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=codes.device)
+    if n > 0:
+        _launch("pack_bits", codes.device)(codes.data_ptr(), out.data_ptr(), n, bits)
+    return out
+
+
+@pack_bits.register_fake
+def _(codes: Tensor, bits: int) -> Tensor:
+    return codes.new_empty(packed_bytes(codes.numel(), bits))
+
+
+@torch.library.custom_op("lowbit::unpack_bits", mutates_args=())
+def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
+    """Inverse of :func:`pack_bits`: ``numel`` uint8 codes."""
+    _check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
+    _check(numel >= 0, f"numel must be non-negative, got {numel}")
+    _check_codes("packed", packed, numel, bits)
+    out = torch.empty(numel, dtype=torch.uint8, device=packed.device)
+    if numel > 0:
+        _launch("unpack_bits", packed.device)(packed.data_ptr(), out.data_ptr(), numel, bits)
+    return out
+
+
+@unpack_bits.register_fake
+def _(packed: Tensor, bits: int, numel: int) -> Tensor:
+    return packed.new_empty(numel)
