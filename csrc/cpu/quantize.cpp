@@ -1,13 +1,17 @@
-// CPU loops for block-wise quantization: OpenMP over blocks, each block read once for its absmax
-// and once more, while still in L1, to encode and pack.
+// CPU loops for block-wise quantization: OpenMP over blocks. Each block is read once for its
+// absmax and again, while still in L1, in tiles: a vectorisable pass normalises a tile, then a
+// scalar pass finds codes (map_index.h) and packs them.
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 
 #include "kernels.h"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/pack.h"
+#include "lowbit/qmap.h"
 #include "lowbit/rounding.h"
+#include "map_index.h"
 
 namespace lowbit::cpu {
 namespace {
@@ -16,6 +20,8 @@ namespace {
 constexpr int64_t kParallelMin = 1 << 15;
 // Work unit for tensor-wise blocks and for packing: a multiple of kGroup that fits in L1.
 constexpr int64_t kChunk = 4096;
+// Elements normalised per tile (stack buffers); a multiple of kGroup.
+constexpr int kTile = 512;
 
 template <typename T>
 uint32_t absmax_bits(const T* x, int64_t n) {
@@ -24,46 +30,112 @@ uint32_t absmax_bits(const T* x, int64_t n) {
   return m;
 }
 
-// Encodes x[begin, end) of one block; begin is a multiple of kGroup so that packed output starts
-// on a byte boundary.
-template <bool kSR, typename T, typename Coder>
-void encode_span(const T* x, int64_t begin, int64_t end, float absmax, const Coder& coder, int bits,
-                 uint64_t key, uint64_t offset, uint8_t* out) {
+// Element-wise normalise() with the block-constant branch hoisted so the division vectorises.
+template <typename T>
+void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
+  if (absmax > 0.f) {
+    for (int j = 0; j < cnt; ++j) xn[j] = to_float(x[j]) / absmax;
+  } else {
+    std::fill(xn, xn + cnt, 0.f);
+  }
+}
+
+// Stores cnt codes of the tile starting at element t (a multiple of kGroup).
+void store_codes(const uint32_t* codes, int cnt, int bits, int64_t t, uint8_t* out) {
   if (bits == 8) {
-    for (int64_t i = begin; i < end; ++i) {
-      const float u = kSR ? uniform01(key, offset + static_cast<uint64_t>(i)) : 0.f;
-      out[i] = static_cast<uint8_t>(coder.template encode<kSR>(to_float(x[i]), absmax, u));
-    }
+    for (int j = 0; j < cnt; ++j) out[t + j] = static_cast<uint8_t>(codes[j]);
     return;
   }
-  uint32_t c[kGroup];
-  for (int64_t g = begin; g < end; g += kGroup) {
-    const int cnt = static_cast<int>(std::min<int64_t>(kGroup, end - g));
-    for (int k = 0; k < cnt; ++k) {
-      const float u = kSR ? uniform01(key, offset + static_cast<uint64_t>(g + k)) : 0.f;
-      c[k] = coder.template encode<kSR>(to_float(x[g + k]), absmax, u);
+  for (int j = 0; j < cnt; j += kGroup) {
+    pack_group(codes + j, std::min(kGroup, cnt - j), bits, out + ((t + j) / kGroup) * bits);
+  }
+}
+
+void load_codes(const uint8_t* in, int cnt, int bits, int64_t t, uint32_t* codes) {
+  if (bits == 8) {
+    for (int j = 0; j < cnt; ++j) codes[j] = in[t + j];
+    return;
+  }
+  for (int j = 0; j < cnt; j += kGroup) {
+    unpack_group(in + ((t + j) / kGroup) * bits, std::min(kGroup, cnt - j), bits, codes + j);
+  }
+}
+
+struct MapSpan {
+  const MapIndex& index;
+
+  template <bool kSR, typename T>
+  void encode(const T* x, int cnt, float absmax, uint64_t key, uint64_t counter, uint32_t* codes) const {
+    float xn[kTile];
+    uint32_t bucket[kTile];
+    normalise_tile(x, cnt, absmax, xn);
+    for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
+    // The step count is a template argument so the common one-step search is fully unrolled.
+    switch (index.steps()) {
+      case 0:
+        return round_tile<kSR>(xn, cnt, key, counter, codes, [&](int j) { return index.floor_index<0>(xn[j], bucket[j]); });
+      case 1:
+        return round_tile<kSR>(xn, cnt, key, counter, codes, [&](int j) { return index.floor_index<1>(xn[j], bucket[j]); });
+      case 2:
+        return round_tile<kSR>(xn, cnt, key, counter, codes, [&](int j) { return index.floor_index<2>(xn[j], bucket[j]); });
+      default:
+        if (index.steps() <= kMaxRefine) {
+          return round_tile<kSR>(xn, cnt, key, counter, codes,
+                                 [&](int j) { return index.floor_index<kMaxRefine>(xn[j], bucket[j]); });
+        }
+        return round_tile<kSR>(xn, cnt, key, counter, codes,
+                               [&](int j) { return map_floor_index(index.padded(), index.size(), xn[j]); });
     }
-    pack_group(c, cnt, bits, out + (g / kGroup) * bits);
+  }
+
+  template <bool kSR, typename Floor>
+  void round_tile(const float* xn, int cnt, uint64_t key, uint64_t counter, uint32_t* codes, Floor&& floor) const {
+    const float* m = index.padded();
+    for (int j = 0; j < cnt; ++j) {
+      const uint32_t lo = floor(j);
+      const bool up = kSR ? stochastic_up(xn[j], m[lo], m[lo + 1], uniform01(key, counter + j))
+                          : nearest_up(xn[j], m[lo], m[lo + 1]);
+      codes[j] = lo + static_cast<uint32_t>(up);
+    }
+  }
+};
+
+struct LinearSpan {
+  float qmax;
+
+  template <bool kSR, typename T>
+  void encode(const T* x, int cnt, float absmax, uint64_t key, uint64_t counter, uint32_t* codes) const {
+    for (int j = 0; j < cnt; ++j) {
+      const float y = linear_scaled(to_float(x[j]), absmax, qmax);
+      codes[j] = kSR ? linear_code_stochastic(y, qmax, uniform01(key, counter + j)) : linear_code_nearest(y, qmax);
+    }
+  }
+};
+
+// Encodes x[begin, end) of one block; begin is a multiple of kGroup.
+template <bool kSR, typename T, typename Span>
+void encode_range(const T* x, int64_t begin, int64_t end, float absmax, const Span& span, int bits, uint64_t key,
+                  uint64_t offset, uint8_t* out) {
+  uint32_t codes[kTile];
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int cnt = static_cast<int>(std::min<int64_t>(kTile, end - t));
+    span.template encode<kSR>(x + t, cnt, absmax, key, offset + static_cast<uint64_t>(t), codes);
+    store_codes(codes, cnt, bits, t, out);
   }
 }
 
 template <typename T, typename Coder>
-void decode_span(const uint8_t* in, int64_t begin, int64_t end, float absmax, const Coder& coder, int bits,
-                 T* out) {
-  if (bits == 8) {
-    for (int64_t i = begin; i < end; ++i) out[i] = from_float<T>(coder.decode(in[i], absmax));
-    return;
-  }
-  uint32_t c[kGroup];
-  for (int64_t g = begin; g < end; g += kGroup) {
-    const int cnt = static_cast<int>(std::min<int64_t>(kGroup, end - g));
-    unpack_group(in + (g / kGroup) * bits, cnt, bits, c);
-    for (int k = 0; k < cnt; ++k) out[g + k] = from_float<T>(coder.decode(c[k], absmax));
+void decode_range(const uint8_t* in, int64_t begin, int64_t end, float absmax, const Coder& coder, int bits, T* out) {
+  uint32_t codes[kTile];
+  for (int64_t t = begin; t < end; t += kTile) {
+    const int cnt = static_cast<int>(std::min<int64_t>(kTile, end - t));
+    load_codes(in, cnt, bits, t, codes);
+    for (int j = 0; j < cnt; ++j) out[t + j] = from_float<T>(coder.decode(codes[j], absmax));
   }
 }
 
-template <bool kSR, typename T, typename Coder>
-void quantize_impl(const QuantizeArgs& a, const Coder& coder, int threads) {
+template <bool kSR, typename T, typename Span>
+void quantize_impl(const QuantizeArgs& a, const Span& span, int threads) {
   const T* x = static_cast<const T*>(a.x);
   const int64_t n = a.n;
   const uint64_t key = rng_key(a.seed);
@@ -77,7 +149,7 @@ void quantize_impl(const QuantizeArgs& a, const Coder& coder, int threads) {
       const int64_t hi = std::min(n, lo + bs);
       const float amax = absmax_from_bits(absmax_bits(x + lo, hi - lo));
       a.absmax[b] = amax;
-      encode_span<kSR>(x, lo, hi, amax, coder, a.bits, key, a.offset, a.out);
+      encode_range<kSR>(x, lo, hi, amax, span, a.bits, key, a.offset, a.out);
     }
     return;
   }
@@ -93,7 +165,7 @@ void quantize_impl(const QuantizeArgs& a, const Coder& coder, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t lo = c * kChunk;
-    encode_span<kSR>(x, lo, std::min(n, lo + kChunk), amax, coder, a.bits, key, a.offset, a.out);
+    encode_range<kSR>(x, lo, std::min(n, lo + kChunk), amax, span, a.bits, key, a.offset, a.out);
   }
 }
 
@@ -101,54 +173,57 @@ template <typename T, typename Coder>
 void dequantize_impl(const DequantizeArgs& a, const Coder& coder, int threads) {
   T* out = static_cast<T*>(a.out);
   const int64_t n = a.n;
-  const int64_t span = a.blocksize > 0 ? a.blocksize : kChunk;
-  const int64_t nspans = (n + span - 1) / span;
+  const int64_t len = a.blocksize > 0 ? a.blocksize : kChunk;
+  const int64_t nspans = (n + len - 1) / len;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= kParallelMin)
   for (int64_t s = 0; s < nspans; ++s) {
-    const int64_t lo = s * span;
-    const float amax = a.absmax[a.blocksize > 0 ? s : 0];
-    decode_span(a.in, lo, std::min(n, lo + span), amax, coder, a.bits, out);
+    const int64_t lo = s * len;
+    decode_range(a.in, lo, std::min(n, lo + len), a.absmax[a.blocksize > 0 ? s : 0], coder, a.bits, out);
   }
 }
 
+// Calls fn with the span coder for this map (map_n > 0) or for the linear quantizer.
 template <typename Fn>
-void with_coder(const float* map, int64_t map_n, int bits, Fn&& fn) {
+void with_span(const float* map, int64_t map_n, int bits, Fn&& fn) {
   if (map_n > 0) {
-    fn(MapCoder{map, static_cast<uint32_t>(map_n)});
+    const auto index = map_index(map, static_cast<uint32_t>(map_n));
+    fn(MapSpan{*index});
   } else {
-    fn(LinearCoder{static_cast<float>((1 << (bits - 1)) - 1)});
+    fn(LinearSpan{static_cast<float>((1 << (bits - 1)) - 1)});
   }
 }
 
 }  // namespace
 
 void quantize(const QuantizeArgs& a, int threads) {
-  LB_DISPATCH_DTYPE(a.dtype, with_coder(a.map, a.map_n, a.bits, [&](const auto& coder) {
+  LB_DISPATCH_DTYPE(a.dtype, with_span(a.map, a.map_n, a.bits, [&](const auto& span) {
     if (a.stochastic) {
-      quantize_impl<true, scalar_t>(a, coder, threads);
+      quantize_impl<true, scalar_t>(a, span, threads);
     } else {
-      quantize_impl<false, scalar_t>(a, coder, threads);
+      quantize_impl<false, scalar_t>(a, span, threads);
     }
   }));
 }
 
 void dequantize(const DequantizeArgs& a, int threads) {
-  LB_DISPATCH_DTYPE(a.dtype, with_coder(a.map, a.map_n, a.bits, [&](const auto& coder) {
-    dequantize_impl<scalar_t>(a, coder, threads);
-  }));
+  LB_DISPATCH_DTYPE(a.dtype, {
+    if (a.map_n > 0) {
+      dequantize_impl<scalar_t>(a, MapCoder{a.map, static_cast<uint32_t>(a.map_n)}, threads);
+    } else {
+      dequantize_impl<scalar_t>(a, LinearCoder{static_cast<float>((1 << (a.bits - 1)) - 1)}, threads);
+    }
+  });
 }
 
 void pack_bits(const PackArgs& a, int threads) {
   const int64_t nchunks = (a.n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
   for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t end = std::min(a.n, (c + 1) * kChunk);
-    uint32_t codes[kGroup];
-    for (int64_t g = c * kChunk; g < end; g += kGroup) {
-      const int cnt = static_cast<int>(std::min<int64_t>(kGroup, end - g));
-      for (int k = 0; k < cnt; ++k) codes[k] = a.in[g + k] & ((1u << a.bits) - 1u);
-      pack_group(codes, cnt, a.bits, a.out + (g / kGroup) * a.bits);
-    }
+    const int64_t lo = c * kChunk;
+    const int cnt = static_cast<int>(std::min(a.n, lo + kChunk) - lo);
+    uint32_t codes[kChunk];
+    for (int j = 0; j < cnt; ++j) codes[j] = a.in[lo + j] & ((1u << a.bits) - 1u);
+    store_codes(codes, cnt, a.bits, lo, a.out);
   }
 }
 
@@ -156,13 +231,11 @@ void unpack_bits(const PackArgs& a, int threads) {
   const int64_t nchunks = (a.n + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
   for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t end = std::min(a.n, (c + 1) * kChunk);
-    uint32_t codes[kGroup];
-    for (int64_t g = c * kChunk; g < end; g += kGroup) {
-      const int cnt = static_cast<int>(std::min<int64_t>(kGroup, end - g));
-      unpack_group(a.in + (g / kGroup) * a.bits, cnt, a.bits, codes);
-      for (int k = 0; k < cnt; ++k) a.out[g + k] = static_cast<uint8_t>(codes[k]);
-    }
+    const int64_t lo = c * kChunk;
+    const int cnt = static_cast<int>(std::min(a.n, lo + kChunk) - lo);
+    uint32_t codes[kChunk];
+    load_codes(a.in, cnt, a.bits, lo, codes);
+    for (int j = 0; j < cnt; ++j) a.out[lo + j] = static_cast<uint8_t>(codes[j]);
   }
 }
 

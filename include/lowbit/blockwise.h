@@ -44,25 +44,27 @@ struct MapCoder {
 // Symmetric linear absmax quantizer with qmax = 2^(bits-1) - 1 levels each side; the code is
 // q + qmax in [0, 2*qmax]. (v / absmax) * qmax is exactly +-qmax at the absmax element, so the
 // absmax is reconstructed exactly under both rounding modes.
+LB_HD float linear_scaled(float v, float absmax, float qmax) {
+  return fminf(fmaxf(normalise(v, absmax) * qmax, -qmax), qmax);
+}
+LB_HD uint32_t linear_code_nearest(float y, float qmax) { return static_cast<uint32_t>(static_cast<int32_t>(rintf(y) + qmax)); }
+LB_HD uint32_t linear_code_stochastic(float y, float qmax, float u) {
+  const float f = floorf(y);
+  return static_cast<uint32_t>(static_cast<int32_t>(f + ((u < y - f) ? 1.f : 0.f) + qmax));
+}
+LB_HD float linear_decode(uint32_t code, float absmax, float qmax) {
+  return ((static_cast<float>(code) - qmax) / qmax) * absmax;
+}
+
 struct LinearCoder {
   float qmax;
 
   template <bool kStochastic>
   LB_HD uint32_t encode(float v, float absmax, float u) const {
-    float y = normalise(v, absmax) * qmax;
-    y = fminf(fmaxf(y, -qmax), qmax);
-    float q;
-    if (kStochastic) {
-      const float f = floorf(y);
-      q = f + ((u < y - f) ? 1.f : 0.f);
-    } else {
-      q = rintf(y);
-    }
-    return static_cast<uint32_t>(static_cast<int32_t>(q + qmax));
+    const float y = linear_scaled(v, absmax, qmax);
+    return kStochastic ? linear_code_stochastic(y, qmax, u) : linear_code_nearest(y, qmax);
   }
-  LB_HD float decode(uint32_t code, float absmax) const {
-    return ((static_cast<float>(code) - qmax) / qmax) * absmax;
-  }
+  LB_HD float decode(uint32_t code, float absmax) const { return linear_decode(code, absmax, qmax); }
 };
 
 }  // namespace lowbit

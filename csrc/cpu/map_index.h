@@ -1,0 +1,63 @@
+// O(1) nearest-code search on the CPU: a table over the float bit patterns of x in [-1, 1].
+//
+// x is reduced to a 16-bit bucket of its order-preserving bit pattern (sign, exponent and the top 7
+// mantissa bits), and the table holds the floor index of the map at the start of each bucket. A
+// bucket is narrower than the gap between neighbouring values of the dynamic and linear maps, so
+// one branch-free comparison finishes the search; maps with closer values get as many steps as
+// their densest bucket needs, and beyond kMaxRefine the binary search of qmap.h takes over. The
+// answer is always exactly map_floor_index(map, n, x), so CPU and CUDA codes agree.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "lowbit/dispatch.h"
+
+namespace lowbit::cpu {
+
+// Order-preserving key of a float (negative patterns inverted, positive ones with the sign bit
+// set), top 16 bits. Branch-free so that loops over it vectorise. -0 is bucketed as +0 (x + 0 is
+// exact otherwise): both compare equal to any map value, and this keeps the two zero entries of
+// symmetric maps out of the bucket below zero, which would otherwise need a second search step.
+inline uint32_t bucket16(float x) {
+  const uint32_t b = float_to_bits(x + 0.f);
+  const uint32_t neg = static_cast<uint32_t>(static_cast<int32_t>(b) >> 31);
+  return ((b ^ (neg >> 1)) ^ 0x80000000u) >> 16;
+}
+
+constexpr uint32_t kFirstBucket = 0x407Fu;  // bucket16(-1.0f)
+constexpr uint32_t kLastBucket = 0xBF80u;   // bucket16(+1.0f)
+constexpr int kMaxRefine = 4;
+
+class MapIndex {
+ public:
+  MapIndex(const float* map, uint32_t n);
+
+  // Largest i with map[i] <= x (0 if none) for x in [-1, 1] with bucket16(x) == bucket, using
+  // kSteps refinement steps; kSteps must be at least steps().
+  template <int kSteps>
+  uint32_t floor_index(float x, uint32_t bucket) const {
+    uint32_t i = start_[bucket - kFirstBucket];
+    for (int k = 0; k < kSteps; ++k) i += static_cast<uint32_t>(padded_[i + 1] <= x);
+    return i;
+  }
+
+  // Refinement steps the densest bucket needs; above kMaxRefine use map_floor_index instead.
+  int steps() const { return steps_; }
+  // The map followed by +inf, so that padded()[floor + 1] is always readable.
+  const float* padded() const { return padded_.data(); }
+  uint32_t size() const { return n_; }
+  bool matches(const float* map, uint32_t n) const;
+
+ private:
+  uint32_t n_;
+  int steps_;
+  std::vector<float> padded_;
+  std::vector<uint8_t> start_;
+};
+
+// The index for this map, built on first use and kept in a small cache keyed by the map values.
+std::shared_ptr<const MapIndex> map_index(const float* map, uint32_t n);
+
+}  // namespace lowbit::cpu
