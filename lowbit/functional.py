@@ -94,9 +94,8 @@ def _map_from_magnitudes(mags: list[float], signed: bool) -> Tensor:
 def _check_map_args(signed: bool, max_exponent_bits: int, total_bits: int) -> int:
     _check_bool("signed", signed)
     _check_int("total_bits", total_bits, 2, _ops.MAX_MAP_BITS)
-    magnitude_bits = total_bits - 1 if signed else total_bits
-    _check_int("max_exponent_bits", max_exponent_bits, 1, magnitude_bits)
-    return magnitude_bits
+    _check_int("max_exponent_bits", max_exponent_bits, 1, _ops.MAX_MAP_BITS)
+    return total_bits - 1 if signed else total_bits
 
 
 def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> Tensor:
@@ -115,7 +114,8 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bi
 
     Args:
         signed: sign bit (for first moments, gradients) or not (second moments).
-        max_exponent_bits: largest number of exponent (zero) bits; 7 spans 1e-7..1.
+        max_exponent_bits: largest number of exponent (zero) bits, 1..8; 7 spans 1e-7..1. Maps
+            with fewer magnitude bits use as many decades as they have bits.
         total_bits: map size is ``2**total_bits``, 2..8.
     """
     n = _check_map_args(signed, max_exponent_bits, total_bits)
@@ -131,7 +131,7 @@ def create_inverse_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, 
 
     Args:
         signed: with a sign bit or not.
-        max_exponent_bits: number of decades.
+        max_exponent_bits: number of decades, 1..8 (capped at the number of magnitude bits).
         total_bits: map size is ``2**total_bits``, 2..8.
     """
     n = _check_map_args(signed, max_exponent_bits, total_bits)

@@ -1,0 +1,165 @@
+"""Pure-PyTorch twins of the lowbit ops: the test oracle and the benchmark baseline.
+
+Each function computes, with ordinary torch operations, the same fp32 arithmetic in the same order
+as the native kernels, so results agree bit for bit (codes, absmax and dequantized values),
+including the counter-based random stream of stochastic rounding. They are written for clarity, not
+speed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_U64 = 1 << 64
+
+
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits (torch arithmetic wraps)."""
+    c %= _U64
+    return c - _U64 if c >= 1 << 63 else c
+
+
+_M1 = _i64(0xBF58476D1CE4E5B9)
+_M2 = _i64(0x94D049BB133111EB)
+_GAMMA = _i64(0x9E3779B97F4A7C15)
+_SEED_SALT = 0x6C6F776269742121
+
+
+def _srl(z: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 bit patterns."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64_tensor(z: Tensor) -> Tensor:
+    z = (z ^ _srl(z, 30)) * _M1
+    z = (z ^ _srl(z, 27)) * _M2
+    return z ^ _srl(z, 31)
+
+
+def _mix64_int(z: int) -> int:
+    z %= _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % _U64
+    return z ^ (z >> 31)
+
+
+def uniform01(seed: int, offset: int, n: int, device: torch.device | str = "cpu") -> Tensor:
+    """The draws u_i, i < n, of stochastic rounding (rounding.h: SplitMix64 over counters)."""
+    key = _i64(_mix64_int(seed ^ _SEED_SALT))
+    counter = torch.arange(n, dtype=torch.int64, device=device) + offset
+    z = _mix64_tensor(key + counter * _GAMMA)
+    return _srl(z, 40).to(torch.float32) * 2.0**-24
+
+
+def _blocks(n: int, blocksize: int) -> int:
+    return min(n, 1) if blocksize == 0 else -(-n // blocksize)
+
+
+def block_absmax(x: Tensor, blocksize: int) -> Tensor:
+    """Per-block absmax of flat fp32 ``x``; NaN for blocks with a NaN or Inf (blockwise.h)."""
+    n = x.numel()
+    nb = _blocks(n, blocksize)
+    size = n if blocksize == 0 else blocksize
+    bits = x.view(torch.int32) & 0x7FFFFFFF
+    padded = torch.zeros(nb * size, dtype=torch.int32, device=x.device)
+    padded[:n] = bits
+    m = padded.view(nb, size).amax(dim=1) if nb else padded[:0]
+    amax = m.view(torch.float32).clone()
+    amax[m >= 0x7F800000] = float("nan")
+    return amax
+
+
+def _expand(per_block: Tensor, n: int, blocksize: int) -> Tensor:
+    if blocksize == 0:
+        return per_block.expand(n)
+    return per_block.repeat_interleave(blocksize)[:n]
+
+
+def _normalise(x: Tensor, amax_e: Tensor) -> Tensor:
+    return torch.where(amax_e > 0, x / amax_e, torch.zeros_like(x))
+
+
+def pack_bits(codes: Tensor, bits: int) -> Tensor:
+    """Bit-pack integer codes LSB first: code i fills bits [i*bits, (i+1)*bits) (pack.h)."""
+    codes = codes.reshape(-1).to(torch.int64)
+    n = codes.numel()
+    nbytes = (n * bits + 7) // 8
+    stream = ((codes[:, None] >> torch.arange(bits, device=codes.device)) & 1).reshape(-1)
+    padded = torch.zeros(nbytes * 8, dtype=torch.int64, device=codes.device)
+    padded[: stream.numel()] = stream
+    weights = 1 << torch.arange(8, device=codes.device)
+    return (padded.view(nbytes, 8) * weights).sum(dim=1).to(torch.uint8)
+
+
+def unpack_bits(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of :func:`pack_bits`, as int64 codes."""
+    stream = ((packed.to(torch.int64)[:, None] >> torch.arange(8, device=packed.device)) & 1).reshape(-1)
+    stream = stream[: n * bits].view(n, bits)
+    return (stream << torch.arange(bits, device=packed.device)).sum(dim=1)
+
+
+def _store(codes: Tensor, bits: int) -> Tensor:
+    return codes.to(torch.uint8) if bits == 8 else pack_bits(codes, bits)
+
+
+def _load(packed: Tensor, bits: int, n: int) -> Tensor:
+    return packed.to(torch.int64) if bits == 8 else unpack_bits(packed, bits, n)
+
+
+def quantize_blockwise(
+    x: Tensor, code: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    """Twin of ``lowbit::quantize_blockwise``: ``(packed codes, absmax)``."""
+    x = x.reshape(-1).float()
+    n = x.numel()
+    amax = block_absmax(x, blocksize)
+    xn = _normalise(x, _expand(amax, n, blocksize))
+    nmap = code.numel()
+    lo = (torch.searchsorted(code, xn, right=True) - 1).clamp(min=0)
+    hi = (lo + 1).clamp(max=nmap - 1)
+    vlo, vhi = code[lo], code[hi]
+    if stochastic:
+        up = uniform01(seed, offset, n, x.device) * (vhi - vlo) < xn - vlo
+    else:
+        up = vhi - xn < xn - vlo
+    return _store(torch.where(up, hi, lo), bits), amax
+
+
+def dequantize_blockwise(
+    packed: Tensor, absmax: Tensor, code: Tensor, bits: int, blocksize: int, numel: int, dtype: torch.dtype
+) -> Tensor:
+    """Twin of ``lowbit::dequantize_blockwise``."""
+    codes = _load(packed, bits, numel)
+    return (code[codes] * _expand(absmax, numel, blocksize)).to(dtype)
+
+
+def quantize_linear(
+    x: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    """Twin of ``lowbit::quantize_linear``: ``(packed codes, absmax)``."""
+    x = x.reshape(-1).float()
+    n = x.numel()
+    qmax = float(2 ** (bits - 1) - 1)
+    amax = block_absmax(x, blocksize)
+    y = (_normalise(x, _expand(amax, n, blocksize)) * qmax).clamp(-qmax, qmax)
+    if stochastic:
+        f = torch.floor(y)
+        q = f + (uniform01(seed, offset, n, x.device) < y - f).float()
+    else:
+        q = torch.round(y)
+    return _store((q + qmax).to(torch.int64), bits), amax
+
+
+def dequantize_linear(
+    packed: Tensor, absmax: Tensor, bits: int, blocksize: int, numel: int, dtype: torch.dtype
+) -> Tensor:
+    """Twin of ``lowbit::dequantize_linear``."""
+    qmax = float(2 ** (bits - 1) - 1)
+    codes = _load(packed, bits, numel).float()
+    return (((codes - qmax) / qmax) * _expand(absmax, numel, blocksize)).to(dtype)
+
+
+def nearest_oracle(xn: Tensor, code: Tensor) -> Tensor:
+    """Brute force: the smallest |code[j] - xn| for every element (used to check true argmin)."""
+    return (code[None, :] - xn.reshape(-1, 1)).abs().min(dim=1).values
