@@ -15,7 +15,10 @@ except ImportError as exc:  # pragma: no cover - only hit on a broken install
         "`pip install --no-build-isolation -e .` from the source tree"
     ) from exc
 
-from lowbit import _ops, functional  # noqa: E402
+from lowbit import (
+    _ops,  # noqa: E402,F401  (registers the torch.library ops)
+    functional,  # noqa: E402
+)
 from lowbit.functional import (  # noqa: E402
     LinearQuantState,
     QuantState,
@@ -37,4 +40,3 @@ __all__ = [
     "quantize_blockwise",
     "quantize_linear",
 ]
-

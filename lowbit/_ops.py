@@ -7,7 +7,7 @@ work on flat element streams; shapes, maps and argument policy live in :mod:`low
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -112,8 +112,18 @@ def _quantize(
     if n > 0:
         map_ptr, map_n = (code.data_ptr(), code.numel()) if code is not None else (0, 0)
         _launch("quantize", x.device)(
-            x.data_ptr(), n, _DTYPE_CODES[x.dtype], map_ptr, map_n, bits, blocksize, stochastic, seed, offset,
-            out.data_ptr(), absmax.data_ptr(),
+            x.data_ptr(),
+            n,
+            _DTYPE_CODES[x.dtype],
+            map_ptr,
+            map_n,
+            bits,
+            blocksize,
+            stochastic,
+            seed,
+            offset,
+            out.data_ptr(),
+            absmax.data_ptr(),
         )
     return out, absmax
 
@@ -125,7 +135,14 @@ def _dequantize(
     if numel > 0:
         map_ptr, map_n = (code.data_ptr(), code.numel()) if code is not None else (0, 0)
         _launch("dequantize", codes.device)(
-            codes.data_ptr(), absmax.data_ptr(), numel, map_ptr, map_n, bits, blocksize, out.data_ptr(),
+            codes.data_ptr(),
+            absmax.data_ptr(),
+            numel,
+            map_ptr,
+            map_n,
+            bits,
+            blocksize,
+            out.data_ptr(),
             _DTYPE_CODES[dtype],
         )
     return out
@@ -155,7 +172,9 @@ def quantize_blockwise(
 
 
 @quantize_blockwise.register_fake
-def _(x: Tensor, code: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int) -> tuple[Tensor, Tensor]:
+def _(
+    x: Tensor, code: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
     n = x.numel()
     return (
         x.new_empty(packed_bytes(n, bits), dtype=torch.uint8),

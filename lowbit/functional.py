@@ -190,7 +190,7 @@ def create_quantile_map(x: Tensor, total_bits: int = 8) -> Tensor:
     return torch.sort(mids / scale).values.to(torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _default_map(device: torch.device) -> Tensor:
     return create_dynamic_map(signed=True).to(device)
 
@@ -306,6 +306,12 @@ def _check_codes_arg(codes: object, state: object, cls: type) -> None:
         raise TypeError(f"lowbit: codes must be a torch.Tensor, got {type(codes).__name__}")
     if codes.dtype != torch.uint8:
         raise TypeError(f"lowbit: codes must have dtype uint8, got {codes.dtype}")
+    # Checked here as well as in the op: with a meta tensor among the inputs the dispatcher would
+    # route the call to the fake kernel, which checks nothing.
+    for name in ("absmax", "code"):
+        t = getattr(state, name, None)
+        if t is not None and t.device != codes.device:
+            raise ValueError(f"lowbit: {name} is on {t.device} but codes is on {codes.device}; use state.to(device)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,7 +376,12 @@ def dequantize_blockwise(codes: Tensor, state: QuantState) -> Tensor:
     _check_codes_arg(codes, state, QuantState)
     numel = math.prod(state.shape)
     out = _ops.dequantize_blockwise(
-        codes.contiguous(), state.absmax, state.code, state.bits, _native_blocksize(state.blocksize), numel,
+        codes.contiguous(),
+        state.absmax,
+        state.code,
+        state.bits,
+        _native_blocksize(state.blocksize),
+        numel,
         state.dtype,
     )
     return out.view(state.shape)

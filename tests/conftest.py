@@ -1,0 +1,44 @@
+"""Shared fixtures: the devices to test on, data distributions and the hypothesis profile."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import lowbit
+
+settings.register_profile(
+    "lowbit", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow], derandomize=True
+)
+settings.register_profile("thorough", deadline=None, max_examples=500)
+settings.load_profile(os.environ.get("LOWBIT_HYPOTHESIS_PROFILE", "lowbit"))
+
+HAS_CUDA = torch.cuda.is_available() and lowbit._C.cuda_built()
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+BLOCKSIZES = [64, 128, 256, 512, 1024, 2048, 4096, None]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def sample(dist: str, n: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
+    """Test data: 'normal', 'uniform' on [-1, 1], or heavy-tailed 'heavy' = N(0,1) * exp(3 N(0,1))."""
+    g = torch.Generator().manual_seed(seed)
+    if dist == "normal":
+        x = torch.randn(n, generator=g)
+    elif dist == "uniform":
+        x = torch.rand(n, generator=g) * 2 - 1
+    elif dist == "heavy":
+        x = torch.randn(n, generator=g) * torch.exp(3 * torch.randn(n, generator=g))
+    else:
+        raise ValueError(dist)
+    # Keep fp16 finite: heavy tails overflow 65504, and non-finite data has its own tests.
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    return x.to(dtype).to(device)
