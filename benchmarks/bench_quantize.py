@@ -120,7 +120,9 @@ def make_cases(x: Tensor, blocksize: int, bnb: Optional[ModuleType]) -> list[Cas
     codes, state = functional.quantize_blockwise(x, blocksize=blocksize)
     cases = [
         Case(
-            "quantize_blockwise", dtype, rounding,
+            "quantize_blockwise",
+            dtype,
+            rounding,
             lambda r=rounding: functional.quantize_blockwise(x, blocksize=blocksize, rounding=r),
             lambda s=rounding == "stochastic": _reference.quantize_blockwise(
                 x, code, 8, blocksize, s, REFERENCE_SEED, 0
@@ -130,11 +132,11 @@ def make_cases(x: Tensor, blocksize: int, bnb: Optional[ModuleType]) -> list[Cas
     ]
     cases.append(
         Case(
-            "dequantize_blockwise", dtype, "8-bit map",
+            "dequantize_blockwise",
+            dtype,
+            "8-bit map",
             lambda: functional.dequantize_blockwise(codes, state),
-            lambda: _reference.dequantize_blockwise(
-                codes.reshape(-1), state.absmax, code, 8, blocksize, numel, dtype
-            ),
+            lambda: _reference.dequantize_blockwise(codes.reshape(-1), state.absmax, code, 8, blocksize, numel, dtype),
         )
     )
     if bnb is not None and dtype == torch.float32:
@@ -145,12 +147,16 @@ def make_cases(x: Tensor, blocksize: int, bnb: Optional[ModuleType]) -> list[Cas
         lin_codes, lin_state = functional.quantize_linear(x, bits=bits, blocksize=blocksize)
         cases += [
             Case(
-                "quantize_linear", dtype, f"nearest {bits}-bit",
+                "quantize_linear",
+                dtype,
+                f"nearest {bits}-bit",
                 lambda b=bits: functional.quantize_linear(x, bits=b, blocksize=blocksize),
                 lambda b=bits: _reference.quantize_linear(x, b, blocksize, False, REFERENCE_SEED, 0),
             ),
             Case(
-                "dequantize_linear", dtype, f"{bits}-bit",
+                "dequantize_linear",
+                dtype,
+                f"{bits}-bit",
                 lambda c=lin_codes, s=lin_state: functional.dequantize_linear(c, s),
                 lambda c=lin_codes, s=lin_state: _reference.dequantize_linear(
                     c.reshape(-1), s.absmax, s.bits, blocksize, numel, dtype
@@ -217,9 +223,7 @@ def format_table(rows: list[Row], numel: int, with_bnb: bool) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = []
     for k, line in enumerate(lines):
-        cells = [
-            c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))
-        ]
+        cells = [c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]
         out.append("  ".join(cells).rstrip())
         if k == 0:
             out.append("  ".join("-" * w for w in widths))
@@ -239,7 +243,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--blocksize", type=int, default=2048, help="elements per block (default 2048)")
     p.add_argument("--repeats", type=int, default=7, help="timed runs per lowbit/bitsandbytes op (default 7)")
     p.add_argument(
-        "--reference-repeats", type=int, default=2,
+        "--reference-repeats",
+        type=int,
+        default=2,
         help="timed runs per reference op (default 2; it takes seconds and GBs at 16M elements)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(THREADS)")
