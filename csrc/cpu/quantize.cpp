@@ -105,9 +105,13 @@ struct LinearSpan {
 
   template <bool kSR, typename T>
   void encode(const T* x, int cnt, float absmax, uint64_t key, uint64_t counter, uint32_t* codes) const {
-    for (int j = 0; j < cnt; ++j) {
-      const float y = linear_scaled(to_float(x[j]), absmax, qmax);
-      codes[j] = kSR ? linear_code_stochastic(y, qmax, uniform01(key, counter + j)) : linear_code_nearest(y, qmax);
+    float y[kTile];
+    normalise_tile(x, cnt, absmax, y);
+    for (int j = 0; j < cnt; ++j) y[j] = linear_clamp(y[j] * qmax, qmax);
+    if (kSR) {
+      for (int j = 0; j < cnt; ++j) codes[j] = linear_code_stochastic(y[j], qmax, uniform01(key, counter + j));
+    } else {
+      for (int j = 0; j < cnt; ++j) codes[j] = linear_code_nearest(y[j], qmax);
     }
   }
 };

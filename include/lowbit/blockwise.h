@@ -44,12 +44,36 @@ struct MapCoder {
 // Symmetric linear absmax quantizer with qmax = 2^(bits-1) - 1 levels each side; the code is
 // q + qmax in [0, 2*qmax]. (v / absmax) * qmax is exactly +-qmax at the absmax element, so the
 // absmax is reconstructed exactly under both rounding modes.
-LB_HD float linear_scaled(float v, float absmax, float qmax) {
-  return fminf(fmaxf(normalise(v, absmax) * qmax, -qmax), qmax);
+// Comparisons rather than fminf/fmaxf, whose NaN rules keep them from vectorising on the CPU;
+// y is never NaN here (normalise() is finite for finite inputs).
+LB_HD float linear_clamp(float y, float qmax) { return y < -qmax ? -qmax : (y < qmax ? y : qmax); }
+LB_HD float linear_scaled(float v, float absmax, float qmax) { return linear_clamp(normalise(v, absmax) * qmax, qmax); }
+
+// rintf and floorf for |y| <= 2^22 (linear codes have |y| <= 2^15). On the CPU the magic-number
+// form replaces a libm call with two additions that vectorise on baseline x86-64, which has no
+// rounding instruction; results are identical, so CPU and CUDA codes still agree.
+LB_HD float round_even(float y) {
+#if defined(__CUDA_ARCH__)
+  return rintf(y);
+#else
+  constexpr float kMagic = 12582912.f;  // 1.5 * 2^23: y + kMagic lies where the fp32 spacing is 1
+  return (y + kMagic) - kMagic;
+#endif
 }
-LB_HD uint32_t linear_code_nearest(float y, float qmax) { return static_cast<uint32_t>(static_cast<int32_t>(rintf(y) + qmax)); }
+LB_HD float round_down(float y) {
+#if defined(__CUDA_ARCH__)
+  return floorf(y);
+#else
+  const float r = round_even(y);
+  return r > y ? r - 1.f : r;
+#endif
+}
+
+LB_HD uint32_t linear_code_nearest(float y, float qmax) {
+  return static_cast<uint32_t>(static_cast<int32_t>(round_even(y) + qmax));
+}
 LB_HD uint32_t linear_code_stochastic(float y, float qmax, float u) {
-  const float f = floorf(y);
+  const float f = round_down(y);
   return static_cast<uint32_t>(static_cast<int32_t>(f + ((u < y - f) ? 1.f : 0.f) + qmax));
 }
 LB_HD float linear_decode(uint32_t code, float absmax, float qmax) {
