@@ -171,15 +171,19 @@ def quantize_blockwise(
     return _quantize(x, code, bits, blocksize, stochastic, seed, offset)
 
 
-@quantize_blockwise.register_fake
-def _(
-    x: Tensor, code: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int
-) -> tuple[Tensor, Tensor]:
+def _fake_quantized(x: Tensor, bits: int, blocksize: int) -> tuple[Tensor, Tensor]:
     n = x.numel()
     return (
         x.new_empty(packed_bytes(n, bits), dtype=torch.uint8),
         x.new_empty(num_blocks(n, blocksize), dtype=torch.float32),
     )
+
+
+@quantize_blockwise.register_fake
+def _(
+    x: Tensor, code: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int
+) -> tuple[Tensor, Tensor]:
+    return _fake_quantized(x, bits, blocksize)
 
 
 @torch.library.custom_op("lowbit::dequantize_blockwise", mutates_args=())
@@ -219,11 +223,7 @@ def quantize_linear(
 
 @quantize_linear.register_fake
 def _(x: Tensor, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int) -> tuple[Tensor, Tensor]:
-    n = x.numel()
-    return (
-        x.new_empty(packed_bytes(n, bits), dtype=torch.uint8),
-        x.new_empty(num_blocks(n, blocksize), dtype=torch.float32),
-    )
+    return _fake_quantized(x, bits, blocksize)
 
 
 @torch.library.custom_op("lowbit::dequantize_linear", mutates_args=())
