@@ -35,6 +35,25 @@ DequantizeArgs dequantize_args(uintptr_t in, uintptr_t absmax, int64_t n, uintpt
                         blocksize,              ptr<void>(out),           dtype};
 }
 
+lowbit::OptimArgs optim_args(int rule, float lr, float beta1, float beta2, float one_minus_beta1,
+                             float one_minus_beta2, float eps, float weight_decay, float decay, int flags,
+                             int n_states, int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t meta,
+                             uintptr_t scalars, int64_t count) {
+  if (rule < 0 || rule > static_cast<int>(lowbit::Rule::Adagrad)) {
+    throw std::invalid_argument("lowbit: unknown optimizer rule " + std::to_string(rule));
+  }
+  return lowbit::OptimArgs{static_cast<lowbit::Rule>(rule),
+                           lowbit::StepHyper{lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
+                                             decay, flags},
+                           n_states,
+                           block_size,
+                           ptr<const float>(map1),
+                           ptr<const float>(map2),
+                           ptr<const int64_t>(meta),
+                           ptr<const float>(scalars),
+                           count};
+}
+
 py::dict build_info() {
   py::dict info;
   info["version"] = LOWBIT_VERSION;
@@ -94,6 +113,18 @@ PYBIND11_MODULE(_C, m) {
       "unpack_bits_cpu",
       [](uintptr_t in, uintptr_t out, int64_t n, int bits, int threads) {
         lowbit::cpu::unpack_bits(PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits}, threads);
+      },
+      nogil);
+
+  m.def(
+      "optimizer_step_cpu",
+      [](int rule, float lr, float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float eps,
+         float weight_decay, float decay, int flags, int n_states, int64_t block_size, uintptr_t map1, uintptr_t map2,
+         uintptr_t meta, uintptr_t scalars, int64_t count, int threads) {
+        lowbit::cpu::optimizer_step(optim_args(rule, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
+                                               weight_decay, decay, flags, n_states, block_size, map1, map2, meta,
+                                               scalars, count),
+                                    threads);
       },
       nogil);
 

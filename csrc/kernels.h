@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "lowbit/optim_rules.h"
+
 namespace lowbit {
 
 // map_n == 0 selects the linear absmax quantizer; otherwise `map` holds map_n sorted fp32 values.
@@ -42,7 +44,27 @@ struct PackArgs {
   int bits;
 };
 
+// One fused optimizer step over a list of tensors. Row t of `meta` (int64, kMetaCols columns)
+// describes tensor t; row t of `scalars` (float32, kScalarCols columns) holds its StepScalars.
+// States with state_bits == 8 are uint8 codes into map1/map2 (signed/unsigned per rule) with one
+// fp32 absmax per block of block_size elements; with state_bits == 32 they are fp32 tensors.
+enum MetaCol : int { kParam, kGrad, kState1, kState2, kAbsmax1, kAbsmax2, kNumel, kDtype, kStateBits, kMetaCols };
+enum ScalarCol : int { kStepSize, kBias2Sqrt, kFirst, kScalarCols };
+
+struct OptimArgs {
+  Rule rule;
+  StepHyper hyper;
+  int n_states;
+  int64_t block_size;
+  const float* map1;
+  const float* map2;
+  const int64_t* meta;
+  const float* scalars;
+  int64_t count;
+};
+
 namespace cpu {
+void optimizer_step(const OptimArgs& a, int threads);
 void quantize(const QuantizeArgs& a, int threads);
 void dequantize(const DequantizeArgs& a, int threads);
 void pack_bits(const PackArgs& a, int threads);
@@ -51,6 +73,7 @@ void unpack_bits(const PackArgs& a, int threads);
 
 #ifdef LOWBIT_WITH_CUDA
 namespace cuda {
+void optimizer_step(const OptimArgs& a, int device, uintptr_t stream);
 void quantize(const QuantizeArgs& a, int device, uintptr_t stream);
 void dequantize(const DequantizeArgs& a, int device, uintptr_t stream);
 void pack_bits(const PackArgs& a, int device, uintptr_t stream);

@@ -277,3 +277,132 @@ def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
 @unpack_bits.register_fake
 def _(packed: Tensor, bits: int, numel: int) -> Tensor:
     return packed.new_empty(numel)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused optimizer step
+# ---------------------------------------------------------------------------------------------
+
+# Column layout of the per-tensor tables (csrc/kernels.h: MetaCol, ScalarCol).
+_META_COLS = 9
+_SCALAR_COLS = 3
+
+
+def _check_step_tensors(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[list[Tensor]],
+    absmaxes: list[list[Tensor]],
+    n_states: int,
+    block_size: int,
+) -> list[int]:
+    """Validates the tensor lists of an optimizer step; returns each tensor's state width (8 or 32)."""
+    count = len(params)
+    for name, lst in (("grads", grads), *((f"state{k + 1}", states[k]) for k in range(n_states))):
+        _check(len(lst) == count, f"{name} has {len(lst)} tensors but params has {count}")
+    for name, lst in ((f"absmax{k + 1}", absmaxes[k]) for k in range(n_states)):
+        _check(len(lst) == count, f"{name} has {len(lst)} tensors but params has {count}")
+    widths = []
+    device = params[0].device if params else None
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        _check_input(f"params[{i}]", p, FLOAT_DTYPES)
+        _check_input(f"grads[{i}]", g, (p.dtype,))
+        _check(g.shape == p.shape, f"grads[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}")
+        _check(p.device == device and g.device == device, f"params[{i}] and grads[{i}] must be on {device}")
+        n = p.numel()
+        width = 32
+        for k in range(n_states):
+            s, a = states[k][i], absmaxes[k][i]
+            _check_input(f"state{k + 1}[{i}]", s, (torch.uint8, torch.float32))
+            _check(s.numel() == n and s.device == device, f"state{k + 1}[{i}] must have {n} elements on {device}")
+            width = 8 if s.dtype == torch.uint8 else 32
+            if width == 8:
+                _check_input(f"absmax{k + 1}[{i}]", a, (torch.float32,))
+                nb = num_blocks(n, block_size)
+                _check(a.numel() == nb and a.device == device, f"absmax{k + 1}[{i}] must have {nb} entries")
+        _check(
+            all((states[k][i].dtype == torch.uint8) == (width == 8) for k in range(n_states)),
+            f"the states of params[{i}] must all be 8-bit or all 32-bit",
+        )
+        widths.append(width)
+    return widths
+
+
+@torch.library.custom_op("lowbit::optimizer_step_", mutates_args=("params", "state1", "state2", "absmax1", "absmax2"))
+def optimizer_step_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    scalars: list[float],
+    map1: Tensor,
+    map2: Tensor,
+    rule: int,
+    hyper: list[float],
+    flags: int,
+    n_states: int,
+    block_size: int,
+) -> None:
+    """One fused optimizer step over all tensors of a parameter group, updating params and states.
+
+    ``scalars`` holds 3 floats per tensor (step size, sqrt of Adam's second bias correction, 1.0 on
+    the first step); ``hyper`` holds lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay,
+    1 - lr * weight_decay. A state is either uint8 codes into ``map1``/``map2`` with one fp32 absmax
+    per block of ``block_size`` elements, or an fp32 tensor (then its absmax entry is unused).
+    """
+    _check(0 <= n_states <= 2, f"n_states must be 0, 1 or 2, got {n_states}")
+    _check_blocksize(block_size)
+    _check(block_size > 0, "block_size must be positive for optimizer states")
+    _check(len(hyper) == 8, f"hyper must hold 8 values, got {len(hyper)}")
+    _check(len(scalars) == _SCALAR_COLS * len(params), "scalars must hold 3 values per tensor")
+    states, absmaxes = [state1, state2], [absmax1, absmax2]
+    widths = _check_step_tensors(params, grads, states, absmaxes, n_states, block_size)
+    if not params:
+        return
+    device = params[0].device
+    for name, m in (("map1", map1), ("map2", map2)):
+        _check_map(m, 8)
+        _check_same_device("params[0]", params[0], **{name: m})
+    rows = []
+    for i, p in enumerate(params):
+        ptrs = [states[k][i].data_ptr() if k < n_states else 0 for k in range(2)]
+        amax = [absmaxes[k][i].data_ptr() if k < n_states and widths[i] == 8 else 0 for k in range(2)]
+        rows.append([p.data_ptr(), grads[i].data_ptr(), *ptrs, *amax, p.numel(), _DTYPE_CODES[p.dtype], widths[i]])
+    meta = torch.tensor(rows, dtype=torch.int64)
+    scal = torch.tensor(scalars, dtype=torch.float32)
+    if device.type != "cpu":
+        meta, scal = (t.pin_memory().to(device, non_blocking=True) for t in (meta, scal))
+    _launch("optimizer_step", device)(
+        rule,
+        *hyper,
+        flags,
+        n_states,
+        block_size,
+        map1.data_ptr(),
+        map2.data_ptr(),
+        meta.data_ptr(),
+        scal.data_ptr(),
+        len(params),
+    )
+
+
+@optimizer_step_.register_fake
+def _(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    scalars: list[float],
+    map1: Tensor,
+    map2: Tensor,
+    rule: int,
+    hyper: list[float],
+    flags: int,
+    n_states: int,
+    block_size: int,
+) -> None:
+    return None

@@ -11,6 +11,7 @@
 #include "lowbit/pack.h"
 #include "lowbit/qmap.h"
 #include "lowbit/rounding.h"
+#include "encode.h"
 #include "map_index.h"
 
 namespace lowbit::cpu {
@@ -20,24 +21,11 @@ namespace {
 constexpr int64_t kParallelMin = 1 << 15;
 // Work unit for tensor-wise blocks and for packing: a multiple of kGroup that fits in L1.
 constexpr int64_t kChunk = 4096;
-// Elements normalised per tile (stack buffers); a multiple of kGroup.
-constexpr int kTile = 512;
-
 template <typename T>
 uint32_t absmax_bits(const T* x, int64_t n) {
   uint32_t m = 0;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, abs_bits(to_float(x[i])));
   return m;
-}
-
-// Element-wise normalise() with the block-constant branch hoisted so the division vectorises.
-template <typename T>
-void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
-  if (absmax > 0.f) {
-    for (int j = 0; j < cnt; ++j) xn[j] = to_float(x[j]) / absmax;
-  } else {
-    std::fill(xn, xn + cnt, 0.f);
-  }
 }
 
 // Stores cnt codes of the tile starting at element t (a multiple of kGroup).
@@ -60,45 +48,6 @@ void load_codes(const uint8_t* in, int cnt, int bits, int64_t t, uint32_t* codes
     unpack_group(in + ((t + j) / kGroup) * bits, std::min(kGroup, cnt - j), bits, codes + j);
   }
 }
-
-struct MapSpan {
-  const MapIndex& index;
-
-  template <bool kSR, typename T>
-  void encode(const T* x, int cnt, float absmax, uint64_t key, uint64_t counter, uint32_t* codes) const {
-    float xn[kTile];
-    uint32_t bucket[kTile];
-    normalise_tile(x, cnt, absmax, xn);
-    for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
-    // The step count is a template argument so the common one-step search is fully unrolled.
-    switch (index.steps()) {
-      case 0:
-        return round_tile<kSR>(xn, cnt, key, counter, codes, [&](int j) { return index.floor_index<0>(xn[j], bucket[j]); });
-      case 1:
-        return round_tile<kSR>(xn, cnt, key, counter, codes, [&](int j) { return index.floor_index<1>(xn[j], bucket[j]); });
-      case 2:
-        return round_tile<kSR>(xn, cnt, key, counter, codes, [&](int j) { return index.floor_index<2>(xn[j], bucket[j]); });
-      default:
-        if (index.steps() <= kMaxRefine) {
-          return round_tile<kSR>(xn, cnt, key, counter, codes,
-                                 [&](int j) { return index.floor_index<kMaxRefine>(xn[j], bucket[j]); });
-        }
-        return round_tile<kSR>(xn, cnt, key, counter, codes,
-                               [&](int j) { return map_floor_index(index.padded(), index.size(), xn[j]); });
-    }
-  }
-
-  template <bool kSR, typename Floor>
-  void round_tile(const float* xn, int cnt, uint64_t key, uint64_t counter, uint32_t* codes, Floor&& floor) const {
-    const float* m = index.padded();
-    for (int j = 0; j < cnt; ++j) {
-      const uint32_t lo = floor(j);
-      const bool up = kSR ? stochastic_up(xn[j], m[lo], m[lo + 1], uniform01(key, counter + j))
-                          : nearest_up(xn[j], m[lo], m[lo + 1]);
-      codes[j] = lo + static_cast<uint32_t>(up);
-    }
-  }
-};
 
 struct LinearSpan {
   float qmax;

@@ -1,0 +1,67 @@
+// Tile-wise encoding against a map on the CPU, shared by the quantizers and the optimizer step: a
+// vectorisable pass normalises a tile, then a scalar pass finds codes with the O(1) map index.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "lowbit/blockwise.h"
+#include "lowbit/qmap.h"
+#include "lowbit/rounding.h"
+#include "map_index.h"
+
+namespace lowbit::cpu {
+
+// Elements normalised per tile (stack buffers); a multiple of kGroup.
+constexpr int kTile = 512;
+
+// Element-wise normalise() with the block-constant branch hoisted so the division vectorises.
+template <typename T>
+void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
+  if (absmax > 0.f) {
+    for (int j = 0; j < cnt; ++j) xn[j] = to_float(x[j]) / absmax;
+  } else {
+    std::fill(xn, xn + cnt, 0.f);
+  }
+}
+
+struct MapSpan {
+  const MapIndex& index;
+
+  template <bool kSR, typename T>
+  void encode(const T* x, int cnt, float absmax, uint64_t key, uint64_t counter, uint32_t* codes) const {
+    float xn[kTile];
+    uint32_t bucket[kTile];
+    normalise_tile(x, cnt, absmax, xn);
+    for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
+    // The step count is a template argument so the common one-step search is fully unrolled.
+    switch (index.steps()) {
+      case 0:
+        return round_tile<kSR>(xn, cnt, key, counter, codes, [&](int j) { return index.floor_index<0>(xn[j], bucket[j]); });
+      case 1:
+        return round_tile<kSR>(xn, cnt, key, counter, codes, [&](int j) { return index.floor_index<1>(xn[j], bucket[j]); });
+      case 2:
+        return round_tile<kSR>(xn, cnt, key, counter, codes, [&](int j) { return index.floor_index<2>(xn[j], bucket[j]); });
+      default:
+        if (index.steps() <= kMaxRefine) {
+          return round_tile<kSR>(xn, cnt, key, counter, codes,
+                                 [&](int j) { return index.floor_index<kMaxRefine>(xn[j], bucket[j]); });
+        }
+        return round_tile<kSR>(xn, cnt, key, counter, codes,
+                               [&](int j) { return map_floor_index(index.padded(), index.size(), xn[j]); });
+    }
+  }
+
+  template <bool kSR, typename Floor>
+  void round_tile(const float* xn, int cnt, uint64_t key, uint64_t counter, uint32_t* codes, Floor&& floor) const {
+    const float* m = index.padded();
+    for (int j = 0; j < cnt; ++j) {
+      const uint32_t lo = floor(j);
+      const bool up = kSR ? stochastic_up(xn[j], m[lo], m[lo + 1], uniform01(key, counter + j))
+                          : nearest_up(xn[j], m[lo], m[lo + 1]);
+      codes[j] = lo + static_cast<uint32_t>(up);
+    }
+  }
+};
+
+}  // namespace lowbit::cpu

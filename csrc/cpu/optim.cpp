@@ -1,0 +1,141 @@
+// Fused optimizer step on the CPU: OpenMP over the blocks of all tensors of a call. Each block is
+// dequantized into an L1-resident fp32 buffer, updated with the rule of optim_rules.h, and
+// requantized against a fresh block absmax (8bit-optimizers.txt section 2: "dequantize ... perform
+// the update, and then quantize the states back to 8-bit").
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "encode.h"
+#include "kernels.h"
+#include "lowbit/blockwise.h"
+#include "lowbit/dispatch.h"
+#include "lowbit/optim_rules.h"
+#include "map_index.h"
+
+namespace lowbit::cpu {
+namespace {
+
+constexpr int kMaxBlock = 4096;
+
+struct TensorView {
+  void* param;
+  const void* grad;
+  void* state[2];
+  float* absmax[2];
+  int64_t n;
+  int dtype;
+  bool eight_bit;
+  StepScalars scalars;
+};
+
+TensorView view(const OptimArgs& a, int64_t t) {
+  const int64_t* m = a.meta + t * kMetaCols;
+  const float* s = a.scalars + t * kScalarCols;
+  auto ptr = [](int64_t v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); };
+  return TensorView{ptr(m[kParam]),
+                    ptr(m[kGrad]),
+                    {ptr(m[kState1]), ptr(m[kState2])},
+                    {static_cast<float*>(ptr(m[kAbsmax1])), static_cast<float*>(ptr(m[kAbsmax2]))},
+                    m[kNumel],
+                    static_cast<int>(m[kDtype]),
+                    m[kStateBits] == 8,
+                    StepScalars{s[kStepSize], s[kBias2Sqrt], s[kFirst] != 0.f}};
+}
+
+void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, const float* map, float* out) {
+  if (t.eight_bit) {
+    const uint8_t* codes = static_cast<const uint8_t*>(t.state[k]) + lo;
+    const float amax = t.absmax[k][block];
+    for (int i = 0; i < cnt; ++i) out[i] = map[codes[i]] * amax;
+  } else {
+    std::copy_n(static_cast<const float*>(t.state[k]) + lo, cnt, out);
+  }
+}
+
+void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, uint32_t max_bits,
+                 const MapIndex* index, const float* in) {
+  if (!t.eight_bit) {
+    std::copy_n(in, cnt, static_cast<float*>(t.state[k]) + lo);
+    return;
+  }
+  const float amax = absmax_from_bits(max_bits);
+  t.absmax[k][block] = amax;
+  uint8_t* codes = static_cast<uint8_t*>(t.state[k]) + lo;
+  uint32_t tile[kTile];
+  const MapSpan span{*index};
+  for (int j = 0; j < cnt; j += kTile) {
+    const int m = std::min(kTile, cnt - j);
+    span.encode<false>(in + j, m, amax, 0, 0, tile);
+    for (int i = 0; i < m; ++i) codes[j + i] = static_cast<uint8_t>(tile[i]);
+  }
+}
+
+template <Rule kRule, typename T>
+void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index) {
+  const int64_t lo = block * a.block_size;
+  const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
+  float s[2][kMaxBlock];
+  for (int k = 0; k < a.n_states; ++k) load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, s[k]);
+  T* param = static_cast<T*>(t.param) + lo;
+  const T* grad = static_cast<const T*>(t.grad) + lo;
+  uint32_t max_bits[2] = {0, 0};
+  float unused = 0.f;
+  for (int i = 0; i < cnt; ++i) {
+    float p = to_float(param[i]);
+    float& s1 = a.n_states > 0 ? s[0][i] : unused;
+    float& s2 = a.n_states > 1 ? s[1][i] : unused;
+    apply_rule(kRule, a.hyper, t.scalars, p, to_float(grad[i]), s1, s2);
+    param[i] = from_float<T>(p);
+    max_bits[0] = std::max(max_bits[0], abs_bits(s1));
+    max_bits[1] = std::max(max_bits[1], abs_bits(s2));
+  }
+  for (int k = 0; k < a.n_states; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], s[k]);
+}
+
+template <Rule kRule>
+void step_all(const OptimArgs& a, int threads) {
+  std::vector<TensorView> tensors;
+  std::vector<int64_t> first_block{0};
+  bool any_eight_bit = false;
+  for (int64_t t = 0; t < a.count; ++t) {
+    tensors.push_back(view(a, t));
+    first_block.push_back(first_block.back() + (tensors.back().n + a.block_size - 1) / a.block_size);
+    any_eight_bit |= tensors.back().eight_bit;
+  }
+  std::shared_ptr<const MapIndex> owned[2];
+  const MapIndex* index[2] = {nullptr, nullptr};
+  for (int k = 0; k < a.n_states && any_eight_bit; ++k) {
+    owned[k] = map_index(k == 0 ? a.map1 : a.map2, 256);
+    index[k] = owned[k].get();
+  }
+  const int64_t total = first_block.back();
+  int64_t elements = 0;
+  for (const auto& t : tensors) elements += t.n;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && elements >= (1 << 15))
+  for (int64_t b = 0; b < total; ++b) {
+    const int64_t t = std::upper_bound(first_block.begin(), first_block.end(), b) - first_block.begin() - 1;
+    const TensorView& tv = tensors[t];
+    LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, scalar_t>(a, tv, b - first_block[t], index));
+  }
+}
+
+}  // namespace
+
+void optimizer_step(const OptimArgs& a, int threads) {
+  switch (a.rule) {
+    case Rule::Adam:
+      return step_all<Rule::Adam>(a, threads);
+    case Rule::SGD:
+      return step_all<Rule::SGD>(a, threads);
+    case Rule::Lion:
+      return step_all<Rule::Lion>(a, threads);
+    case Rule::RMSprop:
+      return step_all<Rule::RMSprop>(a, threads);
+    case Rule::Adagrad:
+      return step_all<Rule::Adagrad>(a, threads);
+  }
+}
+
+}  // namespace lowbit::cpu

@@ -1,0 +1,259 @@
+"""The base class of lowbit's optimizers: state layout, per-parameter config, one fused call per group.
+
+State of a parameter with 8-bit state (8bit-optimizers.txt section 2): ``state1``/``state2`` are uint8
+codes shaped like the parameter, indexing the signed dynamic map (first moments) or the unsigned one
+(second moments), with one fp32 ``absmax1``/``absmax2`` per block of ``block_size`` elements.
+Parameters with fewer than ``min_8bit_size`` elements, or with ``optim_bits=32``, keep fp32 states.
+``step`` is a float32 scalar tensor, as in torch.optim.
+
+Non-finite gradients: the update is computed in fp32 exactly as torch.optim computes it, so a
+NaN/Inf gradient makes that parameter element non-finite as it would in torch. An 8-bit state block
+that receives a non-finite value is stored with absmax NaN and reads as NaN in full from the next
+step on (the quantization policy of :mod:`lowbit.functional`); CPU and CUDA behave identically.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Optional, Union
+
+import torch
+from torch import Tensor
+
+from lowbit import _ops
+from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise, quantize_blockwise
+from lowbit.optim.config import get_override
+
+__all__ = ["LowbitOptimizer"]
+
+Params = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
+
+# Matches include/lowbit/optim_rules.h: Rule and the flag bits.
+RULE_CODES = {"adam": 0, "sgd": 1, "lion": 2, "rmsprop": 3, "adagrad": 4}
+FLAG_DECOUPLED, FLAG_NESTEROV, FLAG_MAXIMIZE = 1, 2, 4
+
+_MAPS: dict[tuple[bool, torch.device], Tensor] = {}
+
+
+def _state_map(signed: bool, device: torch.device) -> Tensor:
+    key = (signed, device)
+    if key not in _MAPS:
+        _MAPS[key] = create_dynamic_map(signed=signed).to(device)
+    return _MAPS[key]
+
+
+def _check_block_size(block_size: object) -> None:
+    if (
+        isinstance(block_size, bool)
+        or not isinstance(block_size, int)
+        or not (64 <= block_size <= 4096 and block_size & (block_size - 1) == 0)
+    ):
+        raise ValueError(f"lowbit: block_size must be a power of two in 64..4096, got {block_size!r}")
+
+
+class LowbitOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses name their update rule and states and map hyperparameters to the kernel.
+
+    Subclasses set ``_rule`` (a key of ``RULE_CODES``), ``_state_names`` (the torch.optim state names
+    of state1/state2, used for interop) and ``_state_signed`` (which dynamic map each state uses),
+    and implement :meth:`_hyper` and, if the number of states depends on the group,
+    :meth:`_n_states`.
+    """
+
+    _rule: ClassVar[str]
+    _state_names: ClassVar[tuple[str, ...]]
+    _state_signed: ClassVar[tuple[bool, ...]]
+
+    def __init__(
+        self,
+        params: Params,
+        defaults: dict[str, Any],
+        optim_bits: int = 8,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        if optim_bits not in (8, 32) or isinstance(optim_bits, bool):
+            raise ValueError(f"lowbit: optim_bits must be 8 or 32, got {optim_bits!r}")
+        _check_block_size(block_size)
+        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+            raise ValueError(f"lowbit: min_8bit_size must be a non-negative int, got {min_8bit_size!r}")
+        defaults = dict(defaults, optim_bits=optim_bits, block_size=block_size, min_8bit_size=min_8bit_size)
+        super().__init__(params, defaults)
+
+    # -- subclass hooks -------------------------------------------------------------------------
+
+    def _n_states(self, config: dict[str, Any]) -> int:
+        return len(self._state_names)
+
+    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+        """(lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * wd), flags."""
+        raise NotImplementedError
+
+    def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
+        """(step size, sqrt of the second bias correction, 1.0 on the first step)."""
+        return config["lr"], 1.0, float(step == 1)
+
+    def _init_value(self, k: int, config: dict[str, Any]) -> float:
+        """Initial value of state k (Adagrad starts from initial_accumulator_value)."""
+        return 0.0
+
+    # -- configuration ----------------------------------------------------------------------------
+
+    def _config(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        config = {k: v for k, v in group.items() if k != "params"}
+        overrides = get_override(p)
+        unknown = sorted(set(overrides) - set(config))
+        if unknown:
+            raise ValueError(f"lowbit: {type(self).__name__} has no option {unknown} (set by lowbit.optim.override)")
+        config.update(overrides)
+        _check_block_size(config["block_size"])
+        return config
+
+    def _eight_bit(self, config: dict[str, Any], p: Tensor) -> bool:
+        return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
+
+    # -- state ------------------------------------------------------------------------------------
+
+    def _init_state(self, p: Tensor, config: dict[str, Any]) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        eight_bit = self._eight_bit(config, p)
+        for k in range(self._n_states(config)):
+            init = torch.full(p.shape, self._init_value(k, config), dtype=torch.float32, device=p.device)
+            if eight_bit:
+                codes, qstate = quantize_blockwise(
+                    init, code=_state_map(self._state_signed[k], p.device), blocksize=config["block_size"]
+                )
+                state[f"state{k + 1}"], state[f"absmax{k + 1}"] = codes, qstate.absmax
+            else:
+                state[f"state{k + 1}"] = init
+                state[f"absmax{k + 1}"] = torch.empty(0, dtype=torch.float32, device=p.device)
+        return state
+
+    # -- step -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            batches: dict[tuple[Any, ...], list[tuple[Tensor, dict[str, Any], dict[str, Any]]]] = {}
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"lowbit: {type(self).__name__} does not support sparse gradients")
+                config = self._config(group, p)
+                state = self.state[p]
+                if not state:
+                    state.update(self._init_state(p, config))
+                state["step"] += 1
+                key = tuple(sorted((k, repr(v)) for k, v in config.items()))
+                batches.setdefault(key, []).append((p, config, state))
+            for batch in batches.values():
+                self._fused_step(batch)
+        return loss
+
+    def _fused_step(self, batch: list[tuple[Tensor, dict[str, Any], dict[str, Any]]]) -> None:
+        config = batch[0][1]
+        n_states = self._n_states(config)
+        hyper, flags = self._hyper(config)
+        params, grads, scalars = [], [], []
+        states: list[list[Tensor]] = [[], []]
+        absmaxes: list[list[Tensor]] = [[], []]
+        for p, _, state in batch:
+            params.append(p)
+            grads.append(p.grad.contiguous() if p.grad.dtype == p.dtype else p.grad.to(p.dtype).contiguous())
+            scalars += self._step_scalars(config, int(state["step"].item()))
+            for k in range(n_states):
+                states[k].append(state[f"state{k + 1}"])
+                absmaxes[k].append(state[f"absmax{k + 1}"])
+        if not all(p.is_contiguous() for p in params):
+            raise ValueError("lowbit: parameters must be contiguous")
+        device = params[0].device
+        _ops.optimizer_step_(
+            params,
+            grads,
+            states[0],
+            states[1],
+            absmaxes[0],
+            absmaxes[1],
+            scalars,
+            _state_map(self._state_signed[0] if n_states else True, device),
+            _state_map(self._state_signed[1] if n_states > 1 else False, device),
+            RULE_CODES[self._rule],
+            hyper,
+            flags,
+            n_states,
+            config["block_size"],
+        )
+
+    # -- state dict -------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict; 8-bit codes and fp32 states keep their dtype whatever the param dtype."""
+        saved = state_dict["state"]
+        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+        super().load_state_dict(state_dict)
+        # torch.optim casts floating-point state to the parameter's dtype; lowbit states are fp32
+        # whatever the parameter, so restore them from the saved tensors.
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(ids, params, strict=True):
+            for key, value in saved.get(pid, {}).items():
+                if isinstance(value, Tensor) and key != "step":
+                    self.state[p][key] = value.detach().to(p.device, copy=True)
+
+    def dequantized_state(self, p: Tensor) -> dict[str, Tensor]:
+        """The state of ``p`` in torch.optim's layout and names, dequantized to fp32."""
+        state = self.state[p]
+        out: dict[str, Tensor] = {"step": state["step"].clone()}
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        config = self._config(group, p)
+        for k in range(self._n_states(config)):
+            s = state[f"state{k + 1}"]
+            if s.dtype == torch.uint8:
+                qs = QuantState(
+                    state[f"absmax{k + 1}"],
+                    _state_map(self._state_signed[k], s.device),
+                    config["block_size"],
+                    s.shape,
+                    torch.float32,
+                    8,
+                )
+                out[self._state_names[k]] = dequantize_blockwise(s, qs)
+            else:
+                out[self._state_names[k]] = s.clone()
+        return out
+
+    def load_dequantized_state(self, p: Tensor, state: dict[str, Tensor]) -> None:
+        """Set the state of ``p`` from torch.optim's layout (e.g. ``torch.optim.Adam().state[p]``)."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        config = self._config(group, p)
+        new = self._init_state(p, config)
+        # torch.optim.SGD keeps no step count; a momentum buffer means at least one step was taken.
+        step = state.get("step", float(any(name in state for name in self._state_names)))
+        new["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()
+        for k in range(self._n_states(config)):
+            value = state[self._state_names[k]].detach().to(p.device, torch.float32).reshape(p.shape)
+            if new[f"state{k + 1}"].dtype == torch.uint8:
+                codes, qs = quantize_blockwise(
+                    value, code=_state_map(self._state_signed[k], p.device), blocksize=config["block_size"]
+                )
+                new[f"state{k + 1}"], new[f"absmax{k + 1}"] = codes, qs.absmax
+            else:
+                new[f"state{k + 1}"] = value.clone()
+        self.state[p] = new
+
+
+def decay_factor(lr: float, weight_decay: float) -> float:
+    """1 - lr * weight_decay, computed in double as torch.optim does."""
+    return 1.0 - lr * weight_decay
+
+
+def check_finite_nonneg(name: str, value: float) -> None:
+    """torch.optim-style validation of a non-negative hyperparameter."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"lowbit: invalid {name}: {value!r} (expected a finite number >= 0)")

@@ -1,0 +1,391 @@
+"""The public optimizers: thin classes with torch.optim's defaults and argument checks.
+
+``X8bit`` keeps 8-bit block-wise states, ``X32bit`` fp32 states, and the generic ``X`` takes
+``optim_bits=8|32`` (default 32). Every argument has torch.optim's meaning; unsupported arguments
+(``amsgrad=True``, ``centered=True``) raise instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from lowbit.optim.optimizer import (
+    FLAG_DECOUPLED,
+    FLAG_MAXIMIZE,
+    FLAG_NESTEROV,
+    LowbitOptimizer,
+    Params,
+    check_finite_nonneg,
+    decay_factor,
+)
+
+__all__ = [
+    "SGD",
+    "SGD8bit",
+    "SGD32bit",
+    "Adagrad",
+    "Adagrad8bit",
+    "Adagrad32bit",
+    "Adam",
+    "Adam8bit",
+    "Adam32bit",
+    "AdamW",
+    "AdamW8bit",
+    "AdamW32bit",
+    "Lion",
+    "Lion8bit",
+    "Lion32bit",
+    "RMSprop",
+    "RMSprop8bit",
+    "RMSprop32bit",
+]
+
+
+def _check_betas(betas: Any) -> tuple[float, float]:
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"lowbit: betas must be a pair of floats, got {betas!r}")
+    for i, b in enumerate(betas):
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0.0 <= b < 1.0:
+            raise ValueError(f"lowbit: invalid beta parameter at index {i}: {b!r} (expected 0 <= beta < 1)")
+    return float(betas[0]), float(betas[1])
+
+
+def _flags(config: dict[str, Any], decoupled: bool = False, nesterov: bool = False) -> int:
+    return (
+        (FLAG_MAXIMIZE if config["maximize"] else 0)
+        | (FLAG_DECOUPLED if decoupled else 0)
+        | (FLAG_NESTEROV if nesterov else 0)
+    )
+
+
+class Adam(LowbitOptimizer):
+    """Adam (Kingma & Ba) with L2 weight decay added to the gradient, as ``torch.optim.Adam``.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: L2 penalty (coupled: added to the gradient).
+        amsgrad: not supported; True raises.
+        maximize: maximize the objective instead of minimizing.
+        optim_bits: 8 for block-wise 8-bit states, 32 for fp32 states.
+        block_size: elements per quantization block of 8-bit states.
+        min_8bit_size: parameters with fewer elements keep fp32 states.
+    """
+
+    _rule = "adam"
+    _state_names = ("exp_avg", "exp_avg_sq")
+    _state_signed = (True, False)
+    _decoupled = False
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        optim_bits: int = 32,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        check_finite_nonneg("learning rate", lr)
+        check_finite_nonneg("epsilon value", eps)
+        check_finite_nonneg("weight_decay value", weight_decay)
+        betas = _check_betas(betas)
+        if amsgrad:
+            raise ValueError(f"lowbit: {type(self).__name__} does not support amsgrad=True")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
+        super().__init__(params, defaults, optim_bits, block_size, min_8bit_size)
+
+    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+        lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
+        hyper = [lr, b1, b2, 1.0 - b1, 1.0 - b2, config["eps"], wd, decay_factor(lr, wd)]
+        return hyper, _flags(config, decoupled=self._decoupled)
+
+    def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
+        b1, b2 = config["betas"]
+        return config["lr"] / (1.0 - b1**step), math.sqrt(1.0 - b2**step), float(step == 1)
+
+
+class AdamW(Adam):
+    """AdamW (Loshchilov & Hutter): Adam with decoupled weight decay, as ``torch.optim.AdamW``.
+
+    Same arguments as :class:`Adam`; ``weight_decay`` (default 1e-2) multiplies the parameter by
+    ``1 - lr * weight_decay`` before the update.
+    """
+
+    _decoupled = True
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        optim_bits: int = 32,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            optim_bits=optim_bits,
+            block_size=block_size,
+            min_8bit_size=min_8bit_size,
+        )
+
+
+class SGD(LowbitOptimizer):
+    """SGD with momentum, dampening, Nesterov and L2 weight decay, as ``torch.optim.SGD``.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        momentum: momentum factor (0 keeps no state).
+        dampening: dampening of the momentum.
+        weight_decay: L2 penalty.
+        nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
+        maximize: maximize the objective instead of minimizing.
+        optim_bits: 8 for a block-wise 8-bit momentum buffer, 32 for fp32.
+        block_size: elements per quantization block of 8-bit states.
+        min_8bit_size: parameters with fewer elements keep an fp32 buffer.
+    """
+
+    _rule = "sgd"
+    _state_names = ("momentum_buffer",)
+    _state_signed = (True,)
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        optim_bits: int = 32,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        check_finite_nonneg("learning rate", lr)
+        check_finite_nonneg("momentum value", momentum)
+        check_finite_nonneg("weight_decay value", weight_decay)
+        if not isinstance(dampening, (int, float)) or not math.isfinite(dampening):
+            raise ValueError(f"lowbit: invalid dampening value: {dampening!r}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("lowbit: Nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=bool(nesterov),
+            maximize=bool(maximize),
+        )
+        super().__init__(params, defaults, optim_bits, block_size, min_8bit_size)
+
+    def _n_states(self, config: dict[str, Any]) -> int:
+        return 1 if config["momentum"] != 0 else 0
+
+    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+        hyper = [config["lr"], config["momentum"], 0.0, 1.0 - config["dampening"], 0.0, 0.0]
+        hyper += [config["weight_decay"], 1.0]
+        return hyper, _flags(config, nesterov=config["nesterov"])
+
+
+class Lion(LowbitOptimizer):
+    """Lion (Chen et al. 2023): sign of the interpolated momentum, decoupled weight decay.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate (typically 3-10x smaller than AdamW's).
+        betas: interpolation coefficient of the update and decay of the momentum.
+        weight_decay: decoupled weight decay.
+        maximize: maximize the objective instead of minimizing.
+        optim_bits: 8 for a block-wise 8-bit momentum, 32 for fp32.
+        block_size: elements per quantization block of 8-bit states.
+        min_8bit_size: parameters with fewer elements keep an fp32 momentum.
+    """
+
+    _rule = "lion"
+    _state_names = ("exp_avg",)
+    _state_signed = (True,)
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        optim_bits: int = 32,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        check_finite_nonneg("learning rate", lr)
+        check_finite_nonneg("weight_decay value", weight_decay)
+        betas = _check_betas(betas)
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=bool(maximize))
+        super().__init__(params, defaults, optim_bits, block_size, min_8bit_size)
+
+    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+        lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
+        return [lr, b1, b2, 1.0 - b1, 1.0 - b2, 0.0, wd, decay_factor(lr, wd)], _flags(config, decoupled=True)
+
+
+class RMSprop(LowbitOptimizer):
+    """RMSprop as ``torch.optim.RMSprop`` (``centered=True`` is not supported and raises).
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        alpha: smoothing constant of the squared-gradient average.
+        eps: added to the denominator.
+        weight_decay: L2 penalty.
+        momentum: momentum factor (adds a momentum buffer state when > 0).
+        centered: not supported; True raises.
+        maximize: maximize the objective instead of minimizing.
+        optim_bits: 8 for block-wise 8-bit states, 32 for fp32.
+        block_size: elements per quantization block of 8-bit states.
+        min_8bit_size: parameters with fewer elements keep fp32 states.
+    """
+
+    _rule = "rmsprop"
+    _state_names = ("square_avg", "momentum_buffer")
+    _state_signed = (False, True)
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-2,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
+        centered: bool = False,
+        *,
+        maximize: bool = False,
+        optim_bits: int = 32,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        for name, value in (("learning rate", lr), ("epsilon value", eps), ("momentum value", momentum)):
+            check_finite_nonneg(name, value)
+        check_finite_nonneg("weight_decay value", weight_decay)
+        check_finite_nonneg("alpha value", alpha)
+        if centered:
+            raise ValueError(f"lowbit: {type(self).__name__} does not support centered=True")
+        defaults = dict(
+            lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, maximize=bool(maximize)
+        )
+        super().__init__(params, defaults, optim_bits, block_size, min_8bit_size)
+
+    def _n_states(self, config: dict[str, Any]) -> int:
+        return 2 if config["momentum"] > 0 else 1
+
+    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+        alpha = config["alpha"]
+        hyper = [config["lr"], config["momentum"], alpha, 0.0, 1.0 - alpha, config["eps"], config["weight_decay"], 1.0]
+        return hyper, _flags(config)
+
+
+class Adagrad(LowbitOptimizer):
+    """Adagrad as ``torch.optim.Adagrad``.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        lr_decay: learning-rate decay per step.
+        weight_decay: L2 penalty.
+        initial_accumulator_value: starting value of the squared-gradient sum.
+        eps: added to the denominator.
+        maximize: maximize the objective instead of minimizing.
+        optim_bits: 8 for a block-wise 8-bit sum, 32 for fp32.
+        block_size: elements per quantization block of 8-bit states.
+        min_8bit_size: parameters with fewer elements keep an fp32 sum.
+    """
+
+    _rule = "adagrad"
+    _state_names = ("sum",)
+    _state_signed = (False,)
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-2,
+        lr_decay: float = 0.0,
+        weight_decay: float = 0.0,
+        initial_accumulator_value: float = 0.0,
+        eps: float = 1e-10,
+        *,
+        maximize: bool = False,
+        optim_bits: int = 32,
+        block_size: int = 256,
+        min_8bit_size: int = 4096,
+    ) -> None:
+        for name, value in (
+            ("learning rate", lr),
+            ("lr_decay value", lr_decay),
+            ("weight_decay value", weight_decay),
+            ("initial_accumulator_value", initial_accumulator_value),
+            ("epsilon value", eps),
+        ):
+            check_finite_nonneg(name, value)
+        defaults = dict(
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            initial_accumulator_value=initial_accumulator_value,
+            eps=eps,
+            maximize=bool(maximize),
+        )
+        super().__init__(params, defaults, optim_bits, block_size, min_8bit_size)
+
+    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+        return [config["lr"], 0.0, 0.0, 0.0, 0.0, config["eps"], config["weight_decay"], 1.0], _flags(config)
+
+    def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
+        return config["lr"] / (1.0 + (step - 1) * config["lr_decay"]), 1.0, float(step == 1)
+
+    def _init_value(self, k: int, config: dict[str, Any]) -> float:
+        return float(config["initial_accumulator_value"])
+
+
+def _fixed_bits(base: type[LowbitOptimizer], bits: int) -> type[LowbitOptimizer]:
+    """``base`` with ``optim_bits`` fixed (the ``X8bit`` / ``X32bit`` classes)."""
+
+    class Fixed(base):  # type: ignore[valid-type, misc]
+        def __init__(self, params: Params, *args: Any, **kwargs: Any) -> None:
+            if "optim_bits" in kwargs:
+                raise TypeError(f"lowbit: {type(self).__name__} has fixed optim_bits={bits}; use {base.__name__}")
+            super().__init__(params, *args, optim_bits=bits, **kwargs)
+
+    Fixed.__name__ = Fixed.__qualname__ = f"{base.__name__}{bits}bit"
+    Fixed.__doc__ = f"{base.__name__} with {'8-bit block-wise' if bits == 8 else 'fp32'} states.\n\n{base.__doc__}"
+    return Fixed
+
+
+Adam8bit, Adam32bit = _fixed_bits(Adam, 8), _fixed_bits(Adam, 32)
+AdamW8bit, AdamW32bit = _fixed_bits(AdamW, 8), _fixed_bits(AdamW, 32)
+SGD8bit, SGD32bit = _fixed_bits(SGD, 8), _fixed_bits(SGD, 32)
+Lion8bit, Lion32bit = _fixed_bits(Lion, 8), _fixed_bits(Lion, 32)
+RMSprop8bit, RMSprop32bit = _fixed_bits(RMSprop, 8), _fixed_bits(RMSprop, 32)
+Adagrad8bit, Adagrad32bit = _fixed_bits(Adagrad, 8), _fixed_bits(Adagrad, 32)

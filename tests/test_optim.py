@@ -1,0 +1,425 @@
+"""lowbit.optim against torch.optim: fp32 states to rounding, 8-bit states within measured bounds."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import lowbit.optim as O
+from lowbit import _ops
+from lowbit.functional import create_dynamic_map
+
+
+class TorchLion(torch.optim.Optimizer):
+    """Reference Lion (Chen et al. 2023, Algorithm 2) in plain torch, for the comparisons."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, foreach=False):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p)
+                state["step"] += 1
+                m = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(torch.sign(m * b1 + p.grad * (1 - b1)), alpha=-group["lr"])
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+# (lowbit class, torch reference class, hyperparameters)
+CASES = [
+    ("Adam", torch.optim.Adam, dict(lr=1e-3)),
+    ("Adam", torch.optim.Adam, dict(lr=1e-3, weight_decay=0.1, betas=(0.8, 0.99), eps=1e-6, maximize=True)),
+    ("AdamW", torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1)),
+    ("SGD", torch.optim.SGD, dict(lr=1e-2, momentum=0.9)),
+    ("SGD", torch.optim.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.2, weight_decay=1e-2)),
+    ("SGD", torch.optim.SGD, dict(lr=1e-2, momentum=0.9, nesterov=True, weight_decay=1e-2)),
+    ("SGD", torch.optim.SGD, dict(lr=1e-2)),
+    ("Lion", TorchLion, dict(lr=1e-4, weight_decay=0.1)),
+    ("RMSprop", torch.optim.RMSprop, dict(lr=1e-3)),
+    ("RMSprop", torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9, weight_decay=1e-2, alpha=0.9)),
+    ("Adagrad", torch.optim.Adagrad, dict(lr=1e-2, lr_decay=1e-3, initial_accumulator_value=0.1)),
+]
+IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(CASES)]
+
+# (per-step, 100-step) bounds on the relative error of 8-bit states, twice the worst measured over
+# 3 seeds. Lion's update is a sign, so a quantization error flips whole +-lr steps where the
+# interpolated momentum is near 0 (measured 8.9% per step, 7.3% after 100 steps).
+BOUNDS = {"Lion": (0.18, 0.15)}
+DEFAULT_BOUNDS = (0.03, 0.06)
+
+
+def _grad(gen: torch.Generator, n: int) -> torch.Tensor:
+    # Gradient scales that vary along the tensor, so blocks have different absmax.
+    return torch.randn(n, generator=gen) * (1 + 0.5 * torch.sin(torch.arange(n) / 50.0))
+
+
+def _pair(cls: type, tcls: type, kw: dict, p0: torch.Tensor, **lowbit_kw) -> tuple:
+    a, b = nn.Parameter(p0.clone()), nn.Parameter(p0.clone())
+    return a, b, cls([a], **kw, **lowbit_kw), tcls([b], foreach=False, **kw)
+
+
+@pytest.mark.parametrize(("name", "tcls", "kw"), CASES, ids=IDS)
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 20000])
+def test_fp32_states_match_torch(name, tcls, kw, n):
+    gen = torch.Generator().manual_seed(n)
+    p0 = torch.randn(n, generator=gen) * 0.1
+    a, b, oa, ob = _pair(getattr(O, f"{name}32bit"), tcls, kw, p0)
+    for _ in range(30):
+        a.grad = b.grad = _grad(gen, n)
+        oa.step()
+        ob.step()
+    # Same fp32 formulas as torch.optim's single-tensor path, up to the order of a few products
+    # (measured: at most 2e-6 absolute after 30 steps, on parameters of size ~0.1-10).
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5)
+
+
+def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize(("name", "tcls", "kw"), CASES, ids=IDS)
+def test_8bit_states_per_step_error(name, tcls, kw):
+    # Each step starts both optimizers from torch's exact state (re-synced), so the difference is
+    # the quantization error of one step. Measured worst relative L2 error of the update over 20
+    # steps x 3 seeds: 1.5% (Adam), 1.1% (SGD), 1.0% (RMSprop), 0.4% (Adagrad); bound 3% (BOUNDS). For
+    # reference, an 8-bit dynamic-map state is off by at most 1.05% of its block absmax.
+    n = 20000
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        a, b, oa, ob = _pair(getattr(O, f"{name}8bit"), tcls, kw, torch.randn(n, generator=gen) * 0.1)
+        for _ in range(20):
+            with torch.no_grad():
+                a.copy_(b)
+            if ob.state[b]:
+                oa.load_dequantized_state(a, ob.state[b])
+            before = b.detach().clone()
+            a.grad = b.grad = _grad(gen, n)
+            oa.step()
+            ob.step()
+            assert _relative(a.detach() - before, b.detach() - before) < BOUNDS.get(name, DEFAULT_BOUNDS)[0]
+
+
+@pytest.mark.parametrize(("name", "tcls", "kw"), CASES, ids=IDS)
+def test_8bit_states_drift_over_100_steps(name, tcls, kw):
+    # No re-syncing: errors accumulate. Measured relative L2 distance of the parameters, as a
+    # fraction of how far torch moved them, after 100 steps (3 seeds): at most 3.1% (Adam); bound 6%
+    # (BOUNDS).
+    n = 20000
+    gen = torch.Generator().manual_seed(7)
+    p0 = torch.randn(n, generator=gen) * 0.1
+    a, b, oa, ob = _pair(getattr(O, f"{name}8bit"), tcls, kw, p0)
+    for _ in range(100):
+        a.grad = b.grad = _grad(gen, n)
+        oa.step()
+        ob.step()
+    if "state1" in oa.state[a]:  # plain SGD keeps no state
+        assert oa.state[a]["state1"].dtype == torch.uint8
+    assert _relative(a.detach() - p0, b.detach() - p0) < BOUNDS.get(name, DEFAULT_BOUNDS)[1]
+
+
+def test_small_tensors_fall_back_to_fp32_states_exactly():
+    small = nn.Parameter(torch.randn(4095))
+    big = nn.Parameter(torch.randn(4096))
+    twin = nn.Parameter(small.detach().clone())
+    opt = O.Adam8bit([small, big], lr=1e-2)
+    ref = O.Adam32bit([twin], lr=1e-2)
+    for _ in range(5):
+        small.grad = twin.grad = torch.randn(4095)
+        big.grad = torch.randn(4096)
+        opt.step()
+        ref.step()
+    assert opt.state[small]["state1"].dtype == torch.float32
+    assert opt.state[big]["state1"].dtype == torch.uint8
+    assert opt.state[big]["absmax1"].shape == (16,)
+    assert torch.equal(small, twin)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_keep_fp32_math(dtype):
+    # bf16/fp16 parameters: fp32 update from the widened parameter, then one rounding to the
+    # parameter dtype. Emulated in torch with an fp32 shadow rounded after every step.
+    n = 5000
+    gen = torch.Generator().manual_seed(1)
+    p0 = (torch.randn(n, generator=gen) * 0.1).to(dtype)
+    a = nn.Parameter(p0.clone())
+    shadow = nn.Parameter(p0.float())
+    oa, ob = O.AdamW32bit([a], lr=1e-3), torch.optim.AdamW([shadow], lr=1e-3, foreach=False)
+    for _ in range(10):
+        g = _grad(gen, n).to(dtype)
+        a.grad, shadow.grad = g, g.float()
+        oa.step()
+        ob.step()
+        with torch.no_grad():
+            shadow.copy_(shadow.to(dtype).float())
+    assert a.dtype == dtype and oa.state[a]["state1"].dtype == torch.float32
+    torch.testing.assert_close(a.detach().float(), shadow.detach(), rtol=0, atol=0)
+
+
+def test_mixed_dtypes_and_sizes_in_one_group():
+    params = [nn.Parameter(torch.randn(s).to(d)) for s, d in [(10, torch.float32), (5000, torch.bfloat16)]]
+    params.append(nn.Parameter(torch.randn(64, 100)))
+    opt = O.AdamW8bit(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert [opt.state[p]["state1"].dtype for p in params] == [torch.float32, torch.uint8, torch.uint8]
+    assert all(bool(p.isfinite().all()) for p in params)
+
+
+@given(
+    shape=st.sampled_from([(1,), (4095,), (4096,), (4097,), (3, 1000), (257, 33)]),
+    lr=st.floats(1e-5, 1e-1),
+    beta1=st.floats(0.0, 0.99),
+    beta2=st.floats(0.9, 0.9999),
+    weight_decay=st.floats(0.0, 0.5),
+    block_size=st.sampled_from([64, 256, 2048]),
+    decoupled=st.booleans(),
+)
+def test_property_adam_hyperparameters(shape, lr, beta1, beta2, weight_decay, block_size, decoupled):
+    name, tcls = ("AdamW", torch.optim.AdamW) if decoupled else ("Adam", torch.optim.Adam)
+    kw = dict(lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
+    gen = torch.Generator().manual_seed(0)
+    p0 = torch.randn(shape, generator=gen)
+    a32, b, o32, ob = _pair(getattr(O, f"{name}32bit"), tcls, kw, p0)
+    a8 = nn.Parameter(p0.clone())
+    o8 = getattr(O, f"{name}8bit")([a8], block_size=block_size, **kw)
+    for _ in range(5):
+        a32.grad = a8.grad = b.grad = torch.randn(shape, generator=gen)
+        for o in (o32, o8, ob):
+            o.step()
+    torch.testing.assert_close(a32.detach(), b.detach(), rtol=1e-5, atol=1e-5)
+    # Adam moves each element by at most about lr per step (|m| / sqrt(v) <= 1 / sqrt(1 - beta2)
+    # before bias correction); 8-bit states cannot push an element past a few times that.
+    bound = 5 * lr * (1 / math.sqrt(1 - beta2) + 1) * (1 + weight_decay) + 1e-6
+    assert float((a8 - b).detach().abs().max()) < bound * 5
+
+
+def test_state_dict_round_trip_resumes_bit_exactly():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    opt = O.AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=1000)
+    data = [(torch.randn(16, 64), torch.randn(16, 8)) for _ in range(10)]
+
+    def train(m: nn.Module, o: torch.optim.Optimizer, batches: list) -> None:
+        for x, y in batches:
+            o.zero_grad()
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+
+    train(model, opt, data[:5])
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    clone = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8))
+    clone.load_state_dict(saved["model"])
+    opt2 = O.AdamW8bit(clone.parameters(), lr=1e-2, min_8bit_size=1000)
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.state[clone[0].weight]["state1"].dtype == torch.uint8
+    assert isinstance(opt2.state[clone[0].weight]["step"], torch.Tensor)
+    train(model, opt, data[5:])
+    train(clone, opt2, data[5:])
+    for p, q in zip(model.parameters(), clone.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_state_survives_bf16_params_in_state_dict():
+    p = nn.Parameter(torch.randn(5000, dtype=torch.bfloat16))
+    opt = O.Adam32bit([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = opt.state_dict()
+    q = nn.Parameter(p.detach().clone())
+    opt2 = O.Adam32bit([q])
+    opt2.load_state_dict(sd)
+    # torch.optim would cast floating-point state to the parameter's bf16; lowbit keeps fp32.
+    assert opt2.state[q]["state1"].dtype == torch.float32
+    assert torch.equal(opt2.state[q]["state1"], opt.state[p]["state1"])
+
+
+def test_interop_with_torch_state_layout():
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(20000, generator=gen)
+    a, b, oa, ob = _pair(O.Adam8bit, torch.optim.Adam, dict(lr=1e-2), p0)
+    for _ in range(3):
+        a.grad = b.grad = torch.randn(20000, generator=gen)
+        oa.step()
+        ob.step()
+    ours = oa.dequantized_state(a)
+    assert set(ours) == {"step", "exp_avg", "exp_avg_sq"} and float(ours["step"]) == 3
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert _relative(ours[key], ob.state[b][key]) < 0.02
+    # And back: a lowbit optimizer can start from a torch.optim state.
+    c = nn.Parameter(b.detach().clone())
+    oc = O.Adam8bit([c], lr=1e-2)
+    oc.load_dequantized_state(c, ob.state[b])
+    c.grad = b.grad = torch.randn(20000, generator=gen)
+    oc.step()
+    ob.step()
+    assert float(oc.state[c]["step"]) == 4
+    assert _relative(c.detach() - p0, b.detach() - p0) < 0.02
+
+
+def test_schedulers_param_groups_zero_grad_and_closure():
+    w1, w2 = nn.Parameter(torch.randn(5000)), nn.Parameter(torch.randn(300))
+    t1, t2 = nn.Parameter(w1.detach().clone()), nn.Parameter(w2.detach().clone())
+    opt = O.SGD32bit([w1], lr=0.1, momentum=0.9)
+    ref = torch.optim.SGD([t1], lr=0.1, momentum=0.9, foreach=False)
+    opt.add_param_group({"params": [w2], "lr": 0.05})
+    ref.add_param_group({"params": [t2], "lr": 0.05})
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    tsched = torch.optim.lr_scheduler.StepLR(ref, step_size=2, gamma=0.5)
+    for _ in range(6):
+        for o, ps in ((opt, (w1, w2)), (ref, (t1, t2))):
+            o.zero_grad()
+
+            def closure(ps: tuple = ps) -> torch.Tensor:
+                loss = sum((p**2).sum() for p in ps)
+                loss.backward()
+                return loss
+
+            loss = o.step(closure)
+            assert loss is not None
+        sched.step()
+        tsched.step()
+    assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 0.1 * 0.5**3
+    torch.testing.assert_close(w1.detach(), t1.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(w2.detach(), t2.detach(), rtol=1e-5, atol=1e-6)
+    opt.zero_grad()
+    assert w1.grad is None
+
+
+def test_overrides_are_per_parameter_and_weak():
+    emb, lin = nn.Parameter(torch.randn(10000)), nn.Parameter(torch.randn(10000))
+    O.override(emb, optim_bits=32, lr=0.5)
+    assert O.get_override(emb) == {"optim_bits": 32, "lr": 0.5}
+    opt = O.Adam8bit([emb, lin], lr=1e-3)
+    twin = nn.Parameter(emb.detach().clone())
+    ref = O.Adam32bit([twin], lr=0.5)
+    emb.grad = twin.grad = torch.randn(10000)
+    lin.grad = torch.randn(10000)
+    opt.step()
+    ref.step()
+    assert opt.state[emb]["state1"].dtype == torch.float32 and opt.state[lin]["state1"].dtype == torch.uint8
+    assert torch.equal(emb, twin)
+    O.clear_override(emb)
+    assert O.get_override(emb) == {}
+    O.override(nn.Linear(3, 3), optim_bits=32)
+    import gc
+
+    gc.collect()
+    from lowbit.optim import config
+
+    assert len(config._OVERRIDES) == 0
+
+
+@pytest.mark.parametrize(
+    ("make", "exc", "match"),
+    [
+        (lambda p: O.Adam8bit(p, lr=-1.0), ValueError, "learning rate"),
+        (lambda p: O.Adam8bit(p, betas=(1.0, 0.9)), ValueError, "beta"),
+        (lambda p: O.Adam8bit(p, amsgrad=True), ValueError, "amsgrad"),
+        (lambda p: O.RMSprop8bit(p, centered=True), ValueError, "centered"),
+        (lambda p: O.SGD8bit(p, lr=0.1, nesterov=True), ValueError, "Nesterov"),
+        (lambda p: O.Adam(p, optim_bits=16), ValueError, "optim_bits"),
+        (lambda p: O.Adam8bit(p, optim_bits=32), TypeError, "fixed optim_bits=8"),
+        (lambda p: O.Adam8bit(p, block_size=100), ValueError, "block_size"),
+        (lambda p: O.Adam8bit(p, foreach=True), TypeError, "foreach"),
+        (lambda p: O.Adam8bit(p, min_8bit_size=-1), ValueError, "min_8bit_size"),
+    ],
+)
+def test_bad_arguments_raise(make, exc, match):
+    with pytest.raises(exc, match=match):
+        make([nn.Parameter(torch.randn(10))])
+
+
+def test_unknown_override_and_sparse_grads_raise():
+    with pytest.raises(ValueError, match="cannot override"):
+        O.override(nn.Parameter(torch.randn(3)), betas2=0.9)
+    p = nn.Parameter(torch.randn(10))
+    O.override(p, momentum=0.5)
+    opt = O.Adam8bit([p])
+    p.grad = torch.randn(10)
+    with pytest.raises(ValueError, match="has no option"):
+        opt.step()
+    e = nn.Embedding(10, 3, sparse=True)
+    opt = O.Adam8bit(e.parameters())
+    e(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+
+
+def test_non_finite_gradient_policy():
+    n = 1024
+    p = nn.Parameter(torch.ones(n))
+    twin = nn.Parameter(torch.ones(n))
+    opt, ref = O.Adam8bit([p], lr=1e-2, min_8bit_size=0), torch.optim.Adam([twin], lr=1e-2)
+    g = torch.ones(n)
+    g[300] = float("nan")
+    p.grad, twin.grad = g, g.clone()
+    opt.step()
+    ref.step()
+    # Step 1: only the element with the NaN gradient is NaN, as in torch.optim ...
+    assert torch.equal(p.isnan(), twin.isnan()) and int(p.isnan().sum()) == 1
+    # ... and its 8-bit state block (elements 256..511) is poisoned: absmax NaN.
+    assert bool(opt.state[p]["absmax1"][1].isnan()) and bool(opt.state[p]["absmax1"][[0, 2, 3]].isfinite().all())
+    p.grad = torch.ones(n)
+    opt.step()
+    # Step 2: the whole poisoned block reads NaN; the other blocks are untouched.
+    assert bool(p[256:512].isnan().all()) and bool(p[:256].isfinite().all()) and bool(p[512:].isfinite().all())
+
+
+def _step_args(n_states: int, eight_bit: bool) -> tuple:
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(5000, generator=gen), torch.randn(100, generator=gen)]
+    grads = [torch.randn_like(p) for p in params]
+    states, absmax = [[], []], [[], []]
+    for k in range(n_states):
+        for p in params:
+            if eight_bit and p.numel() >= 4096:
+                states[k].append(torch.zeros(p.numel(), dtype=torch.uint8))
+                absmax[k].append(torch.zeros(_ops.num_blocks(p.numel(), 256)))
+            else:
+                states[k].append(torch.zeros(p.numel()))
+                absmax[k].append(torch.empty(0))
+    return (
+        params,
+        grads,
+        states[0],
+        states[1],
+        absmax[0],
+        absmax[1],
+        [1e-3, 1.0, 1.0] * len(params),
+        create_dynamic_map(True),
+        create_dynamic_map(False),
+        0 if n_states == 2 else 1,
+        [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0],
+        0,
+        n_states,
+        256,
+    )
+
+
+@pytest.mark.parametrize(("n_states", "eight_bit"), [(2, True), (2, False), (1, True)])
+def test_opcheck_optimizer_step(n_states, eight_bit):
+    torch.library.opcheck(torch.ops.lowbit.optimizer_step_.default, _step_args(n_states, eight_bit))
+
+
+def test_optimizer_step_op_validates_inputs():
+    args = list(_step_args(2, True))
+    args[1] = [args[1][0]]  # one gradient for two parameters
+    with pytest.raises(ValueError, match="grads has 1 tensors but params has 2"):
+        torch.ops.lowbit.optimizer_step_(*args)
