@@ -38,7 +38,7 @@ DequantizeArgs dequantize_args(uintptr_t in, uintptr_t absmax, int64_t n, uintpt
 lowbit::OptimArgs optim_args(int rule, float lr, float beta1, float beta2, float one_minus_beta1,
                              float one_minus_beta2, float eps, float weight_decay, float decay, int flags,
                              int n_states, int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t meta,
-                             uintptr_t scalars, int64_t count) {
+                             uintptr_t scalars, int64_t count, int64_t total_blocks) {
   if (rule < 0 || rule > static_cast<int>(lowbit::Rule::Adagrad)) {
     throw std::invalid_argument("lowbit: unknown optimizer rule " + std::to_string(rule));
   }
@@ -51,7 +51,8 @@ lowbit::OptimArgs optim_args(int rule, float lr, float beta1, float beta2, float
                            ptr<const float>(map2),
                            ptr<const int64_t>(meta),
                            ptr<const float>(scalars),
-                           count};
+                           count,
+                           total_blocks};
 }
 
 py::dict build_info() {
@@ -120,10 +121,10 @@ PYBIND11_MODULE(_C, m) {
       "optimizer_step_cpu",
       [](int rule, float lr, float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float eps,
          float weight_decay, float decay, int flags, int n_states, int64_t block_size, uintptr_t map1, uintptr_t map2,
-         uintptr_t meta, uintptr_t scalars, int64_t count, int threads) {
+         uintptr_t meta, uintptr_t scalars, int64_t count, int64_t total_blocks, int threads) {
         lowbit::cpu::optimizer_step(optim_args(rule, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
                                                weight_decay, decay, flags, n_states, block_size, map1, map2, meta,
-                                               scalars, count),
+                                               scalars, count, total_blocks),
                                     threads);
       },
       nogil);
@@ -145,6 +146,17 @@ PYBIND11_MODULE(_C, m) {
          uintptr_t out, int dtype, int device, uintptr_t stream) {
         lowbit::cuda::dequantize(dequantize_args(in, absmax, n, map, map_n, bits, blocksize, out, dtype), device,
                                  stream);
+      },
+      nogil);
+  m.def(
+      "optimizer_step_cuda",
+      [](int rule, float lr, float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float eps,
+         float weight_decay, float decay, int flags, int n_states, int64_t block_size, uintptr_t map1, uintptr_t map2,
+         uintptr_t meta, uintptr_t scalars, int64_t count, int64_t total_blocks, int device, uintptr_t stream) {
+        lowbit::cuda::optimizer_step(optim_args(rule, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
+                                                weight_decay, decay, flags, n_states, block_size, map1, map2, meta,
+                                                scalars, count, total_blocks),
+                                     device, stream);
       },
       nogil);
   m.def(

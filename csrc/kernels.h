@@ -48,7 +48,20 @@ struct PackArgs {
 // describes tensor t; row t of `scalars` (float32, kScalarCols columns) holds its StepScalars.
 // States with state_bits == 8 are uint8 codes into map1/map2 (signed/unsigned per rule) with one
 // fp32 absmax per block of block_size elements; with state_bits == 32 they are fp32 tensors.
-enum MetaCol : int { kParam, kGrad, kState1, kState2, kAbsmax1, kAbsmax2, kNumel, kDtype, kStateBits, kMetaCols };
+// kFirstBlock is the running count of blocks before tensor t; total_blocks is the count for all.
+enum MetaCol : int {
+  kParam,
+  kGrad,
+  kState1,
+  kState2,
+  kAbsmax1,
+  kAbsmax2,
+  kNumel,
+  kDtype,
+  kStateBits,
+  kFirstBlock,
+  kMetaCols
+};
 enum ScalarCol : int { kStepSize, kBias2Sqrt, kFirst, kScalarCols };
 
 struct OptimArgs {
@@ -61,6 +74,7 @@ struct OptimArgs {
   const int64_t* meta;
   const float* scalars;
   int64_t count;
+  int64_t total_blocks;
 };
 
 namespace cpu {

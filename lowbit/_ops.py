@@ -284,7 +284,7 @@ def _(packed: Tensor, bits: int, numel: int) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 # Column layout of the per-tensor tables (csrc/kernels.h: MetaCol, ScalarCol).
-_META_COLS = 9
+_META_COLS = 10
 _SCALAR_COLS = 3
 
 
@@ -366,11 +366,14 @@ def optimizer_step_(
         _check_map(m, 8)
         _check_same_device("params[0]", params[0], **{name: m})
     rows = []
+    first_block = 0
     for i, p in enumerate(params):
         ptrs = [states[k][i].data_ptr() if k < n_states else 0 for k in range(2)]
         amax = [absmaxes[k][i].data_ptr() if k < n_states and widths[i] == 8 else 0 for k in range(2)]
-        rows.append([p.data_ptr(), grads[i].data_ptr(), *ptrs, *amax, p.numel(), _DTYPE_CODES[p.dtype], widths[i]])
-    meta = torch.tensor(rows, dtype=torch.int64)
+        n = p.numel()
+        rows.append([p.data_ptr(), grads[i].data_ptr(), *ptrs, *amax, n, _DTYPE_CODES[p.dtype], widths[i], first_block])
+        first_block += num_blocks(n, block_size)
+    meta = torch.tensor(rows, dtype=torch.int64).reshape(len(params), _META_COLS)
     scal = torch.tensor(scalars, dtype=torch.float32)
     if device.type != "cpu":
         meta, scal = (t.pin_memory().to(device, non_blocking=True) for t in (meta, scal))
@@ -385,6 +388,7 @@ def optimizer_step_(
         meta.data_ptr(),
         scal.data_ptr(),
         len(params),
+        first_block,
     )
 
 

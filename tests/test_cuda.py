@@ -81,3 +81,26 @@ def test_packing_identical_on_cpu_and_cuda(bits):
     packed = F.pack_bits(codes.cuda(), bits)
     _exact(packed, F.pack_bits(codes, bits))
     _exact(F.unpack_bits(packed, bits, codes.numel()), codes)
+
+
+@pytest.mark.parametrize("name", ["Adam8bit", "AdamW8bit", "SGD8bit", "Lion8bit", "RMSprop8bit", "Adagrad8bit"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_optimizer_steps_identical_on_cpu_and_cuda(name, dtype):
+    import lowbit.optim as O
+
+    kw = {"SGD8bit": {"lr": 1e-2, "momentum": 0.9}, "RMSprop8bit": {"momentum": 0.9}}.get(name, {})
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(5000,), (100,), (64, 300), (4097,)]
+    cpu = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    o_cpu, o_gpu = getattr(O, name)(cpu, **kw), getattr(O, name)(gpu, **kw)
+    for _ in range(5):
+        for p, q in zip(cpu, gpu, strict=True):
+            p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            q.grad = p.grad.cuda()
+        o_cpu.step()
+        o_gpu.step()
+    for p, q in zip(cpu, gpu, strict=True):
+        _exact(p.detach(), q.detach())
+        for key, value in o_cpu.state[p].items():
+            _exact(value, o_gpu.state[q][key])

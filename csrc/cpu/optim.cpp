@@ -94,15 +94,30 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const Ma
   for (int k = 0; k < a.n_states; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], s[k]);
 }
 
+// Tensor of global block b: the last row whose kFirstBlock is <= b.
+int64_t tensor_of_block(const OptimArgs& a, int64_t b) {
+  int64_t lo = 0;
+  int64_t hi = a.count - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (a.meta[mid * kMetaCols + kFirstBlock] <= b) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 template <Rule kRule>
 void step_all(const OptimArgs& a, int threads) {
   std::vector<TensorView> tensors;
-  std::vector<int64_t> first_block{0};
   bool any_eight_bit = false;
+  int64_t elements = 0;
   for (int64_t t = 0; t < a.count; ++t) {
     tensors.push_back(view(a, t));
-    first_block.push_back(first_block.back() + (tensors.back().n + a.block_size - 1) / a.block_size);
     any_eight_bit |= tensors.back().eight_bit;
+    elements += tensors.back().n;
   }
   std::shared_ptr<const MapIndex> owned[2];
   const MapIndex* index[2] = {nullptr, nullptr};
@@ -110,14 +125,12 @@ void step_all(const OptimArgs& a, int threads) {
     owned[k] = map_index(k == 0 ? a.map1 : a.map2, 256);
     index[k] = owned[k].get();
   }
-  const int64_t total = first_block.back();
-  int64_t elements = 0;
-  for (const auto& t : tensors) elements += t.n;
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && elements >= (1 << 15))
-  for (int64_t b = 0; b < total; ++b) {
-    const int64_t t = std::upper_bound(first_block.begin(), first_block.end(), b) - first_block.begin() - 1;
+  for (int64_t b = 0; b < a.total_blocks; ++b) {
+    const int64_t t = tensor_of_block(a, b);
     const TensorView& tv = tensors[t];
-    LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, scalar_t>(a, tv, b - first_block[t], index));
+    const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
+    LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, scalar_t>(a, tv, block, index));
   }
 }
 
