@@ -14,27 +14,8 @@ from torch import Tensor
 _U64 = 1 << 64
 
 
-def _i64(c: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits (torch arithmetic wraps)."""
-    c %= _U64
-    return c - _U64 if c >= 1 << 63 else c
-
-
-_M1 = _i64(0xBF58476D1CE4E5B9)
-_M2 = _i64(0x94D049BB133111EB)
-_GAMMA = _i64(0x9E3779B97F4A7C15)
 _SEED_SALT = 0x6C6F776269742121
-
-
-def _srl(z: Tensor, k: int) -> Tensor:
-    """Logical right shift of int64 bit patterns."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix64_tensor(z: Tensor) -> Tensor:
-    z = (z ^ _srl(z, 30)) * _M1
-    z = (z ^ _srl(z, 27)) * _M2
-    return z ^ _srl(z, 31)
+_MASK32 = 0xFFFFFFFF
 
 
 def _mix64_int(z: int) -> int:
@@ -44,12 +25,22 @@ def _mix64_int(z: int) -> int:
     return z ^ (z >> 31)
 
 
+def _hash32(x: Tensor) -> Tensor:
+    """lowbias32 on uint32 values held in int64 (rounding.h: hash32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
 def uniform01(seed: int, offset: int, n: int, device: torch.device | str = "cpu") -> Tensor:
-    """The draws u_i, i < n, of stochastic rounding (rounding.h: SplitMix64 over counters)."""
-    key = _i64(_mix64_int(seed ^ _SEED_SALT))
+    """The draws u_i, i < n, of stochastic rounding (rounding.h: two hash32 rounds over counters)."""
+    key = _mix64_int(seed ^ _SEED_SALT)
     counter = torch.arange(n, dtype=torch.int64, device=device) + offset
-    z = _mix64_tensor(key + counter * _GAMMA)
-    return _srl(z, 40).to(torch.float32) * 2.0**-24
+    lo, hi = counter & _MASK32, (counter >> 32) & _MASK32
+    h = _hash32(_hash32(lo ^ (key & _MASK32)) ^ hi ^ (key >> 32))
+    return (h >> 8).to(torch.float32) * 2.0**-24
 
 
 def _blocks(n: int, blocksize: int) -> int:

@@ -15,6 +15,9 @@ namespace lowbit::cpu {
 // Elements normalised per tile (stack buffers); a multiple of kGroup.
 constexpr int kTile = 512;
 
+// Draws for counters counter0 .. counter0 + cnt - 1 (encode.cpp).
+void uniform_tile(RngKey key, uint64_t counter0, int cnt, float* u);
+
 // Element-wise normalise() with the block-constant branch hoisted so the division vectorises.
 template <typename T>
 void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
@@ -29,11 +32,15 @@ struct MapSpan {
   const MapIndex& index;
 
   template <bool kSR, typename T>
-  void encode(const T* x, int cnt, float absmax, uint64_t key, uint64_t counter, uint32_t* codes) const {
+  void encode(const T* x, int cnt, float absmax, RngKey key, uint64_t counter, uint32_t* codes) const {
     float xn[kTile];
     uint32_t bucket[kTile];
     normalise_tile(x, cnt, absmax, xn);
     for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
+    if (!kSR && index.nearest_direct()) {
+      for (int j = 0; j < cnt; ++j) codes[j] = index.nearest(xn[j], bucket[j]);
+      return;
+    }
     // The step count is a template argument so the common one-step search is fully unrolled.
     switch (index.steps()) {
       case 0:
@@ -53,12 +60,13 @@ struct MapSpan {
   }
 
   template <bool kSR, typename Floor>
-  void round_tile(const float* xn, int cnt, uint64_t key, uint64_t counter, uint32_t* codes, Floor&& floor) const {
+  void round_tile(const float* xn, int cnt, RngKey key, uint64_t counter, uint32_t* codes, Floor&& floor) const {
     const float* m = index.padded();
+    float u[kTile];
+    if (kSR) uniform_tile(key, counter, cnt, u);
     for (int j = 0; j < cnt; ++j) {
       const uint32_t lo = floor(j);
-      const bool up = kSR ? stochastic_up(xn[j], m[lo], m[lo + 1], uniform01(key, counter + j))
-                          : nearest_up(xn[j], m[lo], m[lo + 1]);
+      const bool up = kSR ? stochastic_up(xn[j], m[lo], m[lo + 1], u[j]) : nearest_up(xn[j], m[lo], m[lo + 1]);
       codes[j] = lo + static_cast<uint32_t>(up);
     }
   }

@@ -6,6 +6,7 @@
 #include <limits>
 #include <mutex>
 
+#include "lowbit/qmap.h"
 
 namespace lowbit::cpu {
 namespace {
@@ -14,23 +15,72 @@ float bucket_value(uint32_t key) {
   return bits_to_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
 }
 
+// Full 32-bit order-preserving key (bucket16 is its top half); bucket_value inverts it.
+uint32_t order_key(float x) {
+  const uint32_t b = float_to_bits(x + 0.f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// T[j] = smallest key whose nearest code is >= j, for j = 1..n-1 (UINT32_MAX if none in [-1, 1]).
+std::vector<uint32_t> nearest_steps(const float* map, uint32_t n) {
+  const uint32_t lo_key = order_key(-1.f);
+  const uint32_t hi_key = order_key(1.f);
+  auto code = [&](uint32_t key) { return map_encode_nearest(map, n, bucket_value(key)); };
+  std::vector<uint32_t> steps(n, UINT32_MAX);
+  for (uint32_t j = 1; j < n; ++j) {
+    if (code(hi_key) < j) continue;
+    uint32_t lo = lo_key;
+    uint32_t hi = hi_key;
+    while (lo < hi) {
+      const uint32_t mid = lo + (hi - lo) / 2;
+      if (code(mid) >= j) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    steps[j] = lo;
+  }
+  return steps;
+}
+
 constexpr size_t kCacheSize = 16;
 
 }  // namespace
 
 MapIndex::MapIndex(const float* map, uint32_t n)
-    : n_(n), steps_(0), padded_(map, map + n), start_(kLastBucket - kFirstBucket + 1) {
+    : n_(n),
+      steps_(0),
+      nearest_direct_(true),
+      padded_(map, map + n),
+      start_(kLastBucket - kFirstBucket + 1),
+      nearest_(kLastBucket - kFirstBucket + 1) {
   padded_.push_back(std::numeric_limits<float>::infinity());
+  const std::vector<uint32_t> up = nearest_steps(map, n);
   uint32_t lo = 0;
   for (uint32_t b = kFirstBucket; b <= kLastBucket; ++b) {
-    const float first = bucket_value(b << 16);
+    const uint32_t first_key = b << 16;
     // bucket16 never yields -0, the top pattern of the bucket just below zero.
-    const float last = bucket_value(b == 0x7FFFu ? 0x7FFFFFFEu : (b << 16) | 0xFFFFu);
+    const uint32_t last_key = b == 0x7FFFu ? 0x7FFFFFFEu : first_key | 0xFFFFu;
+    const float first = bucket_value(first_key);
+    const float last = bucket_value(last_key);
     while (lo + 1 < n && map[lo + 1] <= first) ++lo;
     start_[b - kFirstBucket] = static_cast<uint8_t>(lo);
     int inside = 0;
     for (uint32_t i = lo + 1; i < n && map[i] <= last; ++i) ++inside;
     steps_ = std::max(steps_, inside);
+
+    NearestStep& e = nearest_[b - kFirstBucket];
+    e.base = map_encode_nearest(map, n, first);
+    e.threshold = std::numeric_limits<float>::infinity();
+    int jumps = 0;
+    for (uint32_t j = e.base + 1; j < n && up[j] <= last_key; ++j) {
+      if (up[j] > first_key) {
+        e.threshold = bucket_value(up[j]);
+        ++jumps;
+      }
+    }
+    nearest_direct_ = nearest_direct_ && jumps <= 1;
   }
 }
 

@@ -1,11 +1,15 @@
-// O(1) nearest-code search on the CPU: a table over the float bit patterns of x in [-1, 1].
+// O(1) code search on the CPU: tables over the float bit patterns of x in [-1, 1].
 //
 // x is reduced to a 16-bit bucket of its order-preserving bit pattern (sign, exponent and the top 7
-// mantissa bits), and the table holds the floor index of the map at the start of each bucket. A
-// bucket is narrower than the gap between neighbouring values of the dynamic and linear maps, so
-// one branch-free comparison finishes the search; maps with closer values get as many steps as
-// their densest bucket needs, and beyond kMaxRefine the binary search of qmap.h takes over. The
-// answer is always exactly map_floor_index(map, n, x), so CPU and CUDA codes agree.
+// mantissa bits). A bucket is narrower than the gap between neighbouring values of the dynamic and
+// linear maps, so it holds at most one step of any of the step functions below:
+// - floor_index: the floor index at the start of each bucket; one branch-free comparison finishes
+//   the search (maps with closer values get as many steps as their densest bucket needs, and beyond
+//   kMaxRefine the binary search of qmap.h takes over). Stochastic rounding starts from it.
+// - nearest: the nearest code is itself a non-decreasing step function of x, so each bucket stores
+//   its code at the bucket start and the exact x at which it steps up, found at build time by
+//   bisecting map_encode_nearest over float bit patterns. One load and one comparison per element.
+// Both answers equal those of qmap.h's binary search exactly, so CPU and CUDA codes agree.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +47,14 @@ class MapIndex {
     return i;
   }
 
+  // map_encode_nearest(map, n, x) for x in [-1, 1] with bucket16(x) == bucket; needs nearest_direct().
+  uint32_t nearest(float x, uint32_t bucket) const {
+    const NearestStep& e = nearest_[bucket - kFirstBucket];
+    return e.base + static_cast<uint32_t>(x >= e.threshold);
+  }
+
+  // True when no bucket holds more than one step of the nearest code.
+  bool nearest_direct() const { return nearest_direct_; }
   // Refinement steps the densest bucket needs; above kMaxRefine use map_floor_index instead.
   int steps() const { return steps_; }
   // The map followed by +inf, so that padded()[floor + 1] is always readable.
@@ -51,10 +63,17 @@ class MapIndex {
   bool matches(const float* map, uint32_t n) const;
 
  private:
+  struct NearestStep {
+    float threshold;  // smallest x of the bucket with code base + 1 (+inf if none)
+    uint32_t base;    // code at the bucket's first x
+  };
+
   uint32_t n_;
   int steps_;
+  bool nearest_direct_;
   std::vector<float> padded_;
   std::vector<uint8_t> start_;
+  std::vector<NearestStep> nearest_;
 };
 
 // The index for this map, built on first use and kept in a small cache keyed by the map values.

@@ -67,31 +67,56 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
   const MapSpan span{*index};
   for (int j = 0; j < cnt; j += kTile) {
     const int m = std::min(kTile, cnt - j);
-    span.encode<false>(in + j, m, amax, 0, 0, tile);
+    span.encode<false>(in + j, m, amax, RngKey{0, 0}, 0, tile);
     for (int i = 0; i < m; ++i) codes[j + i] = static_cast<uint8_t>(tile[i]);
   }
 }
 
-template <Rule kRule, typename T>
+// The update loop keeps everything it reads in locals and restrict pointers so that it
+// vectorises; kStates is a template argument for the same reason.
+template <Rule kRule, int kStates, typename T>
 void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index) {
   const int64_t lo = block * a.block_size;
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
+  const StepHyper h = a.hyper;
+  const StepScalars sc = t.scalars;
   float s[2][kMaxBlock];
-  for (int k = 0; k < a.n_states; ++k) load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, s[k]);
-  T* param = static_cast<T*>(t.param) + lo;
-  const T* grad = static_cast<const T*>(t.grad) + lo;
-  uint32_t max_bits[2] = {0, 0};
-  float unused = 0.f;
+  for (int k = 0; k < kStates; ++k) load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, s[k]);
+  T* __restrict param = static_cast<T*>(t.param) + lo;
+  const T* __restrict grad = static_cast<const T*>(t.grad) + lo;
+  float* __restrict s1 = s[0];
+  float* __restrict s2 = s[1];
+  uint32_t max1 = 0;
+  uint32_t max2 = 0;
   for (int i = 0; i < cnt; ++i) {
     float p = to_float(param[i]);
-    float& s1 = a.n_states > 0 ? s[0][i] : unused;
-    float& s2 = a.n_states > 1 ? s[1][i] : unused;
-    apply_rule(kRule, a.hyper, t.scalars, p, to_float(grad[i]), s1, s2);
+    float v1 = kStates > 0 ? s1[i] : 0.f;
+    float v2 = kStates > 1 ? s2[i] : 0.f;
+    apply_rule(kRule, h, sc, p, to_float(grad[i]), v1, v2);
     param[i] = from_float<T>(p);
-    max_bits[0] = std::max(max_bits[0], abs_bits(s1));
-    max_bits[1] = std::max(max_bits[1], abs_bits(s2));
+    if (kStates > 0) {
+      s1[i] = v1;
+      max1 = std::max(max1, abs_bits(v1));
+    }
+    if (kStates > 1) {
+      s2[i] = v2;
+      max2 = std::max(max2, abs_bits(v2));
+    }
   }
-  for (int k = 0; k < a.n_states; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], s[k]);
+  const uint32_t max_bits[2] = {max1, max2};
+  for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], s[k]);
+}
+
+template <Rule kRule, typename T>
+void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index) {
+  switch (a.n_states) {
+    case 0:
+      return step_block<kRule, 0, T>(a, t, block, index);
+    case 1:
+      return step_block<kRule, 1, T>(a, t, block, index);
+    default:
+      return step_block<kRule, 2, T>(a, t, block, index);
+  }
 }
 
 // Tensor of global block b: the last row whose kFirstBlock is <= b.

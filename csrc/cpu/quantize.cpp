@@ -53,12 +53,14 @@ struct LinearSpan {
   float qmax;
 
   template <bool kSR, typename T>
-  void encode(const T* x, int cnt, float absmax, uint64_t key, uint64_t counter, uint32_t* codes) const {
+  void encode(const T* x, int cnt, float absmax, RngKey key, uint64_t counter, uint32_t* codes) const {
     float y[kTile];
     normalise_tile(x, cnt, absmax, y);
     for (int j = 0; j < cnt; ++j) y[j] = linear_clamp(y[j] * qmax, qmax);
     if (kSR) {
-      for (int j = 0; j < cnt; ++j) codes[j] = linear_code_stochastic(y[j], qmax, uniform01(key, counter + j));
+      float u[kTile];
+      uniform_tile(key, counter, cnt, u);
+      for (int j = 0; j < cnt; ++j) codes[j] = linear_code_stochastic(y[j], qmax, u[j]);
     } else {
       for (int j = 0; j < cnt; ++j) codes[j] = linear_code_nearest(y[j], qmax);
     }
@@ -67,7 +69,7 @@ struct LinearSpan {
 
 // Encodes x[begin, end) of one block; begin is a multiple of kGroup.
 template <bool kSR, typename T, typename Span>
-void encode_range(const T* x, int64_t begin, int64_t end, float absmax, const Span& span, int bits, uint64_t key,
+void encode_range(const T* x, int64_t begin, int64_t end, float absmax, const Span& span, int bits, RngKey key,
                   uint64_t offset, uint8_t* out) {
   uint32_t codes[kTile];
   for (int64_t t = begin; t < end; t += kTile) {
@@ -91,7 +93,7 @@ template <bool kSR, typename T, typename Span>
 void quantize_impl(const QuantizeArgs& a, const Span& span, int threads) {
   const T* x = static_cast<const T*>(a.x);
   const int64_t n = a.n;
-  const uint64_t key = rng_key(a.seed);
+  const RngKey key = rng_key(a.seed);
   const bool par = threads > 1 && n >= kParallelMin;
   if (a.blocksize > 0) {
     const int64_t bs = a.blocksize;

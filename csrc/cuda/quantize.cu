@@ -122,7 +122,7 @@ __global__ void absmax_tensor_kernel(const T* x, int64_t n, bool vec, unsigned i
 // share one quantization block. Tensor-wise: absmax[0] already holds the absmax bit pattern.
 template <bool kSR, bool kTensorwise, typename T, typename Coder>
 __global__ void quantize_kernel(const T* x, int64_t n, Coder coder, int bits, int log2_bs, int groups_per_block,
-                                uint64_t key, uint64_t offset, bool vec, uint8_t* out, float* absmax) {
+                                RngKey key, uint64_t offset, bool vec, uint8_t* out, float* absmax) {
   __shared__ float smap[kMaxMap];
   __shared__ uint32_t warp_max[32];
   const Coder c = shared_coder(coder, smap);
@@ -233,7 +233,7 @@ template <bool kSR, typename T, typename Coder>
 void launch_quantize(const QuantizeArgs& a, const Coder& coder, cudaStream_t stream) {
   const T* x = static_cast<const T*>(a.x);
   const bool vec = aligned16(a.x) && aligned16(a.out);
-  const uint64_t key = rng_key(a.seed);
+  const RngKey key = rng_key(a.seed);
   if (a.blocksize > 0) {
     const int groups_per_block = static_cast<int>(a.blocksize / kGroup);
     const int threads = std::max(kThreads, groups_per_block);
