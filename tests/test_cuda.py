@@ -104,3 +104,21 @@ def test_optimizer_steps_identical_on_cpu_and_cuda(name, dtype):
         _exact(p.detach(), q.detach())
         for key, value in o_cpu.state[p].items():
             _exact(value, o_gpu.state[q][key])
+
+
+def test_optimizer_state_dict_moves_between_devices():
+    import lowbit.optim as O
+
+    p = torch.nn.Parameter(torch.randn(10_000))
+    opt = O.AdamW8bit([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    q = torch.nn.Parameter(p.detach().cuda())
+    opt_gpu = O.AdamW8bit([q])
+    opt_gpu.load_state_dict(opt.state_dict())
+    assert opt_gpu.state[q]["state1"].device == q.device and opt_gpu.state[q]["state1"].dtype == torch.uint8
+    g = torch.randn_like(p)
+    p.grad, q.grad = g, g.cuda()
+    opt.step()
+    opt_gpu.step()
+    _exact(p.detach(), q.detach())
