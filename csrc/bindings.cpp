@@ -1,11 +1,13 @@
 // lowbit._C: pointer-level entry points for lowbit/_ops.py, plus build information.
 // Nothing here sees a torch tensor; the GIL is released around every native loop.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <omp.h>
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 
@@ -35,24 +37,30 @@ DequantizeArgs dequantize_args(uintptr_t in, uintptr_t absmax, int64_t n, uintpt
                         blocksize,              ptr<void>(out),           dtype};
 }
 
-lowbit::OptimArgs optim_args(int rule, float lr, float beta1, float beta2, float one_minus_beta1,
-                             float one_minus_beta2, float eps, float weight_decay, float decay, int flags,
-                             int n_states, int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t meta,
-                             uintptr_t scalars, int64_t count, int64_t total_blocks) {
-  if (rule < 0 || rule > static_cast<int>(lowbit::Rule::Adagrad)) {
+// hyper: lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay, max_unorm.
+lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states,
+                             int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars,
+                             uintptr_t grad_scales, int64_t count, int64_t total_blocks) {
+  if (rule < 0 || rule > static_cast<int>(lowbit::Rule::Lamb)) {
     throw std::invalid_argument("lowbit: unknown optimizer rule " + std::to_string(rule));
   }
-  return lowbit::OptimArgs{static_cast<lowbit::Rule>(rule),
-                           lowbit::StepHyper{lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay,
-                                             decay, flags},
-                           n_states,
-                           block_size,
-                           ptr<const float>(map1),
-                           ptr<const float>(map2),
-                           ptr<const int64_t>(meta),
-                           ptr<const float>(scalars),
-                           count,
-                           total_blocks};
+  if (hyper.size() != 9) throw std::invalid_argument("lowbit: optimizer hyper must hold 9 values");
+  if (norm_mode < lowbit::kNormNone || norm_mode > lowbit::kNormClip) {
+    throw std::invalid_argument("lowbit: unknown norm mode " + std::to_string(norm_mode));
+  }
+  return lowbit::OptimArgs{
+      static_cast<lowbit::Rule>(rule),
+      lowbit::StepHyper{hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5], hyper[6], hyper[7], flags,
+                        norm_mode, hyper[8]},
+      n_states,
+      block_size,
+      ptr<const float>(map1),
+      ptr<const float>(map2),
+      ptr<const int64_t>(meta),
+      ptr<const float>(scalars),
+      ptr<const float>(grad_scales),
+      count,
+      total_blocks};
 }
 
 py::dict build_info() {
@@ -119,12 +127,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "optimizer_step_cpu",
-      [](int rule, float lr, float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float eps,
-         float weight_decay, float decay, int flags, int n_states, int64_t block_size, uintptr_t map1, uintptr_t map2,
-         uintptr_t meta, uintptr_t scalars, int64_t count, int64_t total_blocks, int threads) {
-        lowbit::cpu::optimizer_step(optim_args(rule, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
-                                               weight_decay, decay, flags, n_states, block_size, map1, map2, meta,
-                                               scalars, count, total_blocks),
+      [](int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states, int64_t block_size,
+         uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales, int64_t count,
+         int64_t total_blocks, int threads) {
+        lowbit::cpu::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, meta,
+                                               scalars, grad_scales, count, total_blocks),
                                     threads);
       },
       nogil);
@@ -150,12 +157,11 @@ PYBIND11_MODULE(_C, m) {
       nogil);
   m.def(
       "optimizer_step_cuda",
-      [](int rule, float lr, float beta1, float beta2, float one_minus_beta1, float one_minus_beta2, float eps,
-         float weight_decay, float decay, int flags, int n_states, int64_t block_size, uintptr_t map1, uintptr_t map2,
-         uintptr_t meta, uintptr_t scalars, int64_t count, int64_t total_blocks, int device, uintptr_t stream) {
-        lowbit::cuda::optimizer_step(optim_args(rule, lr, beta1, beta2, one_minus_beta1, one_minus_beta2, eps,
-                                                weight_decay, decay, flags, n_states, block_size, map1, map2, meta,
-                                                scalars, count, total_blocks),
+      [](int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states, int64_t block_size,
+         uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales, int64_t count,
+         int64_t total_blocks, int device, uintptr_t stream) {
+        lowbit::cuda::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, meta,
+                                                scalars, grad_scales, count, total_blocks),
                                      device, stream);
       },
       nogil);

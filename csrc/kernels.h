@@ -73,6 +73,7 @@ struct OptimArgs {
   const float* map2;
   const int64_t* meta;
   const float* scalars;
+  const float* grad_scales;  // one gradient multiplier per tensor, or null for none
   int64_t count;
   int64_t total_blocks;
 };

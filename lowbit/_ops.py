@@ -8,6 +8,7 @@ work on flat element streams; shapes, maps and argument policy live in :mod:`low
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -337,34 +338,44 @@ def optimizer_step_(
     absmax1: list[Tensor],
     absmax2: list[Tensor],
     scalars: list[float],
+    grad_scales: Optional[Tensor],
     map1: Tensor,
     map2: Tensor,
     rule: int,
     hyper: list[float],
     flags: int,
+    norm_mode: int,
     n_states: int,
     block_size: int,
 ) -> None:
     """One fused optimizer step over all tensors of a parameter group, updating params and states.
 
     ``scalars`` holds 3 floats per tensor (step size, sqrt of Adam's second bias correction, 1.0 on
-    the first step); ``hyper`` holds lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay,
-    1 - lr * weight_decay. A state is either uint8 codes into ``map1``/``map2`` with one fp32 absmax
-    per block of ``block_size`` elements, or an fp32 tensor (then its absmax entry is unused).
+    the first step); ``grad_scales`` (optional, fp32, one per tensor, on the params' device) multiplies
+    each gradient; ``hyper`` holds lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay,
+    1 - lr * weight_decay, max_unorm; ``norm_mode`` selects LAMB's trust ratio (1) or max_unorm
+    clipping (2). A state is either uint8 codes into ``map1``/``map2`` with one fp32 absmax per block
+    of ``block_size`` elements, or an fp32 tensor (then its absmax entry is unused).
     """
     _check(0 <= n_states <= 2, f"n_states must be 0, 1 or 2, got {n_states}")
+    _check(norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {norm_mode}")
     _check_blocksize(block_size)
     _check(block_size > 0, "block_size must be positive for optimizer states")
-    _check(len(hyper) == 8, f"hyper must hold 8 values, got {len(hyper)}")
+    _check(len(hyper) == 9, f"hyper must hold 9 values, got {len(hyper)}")
     _check(len(scalars) == _SCALAR_COLS * len(params), "scalars must hold 3 values per tensor")
+    if grad_scales is not None:
+        _check_input("grad_scales", grad_scales, (torch.float32,))
+        _check(grad_scales.numel() == len(params), "grad_scales must hold one value per tensor")
     states, absmaxes = [state1, state2], [absmax1, absmax2]
     widths = _check_step_tensors(params, grads, states, absmaxes, n_states, block_size)
     if not params:
         return
     device = params[0].device
-    for name, m in (("map1", map1), ("map2", map2)):
-        _check_map(m, 8)
-        _check_same_device("params[0]", params[0], **{name: m})
+    for name, t in (("map1", map1), ("map2", map2), ("grad_scales", grad_scales)):
+        if t is not None:
+            _check_same_device("params[0]", params[0], **{name: t})
+    _check_map(map1, 8)
+    _check_map(map2, 8)
     rows = []
     first_block = 0
     for i, p in enumerate(params):
@@ -379,14 +390,16 @@ def optimizer_step_(
         meta, scal = (t.pin_memory().to(device, non_blocking=True) for t in (meta, scal))
     _launch("optimizer_step", device)(
         rule,
-        *hyper,
+        hyper,
         flags,
+        norm_mode,
         n_states,
         block_size,
         map1.data_ptr(),
         map2.data_ptr(),
         meta.data_ptr(),
         scal.data_ptr(),
+        grad_scales.data_ptr() if grad_scales is not None else 0,
         len(params),
         first_block,
     )
@@ -401,11 +414,13 @@ def _(
     absmax1: list[Tensor],
     absmax2: list[Tensor],
     scalars: list[float],
+    grad_scales: Optional[Tensor],
     map1: Tensor,
     map2: Tensor,
     rule: int,
     hyper: list[float],
     flags: int,
+    norm_mode: int,
     n_states: int,
     block_size: int,
 ) -> None:

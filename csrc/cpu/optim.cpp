@@ -3,6 +3,7 @@
 // requantized against a fresh block absmax (8bit-optimizers.txt section 2: "dequantize ... perform
 // the update, and then quantize the states back to 8-bit").
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -41,7 +42,8 @@ TensorView view(const OptimArgs& a, int64_t t) {
                     m[kNumel],
                     static_cast<int>(m[kDtype]),
                     m[kStateBits] == 8,
-                    StepScalars{s[kStepSize], s[kBias2Sqrt], s[kFirst] != 0.f}};
+                    StepScalars{s[kStepSize], s[kBias2Sqrt], s[kFirst] != 0.f,
+                                a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f}};
 }
 
 void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, const float* map, float* out) {
@@ -107,6 +109,44 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const Ma
   for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], s[k]);
 }
 
+// Pre-pass of the norm modes: sums of p^2 (before the step) and u^2 over one block, computed from
+// copies of the states so that nothing is written.
+template <Rule kRule, int kStates, typename T>
+void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, double* sums) {
+  const int64_t lo = block * a.block_size;
+  const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
+  const StepHyper h = a.hyper;
+  const StepScalars sc = t.scalars;
+  float s[2][kMaxBlock];
+  for (int k = 0; k < kStates; ++k) load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, s[k]);
+  const T* param = static_cast<const T*>(t.param) + lo;
+  const T* grad = static_cast<const T*>(t.grad) + lo;
+  double pp = 0.0;
+  double uu = 0.0;
+  for (int i = 0; i < cnt; ++i) {
+    const float p = to_float(param[i]);
+    float v1 = kStates > 0 ? s[0][i] : 0.f;
+    float v2 = kStates > 1 ? s[1][i] : 0.f;
+    const float u = rule_step(kRule, h, sc, p, effective_grad(h, sc, to_float(grad[i])), v1, v2);
+    pp += static_cast<double>(p) * p;
+    uu += static_cast<double>(u) * u;
+  }
+  sums[0] = pp;
+  sums[1] = uu;
+}
+
+template <Rule kRule, typename T>
+void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, double* sums) {
+  switch (a.n_states) {
+    case 0:
+      return norm_block<kRule, 0, T>(a, t, block, sums);
+    case 1:
+      return norm_block<kRule, 1, T>(a, t, block, sums);
+    default:
+      return norm_block<kRule, 2, T>(a, t, block, sums);
+  }
+}
+
 template <Rule kRule, typename T>
 void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index) {
   switch (a.n_states) {
@@ -150,7 +190,29 @@ void step_all(const OptimArgs& a, int threads) {
     owned[k] = map_index(k == 0 ? a.map1 : a.map2, 256);
     index[k] = owned[k].get();
   }
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && elements >= (1 << 15))
+  const bool par = threads > 1 && elements >= (1 << 15);
+  if (a.hyper.norm_mode != kNormNone) {
+    // Per-block partial sums, then per-tensor sums in block order: deterministic for any thread count.
+    std::vector<double> sums(2 * a.total_blocks);
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+    for (int64_t b = 0; b < a.total_blocks; ++b) {
+      const int64_t t = tensor_of_block(a, b);
+      const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
+      LB_DISPATCH_DTYPE(tensors[t].dtype, norm_block<kRule, scalar_t>(a, tensors[t], block, &sums[2 * b]));
+    }
+    for (int64_t t = 0; t < a.count; ++t) {
+      const int64_t first = a.meta[t * kMetaCols + kFirstBlock];
+      const int64_t last = t + 1 < a.count ? a.meta[(t + 1) * kMetaCols + kFirstBlock] : a.total_blocks;
+      double pp = 0.0;
+      double uu = 0.0;
+      for (int64_t b = first; b < last; ++b) {
+        pp += sums[2 * b];
+        uu += sums[2 * b + 1];
+      }
+      tensors[t].scalars.update_scale = update_scale(a.hyper, std::sqrt(pp), std::sqrt(uu));
+    }
+  }
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
   for (int64_t b = 0; b < a.total_blocks; ++b) {
     const int64_t t = tensor_of_block(a, b);
     const TensorView& tv = tensors[t];
@@ -173,6 +235,8 @@ void optimizer_step(const OptimArgs& a, int threads) {
       return step_all<Rule::RMSprop>(a, threads);
     case Rule::Adagrad:
       return step_all<Rule::Adagrad>(a, threads);
+    case Rule::Lamb:
+      return step_all<Rule::Lamb>(a, threads);
   }
 }
 

@@ -1,7 +1,7 @@
-// Fused optimizer step on CUDA: one launch per call, one thread block per quantization block of any
-// tensor in the call. Threads dequantize their elements into registers, apply the rule of
-// optim_rules.h, reduce the new block absmax, and requantize (8bit-optimizers.txt section 2:
-// "8-bit to 32-bit conversion element-by-element in registers").
+// Fused optimizer step on CUDA: one launch per call (three with a norm mode), one thread block per
+// quantization block of any tensor in the call. Threads dequantize their elements into registers,
+// apply the rule of optim_rules.h, reduce the new block absmax, and requantize
+// (8bit-optimizers.txt section 2: "8-bit to 32-bit conversion element-by-element in registers").
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -55,12 +55,64 @@ __device__ uint32_t block_max(uint32_t v, uint32_t* scratch) {
   return m;
 }
 
+__device__ StepScalars tensor_scalars(const OptimArgs& a, int64_t t, const float* update_scales) {
+  const float* sc = a.scalars + t * kScalarCols;
+  return StepScalars{sc[kStepSize], sc[kBias2Sqrt], sc[kFirst] != 0.f,
+                     a.grad_scales != nullptr ? a.grad_scales[t] : 1.f,
+                     update_scales != nullptr ? update_scales[t] : 1.f};
+}
+
+// Sum over the thread block in a fixed tree order (deterministic); every thread gets the result.
+__device__ double block_sum(double v, double* scratch) {
+  __syncthreads();
+  scratch[threadIdx.x] = v;
+  __syncthreads();
+  for (int width = blockDim.x / 2; width > 0; width /= 2) {
+    if (threadIdx.x < width) scratch[threadIdx.x] += scratch[threadIdx.x + width];
+    __syncthreads();
+  }
+  return scratch[0];
+}
+
+// Norm pre-pass: per-block sums of p^2 and u^2 from copies of the states (nothing is written).
+template <Rule kRule, typename T>
+__device__ void norm_block(const OptimArgs& a, const BlockTask& task, const float* smap1, const float* smap2,
+                           double* scratch, double* sums) {
+  const int64_t* m = a.meta + task.tensor * kMetaCols;
+  const StepScalars scalars = tensor_scalars(a, task.tensor, nullptr);
+  const bool eight_bit = m[kStateBits] == 8;
+  const int64_t block = task.lo / a.block_size;
+  const T* param = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kParam])) + task.lo;
+  const T* grad = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kGrad])) + task.lo;
+  const float* maps[2] = {smap1, smap2};
+  double pp = 0.0;
+  double uu = 0.0;
+  for (int i = threadIdx.x; i < task.cnt; i += blockDim.x) {
+    float s[2] = {0.f, 0.f};
+    for (int k = 0; k < a.n_states; ++k) {
+      const int64_t ptr = m[kState1 + k];
+      s[k] = eight_bit ? maps[k][reinterpret_cast<const uint8_t*>(ptr)[task.lo + i]] *
+                             reinterpret_cast<const float*>(m[kAbsmax1 + k])[block]
+                       : reinterpret_cast<const float*>(ptr)[task.lo + i];
+    }
+    const float p = to_float(param[i]);
+    const float u = rule_step(kRule, a.hyper, scalars, p, effective_grad(a.hyper, scalars, to_float(grad[i])), s[0], s[1]);
+    pp += static_cast<double>(p) * p;
+    uu += static_cast<double>(u) * u;
+  }
+  pp = block_sum(pp, scratch);
+  uu = block_sum(uu, scratch);
+  if (threadIdx.x == 0) {
+    sums[0] = pp;
+    sums[1] = uu;
+  }
+}
+
 template <Rule kRule, typename T>
 __device__ void step_block(const OptimArgs& a, const BlockTask& task, const float* smap1, const float* smap2,
-                           uint32_t* scratch) {
+                           uint32_t* scratch, const float* update_scales) {
   const int64_t* m = a.meta + task.tensor * kMetaCols;
-  const float* sc = a.scalars + task.tensor * kScalarCols;
-  const StepScalars scalars{sc[kStepSize], sc[kBias2Sqrt], sc[kFirst] != 0.f};
+  const StepScalars scalars = tensor_scalars(a, task.tensor, update_scales);
   const bool eight_bit = m[kStateBits] == 8;
   const int64_t block = task.lo / a.block_size;
   T* param = reinterpret_cast<T*>(static_cast<uintptr_t>(m[kParam])) + task.lo;
@@ -115,26 +167,69 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
   }
 }
 
-template <Rule kRule>
-__global__ void optimizer_kernel(OptimArgs a) {
-  __shared__ float smap[2][256];
-  __shared__ uint32_t scratch[kMaxThreads / 32];
+__device__ void load_maps(const OptimArgs& a, float (*smap)[256]) {
   for (int i = threadIdx.x; i < 256; i += blockDim.x) {
     smap[0][i] = a.map1[i];
     smap[1][i] = a.map2[i];
   }
   __syncthreads();
+}
+
+template <Rule kRule>
+__global__ void norm_kernel(OptimArgs a, double* sums) {
+  __shared__ float smap[2][256];
+  __shared__ double scratch[kMaxThreads];
+  load_maps(a, smap);
   for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
     const BlockTask task = find_block(a, b);
     switch (static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype])) {
       case static_cast<int>(DType::F32):
-        step_block<kRule, float>(a, task, smap[0], smap[1], scratch);
+        norm_block<kRule, float>(a, task, smap[0], smap[1], scratch, sums + 2 * b);
         break;
       case static_cast<int>(DType::F16):
-        step_block<kRule, Half>(a, task, smap[0], smap[1], scratch);
+        norm_block<kRule, Half>(a, task, smap[0], smap[1], scratch, sums + 2 * b);
         break;
       default:
-        step_block<kRule, BFloat16>(a, task, smap[0], smap[1], scratch);
+        norm_block<kRule, BFloat16>(a, task, smap[0], smap[1], scratch, sums + 2 * b);
+        break;
+    }
+  }
+}
+
+// One thread block per tensor: its block sums in a fixed order, then the update scale.
+__global__ void scale_kernel(OptimArgs a, const double* sums, float* update_scales) {
+  __shared__ double scratch[kMaxThreads];
+  for (int64_t t = blockIdx.x; t < a.count; t += gridDim.x) {
+    const int64_t first = a.meta[t * kMetaCols + kFirstBlock];
+    const int64_t last = t + 1 < a.count ? a.meta[(t + 1) * kMetaCols + kFirstBlock] : a.total_blocks;
+    double pp = 0.0;
+    double uu = 0.0;
+    for (int64_t b = first + threadIdx.x; b < last; b += blockDim.x) {
+      pp += sums[2 * b];
+      uu += sums[2 * b + 1];
+    }
+    pp = block_sum(pp, scratch);
+    uu = block_sum(uu, scratch);
+    if (threadIdx.x == 0) update_scales[t] = update_scale(a.hyper, sqrt(pp), sqrt(uu));
+  }
+}
+
+template <Rule kRule>
+__global__ void optimizer_kernel(OptimArgs a, const float* update_scales) {
+  __shared__ float smap[2][256];
+  __shared__ uint32_t scratch[kMaxThreads / 32];
+  load_maps(a, smap);
+  for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
+    const BlockTask task = find_block(a, b);
+    switch (static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype])) {
+      case static_cast<int>(DType::F32):
+        step_block<kRule, float>(a, task, smap[0], smap[1], scratch, update_scales);
+        break;
+      case static_cast<int>(DType::F16):
+        step_block<kRule, Half>(a, task, smap[0], smap[1], scratch, update_scales);
+        break;
+      default:
+        step_block<kRule, BFloat16>(a, task, smap[0], smap[1], scratch, update_scales);
         break;
     }
   }
@@ -144,9 +239,25 @@ template <Rule kRule>
 void launch(const OptimArgs& a, cudaStream_t stream) {
   const int threads = static_cast<int>(std::min<int64_t>(a.block_size, kMaxThreads));
   // Grid-stride loop over quantization blocks, so a capped grid covers any number of them.
-  const int64_t grid = std::min<int64_t>(a.total_blocks, int64_t{1} << 20);
-  optimizer_kernel<kRule><<<static_cast<unsigned int>(grid), threads, 0, stream>>>(a);
+  const auto grid = static_cast<unsigned int>(std::min<int64_t>(a.total_blocks, int64_t{1} << 20));
+  float* update_scales = nullptr;
+  double* sums = nullptr;
+  if (a.hyper.norm_mode != kNormNone) {
+    // Stream-ordered scratch: no device synchronisation, freed in stream order after use.
+    LB_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&sums), 2 * a.total_blocks * sizeof(double), stream));
+    LB_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&update_scales), a.count * sizeof(float), stream));
+    norm_kernel<kRule><<<grid, threads, 0, stream>>>(a, sums);
+    LB_CUDA_LAUNCH_CHECK();
+    const auto tensors = static_cast<unsigned int>(std::min<int64_t>(a.count, int64_t{1} << 16));
+    scale_kernel<<<tensors, kMaxThreads, 0, stream>>>(a, sums, update_scales);
+    LB_CUDA_LAUNCH_CHECK();
+  }
+  optimizer_kernel<kRule><<<grid, threads, 0, stream>>>(a, update_scales);
   LB_CUDA_LAUNCH_CHECK();
+  if (sums != nullptr) {
+    LB_CUDA_CHECK(cudaFreeAsync(sums, stream));
+    LB_CUDA_CHECK(cudaFreeAsync(update_scales, stream));
+  }
 }
 
 }  // namespace
@@ -166,6 +277,8 @@ void optimizer_step(const OptimArgs& a, int device, uintptr_t stream_handle) {
       return launch<Rule::RMSprop>(a, stream);
     case Rule::Adagrad:
       return launch<Rule::Adagrad>(a, stream);
+    case Rule::Lamb:
+      return launch<Rule::Lamb>(a, stream);
   }
 }
 

@@ -13,111 +13,141 @@
 
 namespace lowbit {
 
-// Matches lowbit/optim/_rules.py: RULE_CODES.
-enum class Rule : int { Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adagrad = 4 };
+// Matches lowbit/optim/optimizer.py: RULE_CODES.
+enum class Rule : int { Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adagrad = 4, Lamb = 5 };
+
+// How the per-tensor update_scale is derived from a pre-pass over the update (csrc/*/optim.*):
+// kNormNone: 1; kNormTrust: LAMB's trust ratio ||p|| / ||r||; kNormClip: min(1, max_unorm * ||p|| /
+// ||u / lr||), bitsandbytes' max_unorm (skipped for a zero parameter, which would never move).
+enum NormMode : int { kNormNone = 0, kNormTrust = 1, kNormClip = 2 };
 
 // Hyperparameters of one native call. Derived constants (1 - beta, 1 - lr * wd, ...) are computed
 // in double on the host and rounded once, as torch.optim does with Python floats, so that the fp32
 // arithmetic below matches torch's. Fields a rule does not use are ignored.
 struct StepHyper {
   float lr;
-  float beta1;            // Adam/Lion beta1, SGD/RMSprop momentum
-  float beta2;            // Adam/Lion beta2, RMSprop alpha
+  float beta1;            // Adam/Lion/LAMB beta1, SGD/RMSprop momentum
+  float beta2;            // Adam/Lion/LAMB beta2, RMSprop alpha
   float one_minus_beta1;  // SGD: 1 - dampening
   float one_minus_beta2;
   float eps;
   float weight_decay;
   float decay;            // 1 - lr * weight_decay (decoupled decay)
   int32_t flags;          // kDecoupled | kNesterov | kMaximize
+  int32_t norm_mode;      // NormMode
+  float max_unorm;
 };
 
 constexpr int32_t kDecoupled = 1;  // AdamW/Lion-style weight decay: p *= 1 - lr * wd
 constexpr int32_t kNesterov = 2;
 constexpr int32_t kMaximize = 4;
 
-// Per-tensor constants from the step count, computed on the host in double.
+// Per-tensor constants: the first three from the step count, computed on the host in double.
 struct StepScalars {
-  float step_size;   // Adam: lr / (1 - beta1^t); Adagrad: lr / (1 + (t-1) lr_decay); others: lr
-  float bias2_sqrt;  // Adam: sqrt(1 - beta2^t)
-  bool first;        // t == 1 (SGD momentum buffer initialisation)
+  float step_size;     // Adam: lr / (1 - beta1^t); LAMB: 1 / (1 - beta1^t); Adagrad: lr / (1 + (t-1) lr_decay)
+  float bias2_sqrt;    // Adam/LAMB: sqrt(1 - beta2^t)
+  bool first;          // t == 1 (SGD momentum buffer initialisation)
+  float grad_scale;    // gradient multiplier (percentile clipping), 1 otherwise
+  float update_scale;  // from the norm pre-pass (NormMode), 1 otherwise
 };
 
+// Each rule updates its states and returns the step u that is subtracted from the parameter:
+// p <- p - update_scale * u, after decoupled decay. Multiplying by an update_scale of 1 is exact,
+// so without a norm mode the arithmetic is torch.optim's.
+
 // torch.optim.Adam / AdamW: s1 = exp_avg, s2 = exp_avg_sq.
-LB_HD void adam_update(const StepHyper& h, const StepScalars& s, float& p, float g, float& m, float& v) {
-  if (h.flags & kMaximize) g = -g;
-  if (h.weight_decay != 0.f) {
-    if (h.flags & kDecoupled) {
-      p = p * h.decay;
-    } else {
-      g = g + h.weight_decay * p;
-    }
-  }
+LB_HD float adam_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v) {
+  if (h.weight_decay != 0.f && !(h.flags & kDecoupled)) g = g + h.weight_decay * p;
   m = m + h.one_minus_beta1 * (g - m);
   v = v * h.beta2 + h.one_minus_beta2 * g * g;
   const float denom = sqrtf(v) / s.bias2_sqrt + h.eps;
-  p = p - s.step_size * m / denom;
+  return s.step_size * m / denom;
+}
+
+// LAMB (You et al. 2020): the Adam direction plus weight decay, scaled by the trust ratio.
+LB_HD float lamb_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v) {
+  m = m + h.one_minus_beta1 * (g - m);
+  v = v * h.beta2 + h.one_minus_beta2 * g * g;
+  const float r = (m * s.step_size) / (sqrtf(v) / s.bias2_sqrt + h.eps) + h.weight_decay * p;
+  return h.lr * r;
 }
 
 // torch.optim.SGD with momentum: s1 = momentum_buffer (initialised to the first gradient).
-LB_HD void sgd_update(const StepHyper& h, const StepScalars& s, float& p, float g, float& buf) {
-  if (h.flags & kMaximize) g = -g;
+LB_HD float sgd_step(const StepHyper& h, const StepScalars& s, float p, float g, float& buf) {
   if (h.weight_decay != 0.f) g = g + h.weight_decay * p;
   if (h.beta1 != 0.f) {
     buf = s.first ? g : buf * h.beta1 + h.one_minus_beta1 * g;
     g = (h.flags & kNesterov) ? g + h.beta1 * buf : buf;
   }
-  p = p - h.lr * g;
+  return h.lr * g;
 }
 
-// Lion (Chen et al. 2023): decoupled decay, sign of the interpolated momentum, then the EMA.
-LB_HD void lion_update(const StepHyper& h, float& p, float g, float& m) {
-  if (h.flags & kMaximize) g = -g;
-  if (h.weight_decay != 0.f) p = p * h.decay;
+// Lion (Chen et al. 2023): sign of the interpolated momentum, then the EMA; decay is decoupled.
+LB_HD float lion_step(const StepHyper& h, float g, float& m) {
   const float c = h.beta1 * m + h.one_minus_beta1 * g;
-  p = p - h.lr * (c > 0.f ? 1.f : (c < 0.f ? -1.f : 0.f));
   m = h.beta2 * m + h.one_minus_beta2 * g;
+  return h.lr * (c > 0.f ? 1.f : (c < 0.f ? -1.f : 0.f));
 }
 
 // torch.optim.RMSprop (centered=False): s1 = square_avg, s2 = momentum_buffer when momentum > 0.
-LB_HD void rmsprop_update(const StepHyper& h, float& p, float g, float& sq, float& buf) {
-  if (h.flags & kMaximize) g = -g;
+LB_HD float rmsprop_step(const StepHyper& h, float p, float g, float& sq, float& buf) {
   if (h.weight_decay != 0.f) g = g + h.weight_decay * p;
   sq = sq * h.beta2 + h.one_minus_beta2 * g * g;
   const float avg = sqrtf(sq) + h.eps;
   if (h.beta1 > 0.f) {
     buf = buf * h.beta1 + g / avg;
-    p = p - h.lr * buf;
-  } else {
-    p = p - h.lr * g / avg;
+    return h.lr * buf;
   }
+  return h.lr * g / avg;
 }
 
 // torch.optim.Adagrad: s1 = state_sum.
-LB_HD void adagrad_update(const StepHyper& h, const StepScalars& s, float& p, float g, float& sum) {
-  if (h.flags & kMaximize) g = -g;
+LB_HD float adagrad_step(const StepHyper& h, const StepScalars& s, float p, float g, float& sum) {
   if (h.weight_decay != 0.f) g = g + h.weight_decay * p;
   sum = sum + g * g;
-  p = p - s.step_size * g / (sqrtf(sum) + h.eps);
+  return s.step_size * g / (sqrtf(sum) + h.eps);
+}
+
+// The step u of the rule for gradient g (already scaled and sign-adjusted); updates the states.
+LB_HD float rule_step(Rule rule, const StepHyper& h, const StepScalars& s, float p, float g, float& s1, float& s2) {
+  switch (rule) {
+    case Rule::Adam:
+      return adam_step(h, s, p, g, s1, s2);
+    case Rule::SGD:
+      return sgd_step(h, s, p, g, s1);
+    case Rule::Lion:
+      return lion_step(h, g, s1);
+    case Rule::RMSprop:
+      return rmsprop_step(h, p, g, s1, s2);
+    case Rule::Adagrad:
+      return adagrad_step(h, s, p, g, s1);
+    case Rule::Lamb:
+      return lamb_step(h, s, p, g, s1, s2);
+  }
+  return 0.f;
+}
+
+LB_HD float effective_grad(const StepHyper& h, const StepScalars& s, float g) {
+  g = g * s.grad_scale;
+  return (h.flags & kMaximize) ? -g : g;
 }
 
 LB_HD void apply_rule(Rule rule, const StepHyper& h, const StepScalars& s, float& p, float g, float& s1, float& s2) {
-  switch (rule) {
-    case Rule::Adam:
-      adam_update(h, s, p, g, s1, s2);
-      break;
-    case Rule::SGD:
-      sgd_update(h, s, p, g, s1);
-      break;
-    case Rule::Lion:
-      lion_update(h, p, g, s1);
-      break;
-    case Rule::RMSprop:
-      rmsprop_update(h, p, g, s1, s2);
-      break;
-    case Rule::Adagrad:
-      adagrad_update(h, s, p, g, s1);
-      break;
+  const float u = rule_step(rule, h, s, p, effective_grad(h, s, g), s1, s2);
+  if (h.weight_decay != 0.f && (h.flags & kDecoupled)) p = p * h.decay;
+  p = p - s.update_scale * u;
+}
+
+// update_scale for one tensor from the pre-pass norms ||p|| (before the step) and ||u||.
+LB_HD float update_scale(const StepHyper& h, double p_norm, double u_norm) {
+  if (h.norm_mode == kNormTrust) {
+    return p_norm > 0 && u_norm > 0 ? static_cast<float>(p_norm * h.lr / u_norm) : 1.f;
   }
+  if (h.norm_mode == kNormClip) {
+    const double bound = static_cast<double>(h.max_unorm) * p_norm * h.lr;
+    return p_norm > 0 && u_norm > bound ? static_cast<float>(bound / u_norm) : 1.f;
+  }
+  return 1.f;
 }
 
 }  // namespace lowbit

@@ -3,6 +3,8 @@
 from lowbit.optim.config import clear_override, get_override, override
 from lowbit.optim.optimizer import LowbitOptimizer
 from lowbit.optim.optimizers import (
+    LAMB,
+    LARS,
     SGD,
     Adagrad,
     Adagrad8bit,
@@ -13,6 +15,10 @@ from lowbit.optim.optimizers import (
     AdamW,
     AdamW8bit,
     AdamW32bit,
+    LAMB8bit,
+    LAMB32bit,
+    LARS8bit,
+    LARS32bit,
     Lion,
     Lion8bit,
     Lion32bit,
@@ -24,6 +30,8 @@ from lowbit.optim.optimizers import (
 )
 
 __all__ = [
+    "LAMB",
+    "LARS",
     "SGD",
     "Adagrad",
     "Adagrad8bit",
@@ -34,6 +42,10 @@ __all__ = [
     "AdamW",
     "AdamW8bit",
     "AdamW32bit",
+    "LAMB8bit",
+    "LAMB32bit",
+    "LARS8bit",
+    "LARS32bit",
     "Lion",
     "Lion8bit",
     "Lion32bit",

@@ -31,6 +31,9 @@ OVERRIDABLE = frozenset(
         "dampening",
         "alpha",
         "lr_decay",
+        "max_unorm",
+        "percentile_clipping",
+        "trust_coefficient",
     }
 )
 

@@ -29,9 +29,11 @@ __all__ = ["LowbitOptimizer"]
 
 Params = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 
-# Matches include/lowbit/optim_rules.h: Rule and the flag bits.
-RULE_CODES = {"adam": 0, "sgd": 1, "lion": 2, "rmsprop": 3, "adagrad": 4}
+# Matches include/lowbit/optim_rules.h: Rule, the flag bits and NormMode.
+RULE_CODES = {"adam": 0, "sgd": 1, "lion": 2, "rmsprop": 3, "adagrad": 4, "lamb": 5}
 FLAG_DECOUPLED, FLAG_NESTEROV, FLAG_MAXIMIZE = 1, 2, 4
+NORM_NONE, NORM_TRUST, NORM_CLIP = 0, 1, 2
+GNORM_HISTORY = 100
 
 _MAPS: dict[tuple[bool, torch.device], Tensor] = {}
 
@@ -53,7 +55,22 @@ def _check_block_size(block_size: object) -> None:
 
 
 class LowbitOptimizer(torch.optim.Optimizer):
-    """Base class: subclasses name their update rule and states and map hyperparameters to the kernel.
+    """Base class of lowbit's optimizers; the options below are keyword arguments of every optimizer.
+
+    Args:
+        params: parameters or param groups.
+        defaults: the optimizer's hyperparameters (set by the subclass).
+        optim_bits: 8 for block-wise 8-bit states, 32 for fp32 states.
+        block_size: elements per quantization block of 8-bit states (a power of two, 64..4096). The
+            default 256 stores 2 + 8/256 = 2.031 bytes per parameter for Adam; see
+            ``benchmarks/RESULTS.md`` for the error against other block sizes.
+        min_8bit_size: parameters with fewer elements keep fp32 states.
+        max_unorm: if > 0, scales a tensor's update down so that its norm, divided by the learning
+            rate, is at most ``max_unorm * ||param||`` (bitsandbytes' option; a zero parameter is not
+            clipped, since it would never move).
+        percentile_clipping: if < 100, clips each gradient to this percentile of its last 100 norms
+            (bitsandbytes' option; lowbit ranks only the norms recorded so far, so the first steps
+            are not scaled towards zero by the empty history).
 
     Subclasses set ``_rule`` (a key of ``RULE_CODES``), ``_state_names`` (the torch.optim state names
     of state1/state2, used for interop) and ``_state_signed`` (which dynamic map each state uses),
@@ -64,21 +81,37 @@ class LowbitOptimizer(torch.optim.Optimizer):
     _rule: ClassVar[str]
     _state_names: ClassVar[tuple[str, ...]]
     _state_signed: ClassVar[tuple[bool, ...]]
+    _norm_mode: ClassVar[int] = NORM_NONE
 
     def __init__(
         self,
         params: Params,
         defaults: dict[str, Any],
-        optim_bits: int = 8,
+        *,
+        optim_bits: int = 32,
         block_size: int = 256,
         min_8bit_size: int = 4096,
+        max_unorm: float = 0.0,
+        percentile_clipping: int = 100,
     ) -> None:
         if optim_bits not in (8, 32) or isinstance(optim_bits, bool):
             raise ValueError(f"lowbit: optim_bits must be 8 or 32, got {optim_bits!r}")
         _check_block_size(block_size)
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
             raise ValueError(f"lowbit: min_8bit_size must be a non-negative int, got {min_8bit_size!r}")
-        defaults = dict(defaults, optim_bits=optim_bits, block_size=block_size, min_8bit_size=min_8bit_size)
+        check_finite_nonneg("max_unorm", max_unorm)
+        if isinstance(percentile_clipping, bool) or not isinstance(percentile_clipping, int):
+            raise ValueError(f"lowbit: percentile_clipping must be an int in 1..100, got {percentile_clipping!r}")
+        if not 1 <= percentile_clipping <= 100:
+            raise ValueError(f"lowbit: percentile_clipping must be in 1..100, got {percentile_clipping}")
+        defaults = dict(
+            defaults,
+            optim_bits=optim_bits,
+            block_size=block_size,
+            min_8bit_size=min_8bit_size,
+            max_unorm=float(max_unorm),
+            percentile_clipping=percentile_clipping,
+        )
         super().__init__(params, defaults)
 
     # -- subclass hooks -------------------------------------------------------------------------
@@ -93,6 +126,12 @@ class LowbitOptimizer(torch.optim.Optimizer):
     def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
         """(step size, sqrt of the second bias correction, 1.0 on the first step)."""
         return config["lr"], 1.0, float(step == 1)
+
+    def _adjust_grads(
+        self, config: dict[str, Any], params: list[Tensor], grads: list[Tensor], scales: Optional[Tensor]
+    ) -> tuple[list[Tensor], Optional[Tensor]]:
+        """Hook for rules that rewrite gradients before the step (LARS); default: unchanged."""
+        return grads, scales
 
     def _init_value(self, k: int, config: dict[str, Any]) -> float:
         """Initial value of state k (Adagrad starts from initial_accumulator_value)."""
@@ -157,10 +196,33 @@ class LowbitOptimizer(torch.optim.Optimizer):
                 self._fused_step(batch)
         return loss
 
+    def _grad_scales(self, config: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> Optional[Tensor]:
+        """Per-tensor gradient multipliers of percentile clipping (None when it is off)."""
+        percentile = config["percentile_clipping"]
+        if percentile >= 100:
+            return None
+        norms = torch._foreach_norm(grads)
+        scales = []
+        for p, norm in zip(params, norms, strict=True):
+            state = self.state[p]
+            history = state.setdefault("gnorm_vec", torch.zeros(GNORM_HISTORY, dtype=torch.float32, device=p.device))
+            step = int(state["step"].item())
+            history[(step - 1) % GNORM_HISTORY] = norm.float()
+            recorded = history[: min(step, GNORM_HISTORY)]
+            clip = torch.quantile(recorded, percentile / 100.0)
+            scales.append(torch.where(norm > clip, clip / norm, torch.ones_like(clip)))
+        return torch.stack(scales).float()
+
     def _fused_step(self, batch: list[tuple[Tensor, dict[str, Any], dict[str, Any]]]) -> None:
         config = batch[0][1]
         n_states = self._n_states(config)
         hyper, flags = self._hyper(config)
+        hyper = [*hyper, config["max_unorm"]]
+        norm_mode = self._norm_mode
+        if config["max_unorm"] > 0:
+            if norm_mode != NORM_NONE:
+                raise ValueError(f"lowbit: {type(self).__name__} scales its update itself; max_unorm must be 0")
+            norm_mode = NORM_CLIP
         params, grads, scalars = [], [], []
         states: list[list[Tensor]] = [[], []]
         absmaxes: list[list[Tensor]] = [[], []]
@@ -174,6 +236,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
         if not all(p.is_contiguous() for p in params):
             raise ValueError("lowbit: parameters must be contiguous")
         device = params[0].device
+        grads, grad_scales = self._adjust_grads(config, params, grads, self._grad_scales(config, params, grads))
         _ops.optimizer_step_(
             params,
             grads,
@@ -182,11 +245,13 @@ class LowbitOptimizer(torch.optim.Optimizer):
             absmaxes[0],
             absmaxes[1],
             scalars,
+            grad_scales,
             _state_map(self._state_signed[0] if n_states else True, device),
             _state_map(self._state_signed[1] if n_states > 1 else False, device),
             RULE_CODES[self._rule],
             hyper,
             flags,
+            norm_mode,
             n_states,
             config["block_size"],
         )

@@ -8,12 +8,16 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
 
 from lowbit.optim.optimizer import (
     FLAG_DECOUPLED,
     FLAG_MAXIMIZE,
     FLAG_NESTEROV,
+    NORM_TRUST,
     LowbitOptimizer,
     Params,
     check_finite_nonneg,
@@ -21,12 +25,18 @@ from lowbit.optim.optimizer import (
 )
 
 __all__ = [
+    "LAMB",
+    "LARS",
     "SGD",
     "SGD8bit",
     "SGD32bit",
     "Adagrad",
     "Adagrad8bit",
     "Adagrad32bit",
+    "LAMB8bit",
+    "LAMB32bit",
+    "LARS8bit",
+    "LARS32bit",
     "Adam",
     "Adam8bit",
     "Adam32bit",
@@ -70,9 +80,8 @@ class Adam(LowbitOptimizer):
         weight_decay: L2 penalty (coupled: added to the gradient).
         amsgrad: not supported; True raises.
         maximize: maximize the objective instead of minimizing.
-        optim_bits: 8 for block-wise 8-bit states, 32 for fp32 states.
-        block_size: elements per quantization block of 8-bit states.
-        min_8bit_size: parameters with fewer elements keep fp32 states.
+        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "adam"
@@ -90,9 +99,7 @@ class Adam(LowbitOptimizer):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
-        optim_bits: int = 32,
-        block_size: int = 256,
-        min_8bit_size: int = 4096,
+        **options: Any,
     ) -> None:
         check_finite_nonneg("learning rate", lr)
         check_finite_nonneg("epsilon value", eps)
@@ -101,7 +108,7 @@ class Adam(LowbitOptimizer):
         if amsgrad:
             raise ValueError(f"lowbit: {type(self).__name__} does not support amsgrad=True")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
-        super().__init__(params, defaults, optim_bits, block_size, min_8bit_size)
+        super().__init__(params, defaults, **options)
 
     def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
         lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
@@ -132,9 +139,7 @@ class AdamW(Adam):
         amsgrad: bool = False,
         *,
         maximize: bool = False,
-        optim_bits: int = 32,
-        block_size: int = 256,
-        min_8bit_size: int = 4096,
+        **options: Any,
     ) -> None:
         super().__init__(
             params,
@@ -144,9 +149,7 @@ class AdamW(Adam):
             weight_decay,
             amsgrad,
             maximize=maximize,
-            optim_bits=optim_bits,
-            block_size=block_size,
-            min_8bit_size=min_8bit_size,
+            **options,
         )
 
 
@@ -161,9 +164,8 @@ class SGD(LowbitOptimizer):
         weight_decay: L2 penalty.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         maximize: maximize the objective instead of minimizing.
-        optim_bits: 8 for a block-wise 8-bit momentum buffer, 32 for fp32.
-        block_size: elements per quantization block of 8-bit states.
-        min_8bit_size: parameters with fewer elements keep an fp32 buffer.
+        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "sgd"
@@ -180,9 +182,7 @@ class SGD(LowbitOptimizer):
         nesterov: bool = False,
         *,
         maximize: bool = False,
-        optim_bits: int = 32,
-        block_size: int = 256,
-        min_8bit_size: int = 4096,
+        **options: Any,
     ) -> None:
         check_finite_nonneg("learning rate", lr)
         check_finite_nonneg("momentum value", momentum)
@@ -199,7 +199,7 @@ class SGD(LowbitOptimizer):
             nesterov=bool(nesterov),
             maximize=bool(maximize),
         )
-        super().__init__(params, defaults, optim_bits, block_size, min_8bit_size)
+        super().__init__(params, defaults, **options)
 
     def _n_states(self, config: dict[str, Any]) -> int:
         return 1 if config["momentum"] != 0 else 0
@@ -219,9 +219,8 @@ class Lion(LowbitOptimizer):
         betas: interpolation coefficient of the update and decay of the momentum.
         weight_decay: decoupled weight decay.
         maximize: maximize the objective instead of minimizing.
-        optim_bits: 8 for a block-wise 8-bit momentum, 32 for fp32.
-        block_size: elements per quantization block of 8-bit states.
-        min_8bit_size: parameters with fewer elements keep an fp32 momentum.
+        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "lion"
@@ -236,15 +235,13 @@ class Lion(LowbitOptimizer):
         weight_decay: float = 0.0,
         *,
         maximize: bool = False,
-        optim_bits: int = 32,
-        block_size: int = 256,
-        min_8bit_size: int = 4096,
+        **options: Any,
     ) -> None:
         check_finite_nonneg("learning rate", lr)
         check_finite_nonneg("weight_decay value", weight_decay)
         betas = _check_betas(betas)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=bool(maximize))
-        super().__init__(params, defaults, optim_bits, block_size, min_8bit_size)
+        super().__init__(params, defaults, **options)
 
     def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
         lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
@@ -263,9 +260,8 @@ class RMSprop(LowbitOptimizer):
         momentum: momentum factor (adds a momentum buffer state when > 0).
         centered: not supported; True raises.
         maximize: maximize the objective instead of minimizing.
-        optim_bits: 8 for block-wise 8-bit states, 32 for fp32.
-        block_size: elements per quantization block of 8-bit states.
-        min_8bit_size: parameters with fewer elements keep fp32 states.
+        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "rmsprop"
@@ -283,9 +279,7 @@ class RMSprop(LowbitOptimizer):
         centered: bool = False,
         *,
         maximize: bool = False,
-        optim_bits: int = 32,
-        block_size: int = 256,
-        min_8bit_size: int = 4096,
+        **options: Any,
     ) -> None:
         for name, value in (("learning rate", lr), ("epsilon value", eps), ("momentum value", momentum)):
             check_finite_nonneg(name, value)
@@ -296,7 +290,7 @@ class RMSprop(LowbitOptimizer):
         defaults = dict(
             lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, maximize=bool(maximize)
         )
-        super().__init__(params, defaults, optim_bits, block_size, min_8bit_size)
+        super().__init__(params, defaults, **options)
 
     def _n_states(self, config: dict[str, Any]) -> int:
         return 2 if config["momentum"] > 0 else 1
@@ -318,9 +312,8 @@ class Adagrad(LowbitOptimizer):
         initial_accumulator_value: starting value of the squared-gradient sum.
         eps: added to the denominator.
         maximize: maximize the objective instead of minimizing.
-        optim_bits: 8 for a block-wise 8-bit sum, 32 for fp32.
-        block_size: elements per quantization block of 8-bit states.
-        min_8bit_size: parameters with fewer elements keep an fp32 sum.
+        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "adagrad"
@@ -337,9 +330,7 @@ class Adagrad(LowbitOptimizer):
         eps: float = 1e-10,
         *,
         maximize: bool = False,
-        optim_bits: int = 32,
-        block_size: int = 256,
-        min_8bit_size: int = 4096,
+        **options: Any,
     ) -> None:
         for name, value in (
             ("learning rate", lr),
@@ -357,7 +348,7 @@ class Adagrad(LowbitOptimizer):
             eps=eps,
             maximize=bool(maximize),
         )
-        super().__init__(params, defaults, optim_bits, block_size, min_8bit_size)
+        super().__init__(params, defaults, **options)
 
     def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
         return [config["lr"], 0.0, 0.0, 0.0, 0.0, config["eps"], config["weight_decay"], 1.0], _flags(config)
@@ -367,6 +358,117 @@ class Adagrad(LowbitOptimizer):
 
     def _init_value(self, k: int, config: dict[str, Any]) -> float:
         return float(config["initial_accumulator_value"])
+
+
+class LAMB(LowbitOptimizer):
+    """LAMB (You et al. 2020, Algorithm 2): Adam's direction plus weight decay, scaled per tensor by
+    the trust ratio ``||p|| / ||r||``, with ``r = m_hat / (sqrt(v_hat) + eps) + weight_decay * p``.
+
+    The ratio comes from a pre-pass over the whole tensor in the same native call (bitsandbytes'
+    LAMB8bit accepts the option but applies no trust ratio).
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: weight decay, part of the direction the trust ratio scales.
+        maximize: maximize the objective instead of minimizing.
+        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+            ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+    """
+
+    _rule = "lamb"
+    _state_names = ("exp_avg", "exp_avg_sq")
+    _state_signed = (True, False)
+    _norm_mode = NORM_TRUST
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        **options: Any,
+    ) -> None:
+        check_finite_nonneg("learning rate", lr)
+        check_finite_nonneg("epsilon value", eps)
+        check_finite_nonneg("weight_decay value", weight_decay)
+        betas = _check_betas(betas)
+        if options.get("max_unorm", 0.0):
+            raise ValueError("lowbit: LAMB scales its update by the trust ratio; max_unorm must be 0")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
+        super().__init__(params, defaults, **options)
+
+    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+        lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
+        return [lr, b1, b2, 1.0 - b1, 1.0 - b2, config["eps"], wd, 1.0], _flags(config)
+
+    def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
+        b1, b2 = config["betas"]
+        return 1.0 / (1.0 - b1**step), math.sqrt(1.0 - b2**step), float(step == 1)
+
+
+class LARS(SGD):
+    """LARS (You et al. 2017): SGD with momentum where each tensor's gradient plus weight decay is
+    scaled by its local learning rate ``trust_coefficient * ||p|| / (||g|| + weight_decay * ||p|| + eps)``
+    (1 when ``p`` or ``g`` is zero) before it enters the momentum buffer.
+
+    Args:
+        params: parameters or param groups.
+        lr: global learning rate.
+        momentum: momentum factor.
+        dampening: dampening of the momentum.
+        weight_decay: L2 penalty, inside the trust-scaled gradient.
+        nesterov: Nesterov momentum.
+        trust_coefficient: the paper's eta.
+        eps: added to the denominator of the local learning rate.
+        maximize: maximize the objective instead of minimizing.
+        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        trust_coefficient: float = 1e-3,
+        eps: float = 1e-8,
+        *,
+        maximize: bool = False,
+        **options: Any,
+    ) -> None:
+        check_finite_nonneg("trust_coefficient", trust_coefficient)
+        check_finite_nonneg("epsilon value", eps)
+        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize, **options)
+        for group in self.param_groups:
+            group.setdefault("trust_coefficient", trust_coefficient)
+            group.setdefault("eps", eps)
+        self.defaults.update(trust_coefficient=trust_coefficient, eps=eps)
+
+    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+        hyper, flags = super()._hyper(config)
+        hyper[6] = 0.0  # weight decay is folded into the trust-scaled gradient by _adjust_grads
+        return hyper, flags
+
+    def _adjust_grads(
+        self, config: dict[str, Any], params: list[Tensor], grads: list[Tensor], scales: Optional[Tensor]
+    ) -> tuple[list[Tensor], Optional[Tensor]]:
+        wd, eta, eps = config["weight_decay"], config["trust_coefficient"], config["eps"]
+        p_norm = torch.stack(torch._foreach_norm(params)).float()
+        g_norm = torch.stack(torch._foreach_norm(grads)).float()
+        local = eta * p_norm / (g_norm + wd * p_norm + eps)
+        local = torch.where((p_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
+        if wd != 0:
+            grads = torch._foreach_add(grads, params, alpha=wd)
+        return grads, local if scales is None else local * scales
 
 
 def _fixed_bits(base: type[LowbitOptimizer], bits: int) -> type[LowbitOptimizer]:
@@ -389,3 +491,5 @@ SGD8bit, SGD32bit = _fixed_bits(SGD, 8), _fixed_bits(SGD, 32)
 Lion8bit, Lion32bit = _fixed_bits(Lion, 8), _fixed_bits(Lion, 32)
 RMSprop8bit, RMSprop32bit = _fixed_bits(RMSprop, 8), _fixed_bits(RMSprop, 32)
 Adagrad8bit, Adagrad32bit = _fixed_bits(Adagrad, 8), _fixed_bits(Adagrad, 32)
+LAMB8bit, LAMB32bit = _fixed_bits(LAMB, 8), _fixed_bits(LAMB, 32)
+LARS8bit, LARS32bit = _fixed_bits(LARS, 8), _fixed_bits(LARS, 32)
