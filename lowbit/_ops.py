@@ -289,6 +289,58 @@ _META_COLS = 10
 _SCALAR_COLS = 3
 
 
+def _step_widths(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[list[Tensor]],
+    absmaxes: list[list[Tensor]],
+    n_states: int,
+    block_size: int,
+) -> list[int] | None:
+    """State widths (8 or 32) when every tensor is valid, else None; the fast path of the check."""
+    count = len(params)
+    if len(grads) != count or any(len(states[k]) != count or len(absmaxes[k]) != count for k in range(n_states)):
+        return None
+    device = params[0].device if params else None
+    widths = []
+    for i, p in enumerate(params):
+        g = grads[i]
+        if not (
+            isinstance(p, Tensor)
+            and isinstance(g, Tensor)
+            and p.dtype in _DTYPE_CODES
+            and g.dtype == p.dtype
+            and g.shape == p.shape
+            and p.device == device
+            and g.device == device
+            and p.is_contiguous()
+            and g.is_contiguous()
+        ):
+            return None
+        n = p.numel()
+        eight = n_states > 0 and states[0][i].dtype == torch.uint8
+        for k in range(n_states):
+            st, a = states[k][i], absmaxes[k][i]
+            if not (
+                isinstance(st, Tensor)
+                and st.dtype == (torch.uint8 if eight else torch.float32)
+                and st.numel() == n
+                and st.device == device
+                and st.is_contiguous()
+            ):
+                return None
+            if eight and not (
+                isinstance(a, Tensor)
+                and a.dtype == torch.float32
+                and a.numel() == num_blocks(n, block_size)
+                and a.device == device
+                and a.is_contiguous()
+            ):
+                return None
+        widths.append(8 if eight else 32)
+    return widths
+
+
 def _check_step_tensors(
     params: list[Tensor],
     grads: list[Tensor],
@@ -367,7 +419,9 @@ def optimizer_step_(
         _check_input("grad_scales", grad_scales, (torch.float32,))
         _check(grad_scales.numel() == len(params), "grad_scales must hold one value per tensor")
     states, absmaxes = [state1, state2], [absmax1, absmax2]
-    widths = _check_step_tensors(params, grads, states, absmaxes, n_states, block_size)
+    widths = _step_widths(params, grads, states, absmaxes, n_states, block_size)
+    if widths is None:
+        widths = _check_step_tensors(params, grads, states, absmaxes, n_states, block_size)
     if not params:
         return
     device = params[0].device

@@ -140,14 +140,24 @@ class LowbitOptimizer(torch.optim.Optimizer):
     # -- configuration ----------------------------------------------------------------------------
 
     def _config(self, group: dict[str, Any], p: Tensor) -> dict[str, Any]:
+        """The options in force for ``p``: its group's, overlaid with its overrides."""
+        return self._merge(self._group_config(group), get_override(p))
+
+    @staticmethod
+    def _group_config(group: dict[str, Any]) -> dict[str, Any]:
         config = {k: v for k, v in group.items() if k != "params"}
-        overrides = get_override(p)
+        _check_block_size(config["block_size"])
+        return config
+
+    def _merge(self, config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+        if not overrides:
+            return config
         unknown = sorted(set(overrides) - set(config))
         if unknown:
             raise ValueError(f"lowbit: {type(self).__name__} has no option {unknown} (set by lowbit.optim.override)")
-        config.update(overrides)
-        _check_block_size(config["block_size"])
-        return config
+        merged = {**config, **overrides}
+        _check_block_size(merged["block_size"])
+        return merged
 
     def _eight_bit(self, config: dict[str, Any], p: Tensor) -> bool:
         return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
@@ -179,21 +189,26 @@ class LowbitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            batches: dict[tuple[Any, ...], list[tuple[Tensor, dict[str, Any], dict[str, Any]]]] = {}
+            base = self._group_config(group)
+            # Parameters with the same overrides (usually none) share one fused call.
+            batches: dict[tuple[Any, ...], tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any]]]]] = {}
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 if p.grad.is_sparse:
                     raise RuntimeError(f"lowbit: {type(self).__name__} does not support sparse gradients")
-                config = self._config(group, p)
+                overrides = get_override(p)
+                key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
+                if key not in batches:
+                    batches[key] = (self._merge(base, overrides), [])
+                config, items = batches[key]
                 state = self.state[p]
                 if not state:
                     state.update(self._init_state(p, config))
-                state["step"] += 1
-                key = tuple(sorted((k, repr(v)) for k, v in config.items()))
-                batches.setdefault(key, []).append((p, config, state))
-            for batch in batches.values():
-                self._fused_step(batch)
+                items.append((p, state))
+            for config, items in batches.values():
+                torch._foreach_add_([state["step"] for _, state in items], 1.0)
+                self._fused_step(config, items)
         return loss
 
     def _grad_scales(self, config: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> Optional[Tensor]:
@@ -213,8 +228,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
             scales.append(torch.where(norm > clip, clip / norm, torch.ones_like(clip)))
         return torch.stack(scales).float()
 
-    def _fused_step(self, batch: list[tuple[Tensor, dict[str, Any], dict[str, Any]]]) -> None:
-        config = batch[0][1]
+    def _fused_step(self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]]) -> None:
         n_states = self._n_states(config)
         hyper, flags = self._hyper(config)
         hyper = [*hyper, config["max_unorm"]]
@@ -226,10 +240,11 @@ class LowbitOptimizer(torch.optim.Optimizer):
         params, grads, scalars = [], [], []
         states: list[list[Tensor]] = [[], []]
         absmaxes: list[list[Tensor]] = [[], []]
-        for p, _, state in batch:
+        steps = torch.stack([state["step"] for _, state in batch]).tolist()
+        for (p, state), step in zip(batch, steps, strict=True):
             params.append(p)
             grads.append(p.grad.contiguous() if p.grad.dtype == p.dtype else p.grad.to(p.dtype).contiguous())
-            scalars += self._step_scalars(config, int(state["step"].item()))
+            scalars += self._step_scalars(config, int(step))
             for k in range(n_states):
                 states[k].append(state[f"state{k + 1}"])
                 absmaxes[k].append(state[f"absmax{k + 1}"])
