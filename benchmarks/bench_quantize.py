@@ -33,6 +33,7 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+from common import cpu_model
 from torch import Tensor
 
 import lowbit
@@ -164,18 +165,6 @@ def make_cases(x: Tensor, blocksize: int, bnb: Optional[ModuleType]) -> list[Cas
             ),
         ]
     return cases
-
-
-def cpu_model() -> str:
-    """The first ``model name`` in /proc/cpuinfo, or "unknown"."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def environment(args: argparse.Namespace, bnb: Optional[ModuleType]) -> dict[str, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -23,3 +24,19 @@ def test_quantize_state_dict_shrinks_weights_about_fourfold():
     fp32, packed = (int(v.replace(",", "")) for v in re.findall(r"([\d,]+) bytes", out))
     assert 3.8 < fp32 / packed < 4.0  # 1 byte per weight plus one fp32 absmax per 256
     assert float(re.search(r"relative output change: (\S+)", out).group(1)) < 0.02
+
+
+def test_train_lm_8bit_matches_torch_adam():
+    out = run("train_lm_8bit.py", "--steps", "60")
+    losses = [
+        tuple(map(float, m))
+        for m in re.findall(r"final train loss (\S+)\s+held-out loss (\S+)\s+state [\d,]+ bytes", out)
+    ]
+    assert len(losses) == 2, out
+    assert all(math.isfinite(v) for pair in losses for v in pair), out
+    (fp32_train, _), (low_train, _) = losses
+    # Measured at 60 steps (8-bit + StableEmbedding vs torch Adam + nn.Embedding, final train loss):
+    # seed 0: 2.4389 vs 2.4505 (-0.48%), seed 1: 2.4713 vs 2.4694 (+0.08%), seed 2: 2.4247 vs 2.4558
+    # (-1.27%). 3% is 2.4x the largest of the three; both runs have fallen from ln(256) = 5.55 by then.
+    assert abs(low_train / fp32_train - 1) < 0.03, out
+    assert low_train < 3.0 and fp32_train < 3.0, out

@@ -425,3 +425,28 @@ def test_optimizer_step_op_validates_inputs():
     args[1] = [args[1][0]]  # one gradient for two parameters
     with pytest.raises(ValueError, match="grads has 1 tensors but params has 2"):
         torch.ops.lowbit.optimizer_step_(*args)
+
+
+def test_changed_optim_bits_and_block_size_are_honoured_for_existing_state():
+    gen = torch.Generator().manual_seed(9)
+    p = nn.Parameter(torch.randn(10000, generator=gen))
+    opt = O.Adam8bit([p], lr=1e-3)
+    p.grad = torch.randn(10000, generator=gen)
+    opt.step()
+    before = opt.dequantized_state(p)
+    O.override(p, optim_bits=32)
+    p.grad = torch.randn(10000, generator=gen)
+    opt.step()
+    assert opt.state[p]["state1"].dtype == torch.float32  # converted, not silently kept at 8 bits
+    O.clear_override(p)
+    opt.param_groups[0]["block_size"] = 1024
+    opt.step()
+    assert opt.state[p]["state1"].dtype == torch.uint8 and opt.state[p]["absmax1"].numel() == 10
+    # The conversion keeps the values: re-laying out without a step changes them by quantization only.
+    q = nn.Parameter(torch.randn(10000, generator=gen))
+    opt2 = O.Adam8bit([q], lr=1e-3)
+    opt2.load_dequantized_state(q, before)
+    opt2.param_groups[0]["block_size"] = 64
+    opt2._relayout(q, opt2.state[q], opt2._config(opt2.param_groups[0], q))
+    after = opt2.dequantized_state(q)
+    assert _relative(after["exp_avg"], before["exp_avg"]) < 0.01

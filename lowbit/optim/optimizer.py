@@ -164,20 +164,59 @@ class LowbitOptimizer(torch.optim.Optimizer):
 
     # -- state ------------------------------------------------------------------------------------
 
+    def _pack(self, k: int, value: Tensor, config: dict[str, Any], eight_bit: bool) -> tuple[Tensor, Tensor]:
+        """(state, absmax) of state k holding ``value`` in the 8-bit or fp32 layout."""
+        if eight_bit:
+            codes, qs = quantize_blockwise(
+                value, code=_state_map(self._state_signed[k], value.device), blocksize=config["block_size"]
+            )
+            return codes, qs.absmax
+        return value, torch.empty(0, dtype=torch.float32, device=value.device)
+
+    def _unpack(self, k: int, p: Tensor, state: dict[str, Any]) -> Tensor:
+        """The fp32 values of state k of ``p``, whatever layout they are stored in."""
+        s = state[f"state{k + 1}"]
+        if s.dtype != torch.uint8:
+            return s
+        absmax = state[f"absmax{k + 1}"]
+        qs = QuantState(
+            absmax,
+            _state_map(self._state_signed[k], s.device),
+            _stored_block_size(p.numel(), absmax.numel()),
+            s.shape,
+            torch.float32,
+            8,
+        )
+        return dequantize_blockwise(s, qs)
+
     def _init_state(self, p: Tensor, config: dict[str, Any]) -> dict[str, Any]:
         state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        self._relayout(p, state, config)
+        return state
+
+    def _layout_matches(self, p: Tensor, state: dict[str, Any], config: dict[str, Any]) -> bool:
         eight_bit = self._eight_bit(config, p)
         for k in range(self._n_states(config)):
-            init = torch.full(p.shape, self._init_value(k, config), dtype=torch.float32, device=p.device)
-            if eight_bit:
-                codes, qstate = quantize_blockwise(
-                    init, code=_state_map(self._state_signed[k], p.device), blocksize=config["block_size"]
-                )
-                state[f"state{k + 1}"], state[f"absmax{k + 1}"] = codes, qstate.absmax
+            s = state.get(f"state{k + 1}")
+            if s is None or (s.dtype == torch.uint8) != eight_bit:
+                return False
+            if eight_bit and state[f"absmax{k + 1}"].numel() != _ops.num_blocks(p.numel(), config["block_size"]):
+                return False
+        return True
+
+    def _relayout(self, p: Tensor, state: dict[str, Any], config: dict[str, Any]) -> None:
+        """Store the states of ``p`` as ``config`` asks (8-bit or fp32, block size), keeping their values.
+
+        This is how a changed ``optim_bits`` or ``block_size`` (param group or override) is honoured
+        for a parameter that already has state; missing states start at their initial value.
+        """
+        eight_bit = self._eight_bit(config, p)
+        for k in range(self._n_states(config)):
+            if f"state{k + 1}" in state:
+                value = self._unpack(k, p, state).clone()
             else:
-                state[f"state{k + 1}"] = init
-                state[f"absmax{k + 1}"] = torch.empty(0, dtype=torch.float32, device=p.device)
-        return state
+                value = torch.full(p.shape, self._init_value(k, config), dtype=torch.float32, device=p.device)
+            state[f"state{k + 1}"], state[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
 
     # -- step -------------------------------------------------------------------------------------
 
@@ -205,6 +244,8 @@ class LowbitOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state.update(self._init_state(p, config))
+                elif not self._layout_matches(p, state, config):
+                    self._relayout(p, state, config)
                 items.append((p, state))
             for config, items in batches.values():
                 torch._foreach_add_([state["step"] for _, state in items], 1.0)
@@ -290,42 +331,31 @@ class LowbitOptimizer(torch.optim.Optimizer):
         """The state of ``p`` in torch.optim's layout and names, dequantized to fp32."""
         state = self.state[p]
         out: dict[str, Tensor] = {"step": state["step"].clone()}
-        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        config = self._config(group, p)
-        for k in range(self._n_states(config)):
-            s = state[f"state{k + 1}"]
-            if s.dtype == torch.uint8:
-                qs = QuantState(
-                    state[f"absmax{k + 1}"],
-                    _state_map(self._state_signed[k], s.device),
-                    config["block_size"],
-                    s.shape,
-                    torch.float32,
-                    8,
-                )
-                out[self._state_names[k]] = dequantize_blockwise(s, qs)
-            else:
-                out[self._state_names[k]] = s.clone()
+        for k, name in enumerate(self._state_names):
+            if f"state{k + 1}" in state:
+                out[name] = self._unpack(k, p, state).clone()
         return out
 
     def load_dequantized_state(self, p: Tensor, state: dict[str, Tensor]) -> None:
         """Set the state of ``p`` from torch.optim's layout (e.g. ``torch.optim.Adam().state[p]``)."""
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         config = self._config(group, p)
-        new = self._init_state(p, config)
+        eight_bit = self._eight_bit(config, p)
         # torch.optim.SGD keeps no step count; a momentum buffer means at least one step was taken.
         step = state.get("step", float(any(name in state for name in self._state_names)))
-        new["step"] = torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()
+        new: dict[str, Any] = {"step": torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()}
         for k in range(self._n_states(config)):
-            value = state[self._state_names[k]].detach().to(p.device, torch.float32).reshape(p.shape)
-            if new[f"state{k + 1}"].dtype == torch.uint8:
-                codes, qs = quantize_blockwise(
-                    value, code=_state_map(self._state_signed[k], p.device), blocksize=config["block_size"]
-                )
-                new[f"state{k + 1}"], new[f"absmax{k + 1}"] = codes, qs.absmax
-            else:
-                new[f"state{k + 1}"] = value.clone()
+            value = state[self._state_names[k]].detach().to(p.device, torch.float32).reshape(p.shape).clone()
+            new[f"state{k + 1}"], new[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
         self.state[p] = new
+
+
+def _stored_block_size(numel: int, blocks: int) -> int:
+    """The block size of an 8-bit state of ``numel`` elements with ``blocks`` absmax values."""
+    for shift in range(6, 13):
+        if _ops.num_blocks(numel, 1 << shift) == blocks:
+            return 1 << shift
+    raise ValueError(f"lowbit: an 8-bit state of {numel} elements cannot have {blocks} blocks")
 
 
 def decay_factor(lr: float, weight_decay: float) -> float:

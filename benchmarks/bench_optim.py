@@ -1,0 +1,388 @@
+"""Step time and state memory of lowbit's optimizers against torch.optim, bitsandbytes and torchao.
+
+Run from the repository root::
+
+    python benchmarks/bench_optim.py
+    python benchmarks/bench_optim.py --numel 1000000 --repeats 3 --threads 2 --json out/optim.json
+
+Options: ``--numel`` (parameters per workload, default 16 * 2**20), ``--workload`` (``single``: one
+tensor of ``--numel`` parameters; ``many``: transformer-like tensors totalling about ``--numel``;
+``both``, the default), ``--repeats`` (timed steps per optimizer, 10), ``--warmup`` (untimed steps per
+optimizer before timing, 3, at least 1), ``--threads`` (``torch.set_num_threads``), ``--dtype``
+(parameter and gradient dtype, float32 or bfloat16), ``--device`` (cpu or cuda), ``--json PATH`` (also
+write the results as JSON).
+
+The ``many`` workload is a GPT-style stack of 24 layers of hidden size d (the largest multiple of 16
+that fits ``--numel``), each with four d x d attention matrices, a d x 4d and a 4d x d MLP matrix, their
+biases and two layer norms, plus a final layer norm and a token embedding that takes up the rest. Biases
+and layer-norm weights have fewer than 4096 elements, so lowbit keeps fp32 states for them.
+
+Every optimizer steps its own copy of the parameters; the gradients are fixed random tensors assigned
+once, so only ``step()`` is timed. The optimizers take turns: each warm-up round and each timed repeat
+steps every optimizer once, so a noisy neighbour or a clock change slows them all alike. The table shows
+the median and fastest step, the median per parameter, and the ratio of each median to the median of
+``torch.optim.AdamW(fused=True)`` from the same run: this machine is noisy, so that ratio is the number
+to read, and absolute times mean something only on a GPU. State bytes per parameter are counted after
+the first step: the storage bytes of every tensor in ``optimizer.state`` except the ``step`` counters,
+shared storages counted once, divided by the number of parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+from common import cpu_model
+from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+import lowbit
+import lowbit.optim
+
+LR = 1e-3
+MOMENTUM = 0.9
+BASELINE = "torch AdamW fused"
+HEADLINE = "lowbit Adam8bit"
+LAYERS = 24
+# Hidden sizes are multiples of 16, as in real models, so the shapes stay realistic at any --numel.
+HIDDEN_STEP = 16
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+Factory = Callable[[list[Tensor]], torch.optim.Optimizer]
+
+
+@dataclasses.dataclass
+class Workload:
+    """Named parameter shapes; ``hidden`` is the model width of the ``many`` workload."""
+
+    name: str
+    shapes: list[tuple[int, ...]]
+    hidden: Optional[int] = None
+
+    @property
+    def numel(self) -> int:
+        """Total number of parameters."""
+        return sum(torch.Size(s).numel() for s in self.shapes)
+
+
+@dataclasses.dataclass
+class Row:
+    """The measurements of one optimizer on one workload."""
+
+    optimizer: str
+    median_s: float
+    min_s: float
+    state_bytes: int
+
+
+def layer_shapes(d: int) -> list[tuple[int, ...]]:
+    """One pre-norm transformer layer of width ``d``: attention, MLP, their biases and layer norms."""
+    attention = [(d, d), (d,)] * 4
+    mlp = [(4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    layer_norms = [(d,), (d,)] * 2
+    return attention + mlp + layer_norms
+
+
+def many_workload(numel: int) -> Workload:
+    """``LAYERS`` layers of the widest multiple of 16 that fits, a final norm and an embedding with the rest."""
+
+    def stack(d: int) -> list[tuple[int, ...]]:
+        return layer_shapes(d) * LAYERS + [(d,), (d,)]
+
+    d = HIDDEN_STEP
+    while Workload("many", stack(d + HIDDEN_STEP)).numel <= numel:
+        d += HIDDEN_STEP
+    shapes = stack(d)
+    vocab = (numel - Workload("many", shapes).numel) // d
+    if vocab > 0:
+        shapes.insert(0, (vocab, d))
+    return Workload("many", shapes, hidden=d)
+
+
+def make_workloads(kind: str, numel: int) -> list[Workload]:
+    """The workloads selected by ``--workload``."""
+    workloads = []
+    if kind in ("single", "both"):
+        workloads.append(Workload("single", [(numel,)]))
+    if kind in ("many", "both"):
+        workloads.append(many_workload(numel))
+    return workloads
+
+
+def import_optional(name: str) -> Optional[ModuleType]:
+    """The module ``name``, or None when it is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def make_params(workload: Workload, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """Parameters of ``workload`` with fixed random gradients; the same values on every call."""
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for shape in workload.shapes:
+        p = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_()
+        p.grad = torch.randn(shape, generator=gen).to(device, dtype)
+        params.append(p)
+    return params
+
+
+def make_factories(
+    bnb: Optional[ModuleType], torchao_optim: Optional[ModuleType]
+) -> tuple[dict[str, Factory], list[str]]:
+    """The optimizers to time by row name, and the names of those skipped because not installed."""
+    factories: dict[str, Factory] = {
+        HEADLINE: lambda ps: lowbit.optim.Adam8bit(ps, lr=LR),
+        "lowbit AdamW8bit": lambda ps: lowbit.optim.AdamW8bit(ps, lr=LR),
+        "lowbit SGD8bit (momentum 0.9)": lambda ps: lowbit.optim.SGD8bit(ps, lr=LR, momentum=MOMENTUM),
+        "lowbit AdamW32bit": lambda ps: lowbit.optim.AdamW32bit(ps, lr=LR),
+        BASELINE: lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),
+        "torch AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=LR, foreach=True),
+        "torch AdamW for-loop": lambda ps: torch.optim.AdamW(ps, lr=LR, foreach=False),
+        "torch SGD foreach (momentum 0.9)": lambda ps: torch.optim.SGD(ps, lr=LR, momentum=MOMENTUM, foreach=True),
+    }
+    skipped = []
+    if bnb is not None:
+        factories["bitsandbytes AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=LR)
+    else:
+        skipped.append("bitsandbytes AdamW8bit")
+    if torchao_optim is not None:
+        factories["torchao AdamW8bit"] = lambda ps: torchao_optim.AdamW8bit(ps, lr=LR)
+    else:
+        skipped.append("torchao AdamW8bit")
+    return factories, skipped
+
+
+def plain_tensors(t: Tensor) -> Iterator[Tensor]:
+    """``t``, or the plain tensors inside it when it is a wrapper subclass (torchao's 8-bit state)."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from plain_tensors(getattr(t, name))
+    else:
+        yield t
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Storage bytes of the tensors in ``opt.state`` except ``step``, each storage counted once.
+
+    Storages are de-duplicated because bitsandbytes puts one shared quantization map in every
+    parameter's state.
+    """
+    storages: dict[tuple[torch.device, int], int] = {}
+    for state in opt.state.values():
+        for key, value in state.items():
+            if key == "step" or not isinstance(value, Tensor):
+                continue
+            for t in plain_tensors(value):
+                storage = t.untyped_storage()
+                storages[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
+
+
+def time_step(opt: torch.optim.Optimizer, device: torch.device) -> float:
+    """Seconds taken by one ``opt.step()``; CUDA steps are timed with events."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        opt.step()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    opt.step()
+    return time.perf_counter() - t0
+
+
+def run_workload(
+    workload: Workload,
+    factories: dict[str, Factory],
+    dtype: torch.dtype,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+) -> list[Row]:
+    """Give each factory its own copy of the parameters, then time the optimizers' steps in turns."""
+    optimizers = {name: factory(make_params(workload, dtype, device)) for name, factory in factories.items()}
+
+    memory = {}
+    for round_ in range(warmup):
+        for name, opt in optimizers.items():
+            print(f"{workload.name}: warm-up {round_ + 1}/{warmup} {name} ...", file=sys.stderr, flush=True)
+            opt.step()
+            if round_ == 0:
+                memory[name] = state_bytes(opt)
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    for repeat in range(repeats):
+        print(f"{workload.name}: repeat {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
+        for name, opt in optimizers.items():
+            times[name].append(time_step(opt, device))
+    return [Row(name, statistics.median(ts), min(ts), memory[name]) for name, ts in times.items()]
+
+
+def ratio_to_baseline(rows: list[Row], optimizer: str) -> float:
+    """Median step time of ``optimizer`` over that of the baseline, both from ``rows``."""
+    medians = {r.optimizer: r.median_s for r in rows}
+    return medians[optimizer] / medians[BASELINE]
+
+
+def format_table(rows: list[Row], numel: int) -> str:
+    """Plain-text table; ms and ns/param from the median step, "best" the fastest, ratio of medians."""
+    header = ["optimizer", "median ms", "best ms", "ns/param", "x fused AdamW", "state bytes/param"]
+    lines = [header]
+    for r in rows:
+        lines.append(
+            [
+                r.optimizer,
+                f"{r.median_s * 1e3:.2f}",
+                f"{r.min_s * 1e3:.2f}",
+                f"{r.median_s * 1e9 / numel:.3f}",
+                f"{ratio_to_baseline(rows, r.optimizer):.2f}x",
+                f"{r.state_bytes / numel:.3f}",
+            ]
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for k, line in enumerate(lines):
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]
+        out.append("  ".join(cells).rstrip())
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def describe(workload: Workload) -> str:
+    """One-line size of a workload for the header."""
+    n = len(workload.shapes)
+    text = f"{workload.numel} params in {n} tensor{'s' if n > 1 else ''}"
+    if workload.hidden is not None:
+        small = sum(1 for s in workload.shapes if torch.Size(s).numel() < 4096)
+        text += f" ({LAYERS} layers, hidden {workload.hidden}, {small} tensors < 4096 elements)"
+    return text
+
+
+def environment(
+    args: argparse.Namespace,
+    workloads: list[Workload],
+    bnb: Optional[ModuleType],
+    torchao: Optional[ModuleType],
+) -> dict[str, object]:
+    """What the numbers depend on, for the header and the JSON file."""
+    env: dict[str, object] = {
+        "torch": torch.__version__,
+        "lowbit": lowbit.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+        "device": args.device,
+        "dtype": args.dtype,
+        **{w.name: describe(w) for w in workloads},
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+        "bitsandbytes": None if bnb is None else bnb.__version__,
+        "torchao": None if torchao is None else torchao.__version__,
+    }
+    if args.device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--numel", type=int, default=16 * 2**20, help="parameters per workload (default 16M)")
+    p.add_argument("--workload", choices=("single", "many", "both"), default="both")
+    p.add_argument("--repeats", type=int, default=10, help="timed steps per optimizer (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per optimizer first (default 3)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(THREADS)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="parameter and gradient dtype")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write results as JSON")
+    args = p.parse_args(argv)
+    if args.numel < 1 or args.repeats < 1:
+        p.error("--numel and --repeats must be positive")
+    # The first step allocates the state, so it is never timed and the state is measured after it.
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1")
+    if args.device == "cuda" and not (torch.cuda.is_available() and lowbit._C.cuda_built()):
+        p.error("--device cuda needs a CUDA GPU and a CUDA build of lowbit")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Time every optimizer on every workload, print the environment, the tables and the headline."""
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    bnb = import_optional("bitsandbytes")
+    torchao = import_optional("torchao")
+    factories, skipped = make_factories(bnb, None if torchao is None else import_optional("torchao.optim"))
+    workloads = make_workloads(args.workload, args.numel)
+
+    results = {
+        w.name: run_workload(w, factories, DTYPES[args.dtype], device, args.warmup, args.repeats) for w in workloads
+    }
+
+    env = environment(args, workloads, bnb, torchao)
+    print("lowbit optimizer step, " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(
+        f"median and best of {args.repeats} steps per optimizer after {args.warmup} warm-up steps, optimizers "
+        f"taking turns; ns/param from the median; x fused AdamW = median / median of {BASELINE} in this run; "
+        "state bytes/param = storage bytes of optimizer.state after the first step, step counters excluded."
+    )
+    for name in skipped:
+        print(f"{name}: skipped: not installed")
+    for w in workloads:
+        print()
+        print(f"workload {w.name}: {describe(w)}")
+        print(format_table(results[w.name], w.numel))
+    print()
+    headline = {w.name: ratio_to_baseline(results[w.name], HEADLINE) for w in workloads}
+    print(
+        f"{HEADLINE} median / {BASELINE} median (target <= 1.5x on CPU, 2 threads, 16M fp32 params): "
+        + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in headline.items())
+    )
+
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "environment": env,
+            "baseline": BASELINE,
+            "skipped": skipped,
+            "workloads": {
+                w.name: {
+                    "numel": w.numel,
+                    "tensors": len(w.shapes),
+                    "hidden": w.hidden,
+                    "rows": [
+                        {
+                            **dataclasses.asdict(r),
+                            "ns_per_param": r.median_s * 1e9 / w.numel,
+                            "x_baseline": ratio_to_baseline(results[w.name], r.optimizer),
+                            "state_bytes_per_param": r.state_bytes / w.numel,
+                        }
+                        for r in results[w.name]
+                    ],
+                }
+                for w in workloads
+            },
+            "headline": headline,
+        }
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
