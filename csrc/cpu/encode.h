@@ -18,6 +18,13 @@ constexpr int kTile = 512;
 // Draws for counters counter0 .. counter0 + cnt - 1 (encode.cpp).
 void uniform_tile(RngKey key, uint64_t counter0, int cnt, float* u);
 
+// Nearest codes of normalised xn with buckets b, for a map index with nearest_direct() (encode.cpp).
+void nearest_tile(const MapIndex& index, const float* xn, const uint32_t* b, int cnt, uint32_t* codes);
+
+// Stochastic codes for a map index whose buckets need at most one refinement step (encode.cpp).
+void stochastic_tile(const MapIndex& index, const float* xn, const uint32_t* b, const float* u, int cnt,
+                     uint32_t* codes);
+
 // Element-wise normalise() with the block-constant branch hoisted so the division vectorises.
 template <typename T>
 void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
@@ -37,9 +44,11 @@ struct MapSpan {
     uint32_t bucket[kTile];
     normalise_tile(x, cnt, absmax, xn);
     for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
-    if (!kSR && index.nearest_direct()) {
-      for (int j = 0; j < cnt; ++j) codes[j] = index.nearest(xn[j], bucket[j]);
-      return;
+    if (!kSR && index.nearest_direct()) return nearest_tile(index, xn, bucket, cnt, codes);
+    if (kSR && index.steps() <= 1) {
+      float u[kTile];
+      uniform_tile(key, counter, cnt, u);
+      return stochastic_tile(index, xn, bucket, u, cnt, codes);
     }
     // The step count is a template argument so the common one-step search is fully unrolled.
     switch (index.steps()) {

@@ -54,8 +54,11 @@ MapIndex::MapIndex(const float* map, uint32_t n)
       nearest_direct_(true),
       padded_(map, map + n),
       start_(kLastBucket - kFirstBucket + 1),
-      nearest_(kLastBucket - kFirstBucket + 1) {
+      thresholds_(kLastBucket - kFirstBucket + 1, std::numeric_limits<float>::infinity()),
+      bases_(kLastBucket - kFirstBucket + 1) {
   padded_.push_back(std::numeric_limits<float>::infinity());
+  for (uint32_t i = 0; i < n; ++i) gaps_.push_back(padded_[i + 1] - padded_[i]);
+  gaps_.push_back(std::numeric_limits<float>::infinity());
   const std::vector<uint32_t> up = nearest_steps(map, n);
   uint32_t lo = 0;
   for (uint32_t b = kFirstBucket; b <= kLastBucket; ++b) {
@@ -70,13 +73,12 @@ MapIndex::MapIndex(const float* map, uint32_t n)
     for (uint32_t i = lo + 1; i < n && map[i] <= last; ++i) ++inside;
     steps_ = std::max(steps_, inside);
 
-    NearestStep& e = nearest_[b - kFirstBucket];
-    e.base = map_encode_nearest(map, n, first);
-    e.threshold = std::numeric_limits<float>::infinity();
+    const uint32_t base = map_encode_nearest(map, n, first);
+    bases_[b - kFirstBucket] = static_cast<uint8_t>(base);
     int jumps = 0;
-    for (uint32_t j = e.base + 1; j < n && up[j] <= last_key; ++j) {
+    for (uint32_t j = base + 1; j < n && up[j] <= last_key; ++j) {
       if (up[j] > first_key) {
-        e.threshold = bucket_value(up[j]);
+        thresholds_[b - kFirstBucket] = bucket_value(up[j]);
         ++jumps;
       }
     }

@@ -47,11 +47,10 @@ class MapIndex {
     return i;
   }
 
-  // map_encode_nearest(map, n, x) for x in [-1, 1] with bucket16(x) == bucket; needs nearest_direct().
-  uint32_t nearest(float x, uint32_t bucket) const {
-    const NearestStep& e = nearest_[bucket - kFirstBucket];
-    return e.base + static_cast<uint32_t>(x >= e.threshold);
-  }
+  // Tables indexed by bucket - kFirstBucket; indices are bytes to keep the tables cache-resident.
+  const uint8_t* start() const { return start_.data(); }
+  const float* thresholds() const { return thresholds_.data(); }
+  const uint8_t* bases() const { return bases_.data(); }
 
   // True when no bucket holds more than one step of the nearest code.
   bool nearest_direct() const { return nearest_direct_; }
@@ -59,21 +58,20 @@ class MapIndex {
   int steps() const { return steps_; }
   // The map followed by +inf, so that padded()[floor + 1] is always readable.
   const float* padded() const { return padded_.data(); }
+  // gaps()[i] = padded()[i + 1] - padded()[i] (the fp32 subtraction stochastic_up does), +inf last.
+  const float* gaps() const { return gaps_.data(); }
   uint32_t size() const { return n_; }
   bool matches(const float* map, uint32_t n) const;
 
  private:
-  struct NearestStep {
-    float threshold;  // smallest x of the bucket with code base + 1 (+inf if none)
-    uint32_t base;    // code at the bucket's first x
-  };
-
   uint32_t n_;
   int steps_;
   bool nearest_direct_;
   std::vector<float> padded_;
+  std::vector<float> gaps_;
   std::vector<uint8_t> start_;
-  std::vector<NearestStep> nearest_;
+  std::vector<float> thresholds_;  // smallest x of the bucket with code base + 1 (+inf if none)
+  std::vector<uint8_t> bases_;     // nearest code at the bucket's first x
 };
 
 // The index for this map, built on first use and kept in a small cache keyed by the map values.
