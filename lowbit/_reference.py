@@ -154,3 +154,124 @@ def dequantize_linear(
 def nearest_oracle(xn: Tensor, code: Tensor) -> Tensor:
     """Brute force: the smallest |code[j] - xn| for every element (used to check true argmin)."""
     return (code[None, :] - xn.reshape(-1, 1)).abs().min(dim=1).values
+
+
+# Optimizer rules (include/lowbit/optim_rules.h), elementwise in fp32: each torch op rounds once, as
+# each C++ operation does, so results agree bit for bit when no norm mode is used.
+_RULE_ADAM, _RULE_SGD, _RULE_LION, _RULE_RMSPROP, _RULE_ADAGRAD, _RULE_LAMB = range(6)
+_DECOUPLED, _NESTEROV, _MAXIMIZE = 1, 2, 4
+
+
+def _sqrt32(x: Tensor) -> Tensor:
+    """Correctly rounded fp32 sqrt, as sqrtf is. torch's vectorised fp32 sqrt can be one ulp off;
+    the square root of a float computed in double and rounded once is exact."""
+    return torch.sqrt(x.double()).to(torch.float32)
+
+
+def _rule_step(
+    rule: int, h: list[float], flags: int, sc: Tensor, p: Tensor, g: Tensor, s1: Tensor, s2: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(u, s1, s2) of optim_rules.h: the step subtracted from p and the updated states."""
+    lr, b1, b2, omb1, omb2, eps, wd = (float(v) for v in h[:7])
+    step_size, bias2_sqrt, first = float(sc[0]), float(sc[1]), bool(sc[2])
+    f32 = torch.float32
+    if rule in (_RULE_ADAM, _RULE_LAMB):
+        if rule == _RULE_ADAM and wd != 0 and not flags & _DECOUPLED:
+            g = g + torch.tensor(wd, dtype=f32) * p
+        s1 = s1 + torch.tensor(omb1, dtype=f32) * (g - s1)
+        s2 = s2 * torch.tensor(b2, dtype=f32) + torch.tensor(omb2, dtype=f32) * g * g
+        if rule == _RULE_ADAM:
+            denom = _sqrt32(s2) / torch.tensor(bias2_sqrt, dtype=f32) + torch.tensor(eps, dtype=f32)
+            return torch.tensor(step_size, dtype=f32) * s1 / denom, s1, s2
+        denom = _sqrt32(s2) / torch.tensor(bias2_sqrt, dtype=f32) + torch.tensor(eps, dtype=f32)
+        r = (s1 * torch.tensor(step_size, dtype=f32)) / denom + torch.tensor(wd, dtype=f32) * p
+        return torch.tensor(lr, dtype=f32) * r, s1, s2
+    if rule == _RULE_SGD:
+        if wd != 0:
+            g = g + torch.tensor(wd, dtype=f32) * p
+        if b1 != 0:
+            s1 = g if first else s1 * torch.tensor(b1, dtype=f32) + torch.tensor(omb1, dtype=f32) * g
+            g = g + torch.tensor(b1, dtype=f32) * s1 if flags & _NESTEROV else s1
+        return torch.tensor(lr, dtype=f32) * g, s1, s2
+    if rule == _RULE_LION:
+        c = torch.tensor(b1, dtype=f32) * s1 + torch.tensor(omb1, dtype=f32) * g
+        s1 = torch.tensor(b2, dtype=f32) * s1 + torch.tensor(omb2, dtype=f32) * g
+        return torch.tensor(lr, dtype=f32) * torch.sign(c), s1, s2
+    if rule == _RULE_RMSPROP:
+        if wd != 0:
+            g = g + torch.tensor(wd, dtype=f32) * p
+        s1 = s1 * torch.tensor(b2, dtype=f32) + torch.tensor(omb2, dtype=f32) * g * g
+        avg = _sqrt32(s1) + torch.tensor(eps, dtype=f32)
+        if b1 > 0:
+            s2 = s2 * torch.tensor(b1, dtype=f32) + g / avg
+            return torch.tensor(lr, dtype=f32) * s2, s1, s2
+        return torch.tensor(lr, dtype=f32) * g / avg, s1, s2
+    if wd != 0:  # Adagrad
+        g = g + torch.tensor(wd, dtype=f32) * p
+    s1 = s1 + g * g
+    return torch.tensor(step_size, dtype=f32) * g / (_sqrt32(s1) + torch.tensor(eps, dtype=f32)), s1, s2
+
+
+def optimizer_step_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    scalars: list[float],
+    grad_scales: Tensor | None,
+    map1: Tensor,
+    map2: Tensor,
+    rule: int,
+    hyper: list[float],
+    flags: int,
+    norm_mode: int,
+    n_states: int,
+    block_size: int,
+) -> None:
+    """Twin of ``lowbit::optimizer_step_`` (same arguments, same in-place updates)."""
+    states, absmaxes, maps = [state1, state2], [absmax1, absmax2], [map1, map2]
+    f32 = torch.float32
+    for i, p in enumerate(params):
+        n = p.numel()
+        eight = n_states > 0 and states[0][i].dtype == torch.uint8
+        values = []
+        for k in range(2):
+            if k >= n_states:
+                values.append(torch.zeros(n, dtype=f32))
+            elif eight:
+                values.append(
+                    dequantize_blockwise(
+                        states[k][i].reshape(-1), absmaxes[k][i], maps[k], 8, block_size, n, torch.float32
+                    )
+                )
+            else:
+                values.append(states[k][i].reshape(-1).clone())
+        sc = torch.tensor(scalars[3 * i : 3 * i + 3], dtype=f32)
+        pf = p.detach().reshape(-1).float()
+        g = grads[i].reshape(-1).float()
+        if grad_scales is not None:
+            g = g * grad_scales[i].to(f32)
+        if flags & _MAXIMIZE:
+            g = -g
+        u, s1, s2 = _rule_step(rule, hyper, flags, sc, pf, g, values[0], values[1])
+        scale = 1.0
+        if norm_mode != 0:
+            p_norm, u_norm = float(pf.double().norm()), float(u.double().norm())
+            lr, max_unorm = float(hyper[0]), float(hyper[8])
+            if norm_mode == 1 and p_norm > 0 and u_norm > 0:
+                scale = p_norm * lr / u_norm
+            elif norm_mode == 2 and p_norm > 0 and u_norm > max_unorm * p_norm * lr:
+                scale = max_unorm * p_norm * lr / u_norm
+        if float(hyper[6]) != 0 and flags & _DECOUPLED:
+            pf = pf * torch.tensor(float(hyper[7]), dtype=f32)
+        pf = pf - torch.tensor(scale, dtype=f32) * u
+        p.data.copy_(pf.reshape(p.shape).to(p.dtype))
+        for k, value in enumerate((s1, s2)[:n_states]):
+            if eight:
+                codes, amax = quantize_blockwise(value, maps[k], 8, block_size, False, 0, 0)
+                states[k][i].copy_(codes.reshape(states[k][i].shape))
+                absmaxes[k][i].copy_(amax)
+            else:
+                states[k][i].copy_(value.reshape(states[k][i].shape))
