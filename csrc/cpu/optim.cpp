@@ -224,20 +224,7 @@ void step_all(const OptimArgs& a, int threads) {
 }  // namespace
 
 void optimizer_step(const OptimArgs& a, int threads) {
-  switch (a.rule) {
-    case Rule::Adam:
-      return step_all<Rule::Adam>(a, threads);
-    case Rule::SGD:
-      return step_all<Rule::SGD>(a, threads);
-    case Rule::Lion:
-      return step_all<Rule::Lion>(a, threads);
-    case Rule::RMSprop:
-      return step_all<Rule::RMSprop>(a, threads);
-    case Rule::Adagrad:
-      return step_all<Rule::Adagrad>(a, threads);
-    case Rule::Lamb:
-      return step_all<Rule::Lamb>(a, threads);
-  }
+  dispatch_rule(a.rule, [&](auto rule) { step_all<decltype(rule)::value>(a, threads); });
 }
 
 }  // namespace lowbit::cpu

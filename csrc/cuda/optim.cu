@@ -266,20 +266,7 @@ void optimizer_step(const OptimArgs& a, int device, uintptr_t stream_handle) {
   if (a.total_blocks == 0) return;
   LB_CUDA_CHECK(cudaSetDevice(device));
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  switch (a.rule) {
-    case Rule::Adam:
-      return launch<Rule::Adam>(a, stream);
-    case Rule::SGD:
-      return launch<Rule::SGD>(a, stream);
-    case Rule::Lion:
-      return launch<Rule::Lion>(a, stream);
-    case Rule::RMSprop:
-      return launch<Rule::RMSprop>(a, stream);
-    case Rule::Adagrad:
-      return launch<Rule::Adagrad>(a, stream);
-    case Rule::Lamb:
-      return launch<Rule::Lamb>(a, stream);
-  }
+  dispatch_rule(a.rule, [&](auto rule) { launch<decltype(rule)::value>(a, stream); });
 }
 
 }  // namespace lowbit::cuda

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "lowbit/dispatch.h"
 
@@ -136,6 +137,25 @@ LB_HD void apply_rule(Rule rule, const StepHyper& h, const StepScalars& s, float
   const float u = rule_step(rule, h, s, p, effective_grad(h, s, g), s1, s2);
   if (h.weight_decay != 0.f && (h.flags & kDecoupled)) p = p * h.decay;
   p = p - s.update_scale * u;
+}
+
+// The single rule switch: calls fn(std::integral_constant<Rule, R>{}) for the rule R of `rule`.
+template <typename Fn>
+void dispatch_rule(Rule rule, Fn&& fn) {
+  switch (rule) {
+    case Rule::Adam:
+      return fn(std::integral_constant<Rule, Rule::Adam>{});
+    case Rule::SGD:
+      return fn(std::integral_constant<Rule, Rule::SGD>{});
+    case Rule::Lion:
+      return fn(std::integral_constant<Rule, Rule::Lion>{});
+    case Rule::RMSprop:
+      return fn(std::integral_constant<Rule, Rule::RMSprop>{});
+    case Rule::Adagrad:
+      return fn(std::integral_constant<Rule, Rule::Adagrad>{});
+    case Rule::Lamb:
+      return fn(std::integral_constant<Rule, Rule::Lamb>{});
+  }
 }
 
 // update_scale for one tensor from the pre-pass norms ||p|| (before the step) and ||u||.
