@@ -30,20 +30,27 @@ LB_CLONES void nearest_tile(const MapIndex& index, const float* xn, const uint32
   }
 }
 
-LB_CLONES void stochastic_tile(const MapIndex& index, const float* xn, const uint32_t* b, const float* u, int cnt,
-                               uint32_t* codes) {
+LB_CLONES void stochastic_tile(const MapIndex& index, const float* xn, const uint32_t* b, RngKey key, uint64_t counter0,
+                               int cnt, uint32_t* codes) {
   const uint8_t* start = index.start();
-  const float* m = index.padded();
-  const float* gap = index.gaps();
-  // The loads for both possible floors are issued together; selecting after them keeps the chain of
-  // dependent loads at two (bucket table, then map), instead of three.
+  const float* boundary = index.boundaries();
+  const float* low_gap = index.low_gap();
+  // Table lookups in one scalar loop; the draws and the decision in a second one that vectorises.
+  float low[kTile];
+  float width[kTile];
   for (int j = 0; j < cnt; ++j) {
-    const uint32_t lo = start[b[j] - kFirstBucket];
-    const float x = xn[j];
-    const bool past = m[lo + 1] <= x;
-    const float low = past ? m[lo + 1] : m[lo];
-    const float width = past ? gap[lo + 1] : gap[lo];
-    codes[j] = lo + static_cast<uint32_t>(past) + static_cast<uint32_t>(u[j] * width < x - low);
+    const uint32_t k = b[j] - kFirstBucket;
+    const uint32_t lo = start[k] + static_cast<uint32_t>(xn[j] >= boundary[k]);
+    codes[j] = lo;
+    low[j] = low_gap[2 * lo];
+    width[j] = low_gap[2 * lo + 1];
+  }
+  const uint32_t lo0 = static_cast<uint32_t>(counter0);
+  const uint32_t hi0 = static_cast<uint32_t>(counter0 >> 32);
+  for (int j = 0; j < cnt; ++j) {
+    const uint32_t lo = lo0 + static_cast<uint32_t>(j);
+    const float u = uniform01(key, lo, hi0 + static_cast<uint32_t>(lo < lo0));
+    codes[j] += static_cast<uint32_t>(u * width[j] < xn[j] - low[j]);
   }
 }
 

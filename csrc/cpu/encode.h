@@ -21,9 +21,10 @@ void uniform_tile(RngKey key, uint64_t counter0, int cnt, float* u);
 // Nearest codes of normalised xn with buckets b, for a map index with nearest_direct() (encode.cpp).
 void nearest_tile(const MapIndex& index, const float* xn, const uint32_t* b, int cnt, uint32_t* codes);
 
-// Stochastic codes for a map index whose buckets need at most one refinement step (encode.cpp).
-void stochastic_tile(const MapIndex& index, const float* xn, const uint32_t* b, const float* u, int cnt,
-                     uint32_t* codes);
+// Stochastic codes, with the draws of counters counter0 .., for a map index whose buckets need at
+// most one refinement step (encode.cpp).
+void stochastic_tile(const MapIndex& index, const float* xn, const uint32_t* b, RngKey key, uint64_t counter0,
+                     int cnt, uint32_t* codes);
 
 // Element-wise normalise() with the block-constant branch hoisted so the division vectorises.
 template <typename T>
@@ -45,11 +46,7 @@ struct MapSpan {
     normalise_tile(x, cnt, absmax, xn);
     for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
     if (!kSR && index.nearest_direct()) return nearest_tile(index, xn, bucket, cnt, codes);
-    if (kSR && index.steps() <= 1) {
-      float u[kTile];
-      uniform_tile(key, counter, cnt, u);
-      return stochastic_tile(index, xn, bucket, u, cnt, codes);
-    }
+    if (kSR && index.steps() <= 1) return stochastic_tile(index, xn, bucket, key, counter, cnt, codes);
     // The step count is a template argument so the common one-step search is fully unrolled.
     switch (index.steps()) {
       case 0:

@@ -55,10 +55,13 @@ MapIndex::MapIndex(const float* map, uint32_t n)
       padded_(map, map + n),
       start_(kLastBucket - kFirstBucket + 1),
       thresholds_(kLastBucket - kFirstBucket + 1, std::numeric_limits<float>::infinity()),
+      boundaries_(kLastBucket - kFirstBucket + 1, std::numeric_limits<float>::infinity()),
       bases_(kLastBucket - kFirstBucket + 1) {
   padded_.push_back(std::numeric_limits<float>::infinity());
-  for (uint32_t i = 0; i < n; ++i) gaps_.push_back(padded_[i + 1] - padded_[i]);
-  gaps_.push_back(std::numeric_limits<float>::infinity());
+  for (uint32_t i = 0; i < n; ++i) {
+    low_gap_.push_back(padded_[i]);
+    low_gap_.push_back(padded_[i + 1] - padded_[i]);
+  }
   const std::vector<uint32_t> up = nearest_steps(map, n);
   uint32_t lo = 0;
   for (uint32_t b = kFirstBucket; b <= kLastBucket; ++b) {
@@ -71,6 +74,7 @@ MapIndex::MapIndex(const float* map, uint32_t n)
     start_[b - kFirstBucket] = static_cast<uint8_t>(lo);
     int inside = 0;
     for (uint32_t i = lo + 1; i < n && map[i] <= last; ++i) ++inside;
+    if (inside > 0) boundaries_[b - kFirstBucket] = map[lo + 1];
     steps_ = std::max(steps_, inside);
 
     const uint32_t base = map_encode_nearest(map, n, first);

@@ -50,6 +50,8 @@ class MapIndex {
   // Tables indexed by bucket - kFirstBucket; indices are bytes to keep the tables cache-resident.
   const uint8_t* start() const { return start_.data(); }
   const float* thresholds() const { return thresholds_.data(); }
+  // The map value inside each bucket at which the floor index steps up (+inf if none).
+  const float* boundaries() const { return boundaries_.data(); }
   const uint8_t* bases() const { return bases_.data(); }
 
   // True when no bucket holds more than one step of the nearest code.
@@ -58,8 +60,9 @@ class MapIndex {
   int steps() const { return steps_; }
   // The map followed by +inf, so that padded()[floor + 1] is always readable.
   const float* padded() const { return padded_.data(); }
-  // gaps()[i] = padded()[i + 1] - padded()[i] (the fp32 subtraction stochastic_up does), +inf last.
-  const float* gaps() const { return gaps_.data(); }
+  // low_gap()[2i] = map[i] and low_gap()[2i + 1] = padded()[i + 1] - padded()[i] (the fp32
+  // subtraction stochastic_up does; +inf for the last entry), side by side so one load fetches both.
+  const float* low_gap() const { return low_gap_.data(); }
   uint32_t size() const { return n_; }
   bool matches(const float* map, uint32_t n) const;
 
@@ -68,9 +71,10 @@ class MapIndex {
   int steps_;
   bool nearest_direct_;
   std::vector<float> padded_;
-  std::vector<float> gaps_;
+  std::vector<float> low_gap_;
   std::vector<uint8_t> start_;
-  std::vector<float> thresholds_;  // smallest x of the bucket with code base + 1 (+inf if none)
+  std::vector<float> thresholds_;
+  std::vector<float> boundaries_;  // smallest x of the bucket with code base + 1 (+inf if none)
   std::vector<uint8_t> bases_;     // nearest code at the bucket's first x
 };
 
