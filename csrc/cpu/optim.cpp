@@ -74,20 +74,16 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
   }
 }
 
-// The update loop keeps everything it reads in locals and restrict pointers so that it
-// vectorises; kStates is a template argument for the same reason.
+// The update of one block: everything it reads is in locals and restrict pointers so that it
+// vectorises. Always inlined into the two entry points below, so each is compiled for its target;
+// the rules it calls are inlined too, and any out-of-line copy stays baseline code.
 template <Rule kRule, int kStates, typename T>
-void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index) {
-  const int64_t lo = block * a.block_size;
-  const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
-  const StepHyper h = a.hyper;
-  const StepScalars sc = t.scalars;
-  float s[2][kMaxBlock];
-  for (int k = 0; k < kStates; ++k) load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, s[k]);
-  T* __restrict param = static_cast<T*>(t.param) + lo;
-  const T* __restrict grad = static_cast<const T*>(t.grad) + lo;
-  float* __restrict s1 = s[0];
-  float* __restrict s2 = s[1];
+__attribute__((always_inline)) inline void update_body(const StepHyper& hyper, const StepScalars& scalars,
+                                                       T* __restrict param, const T* __restrict grad,
+                                                       float* __restrict s1, float* __restrict s2, int cnt,
+                                                       uint32_t* max_bits) {
+  const StepHyper h = hyper;
+  const StepScalars sc = scalars;
   uint32_t max1 = 0;
   uint32_t max2 = 0;
   for (int i = 0; i < cnt; ++i) {
@@ -105,7 +101,46 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const Ma
       max2 = std::max(max2, abs_bits(v2));
     }
   }
-  const uint32_t max_bits[2] = {max1, max2};
+  max_bits[0] = max1;
+  max_bits[1] = max2;
+}
+
+template <Rule kRule, int kStates, typename T>
+void update_baseline(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, float* s1, float* s2,
+                     int cnt, uint32_t* max_bits) {
+  update_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// 8-wide division and square root where the CPU has AVX2 (no FMA: same IEEE results as baseline).
+template <Rule kRule, int kStates, typename T>
+__attribute__((target("avx2"))) void update_avx2(const StepHyper& h, const StepScalars& sc, T* param,
+                                                 const T* grad, float* s1, float* s2, int cnt,
+                                                 uint32_t* max_bits) {
+  update_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+}
+
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+template <Rule kRule, int kStates, typename T>
+void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index) {
+  const int64_t lo = block * a.block_size;
+  const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
+  float s[2][kMaxBlock];
+  for (int k = 0; k < kStates; ++k) load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, s[k]);
+  T* param = static_cast<T*>(t.param) + lo;
+  const T* grad = static_cast<const T*>(t.grad) + lo;
+  uint32_t max_bits[2];
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kHasAvx2) {
+    update_avx2<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
+  } else {
+    update_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
+  }
+#else
+  update_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
+#endif
   for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], s[k]);
 }
 
