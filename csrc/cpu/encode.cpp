@@ -21,6 +21,11 @@ LB_CLONES void uniform_tile(RngKey key, uint64_t counter0, int cnt, float* u) {
   }
 }
 
+LB_CLONES void normalise_buckets(const float* x, int cnt, float absmax, float* xn, uint32_t* bucket) {
+  normalise_tile(x, cnt, absmax, xn);
+  for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
+}
+
 LB_CLONES void nearest_tile(const MapIndex& index, const float* xn, const uint32_t* b, int cnt, uint32_t* codes) {
   const float* thresholds = index.thresholds();
   const uint8_t* bases = index.bases();

@@ -26,6 +26,9 @@ void nearest_tile(const MapIndex& index, const float* xn, const uint32_t* b, int
 void stochastic_tile(const MapIndex& index, const float* xn, const uint32_t* b, RngKey key, uint64_t counter0,
                      int cnt, uint32_t* codes);
 
+// xn = normalise(x, absmax) and the buckets of xn, for fp32 input (encode.cpp; an AVX2 clone).
+void normalise_buckets(const float* x, int cnt, float absmax, float* xn, uint32_t* bucket);
+
 // Element-wise normalise() with the block-constant branch hoisted so the division vectorises.
 template <typename T>
 void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
@@ -36,6 +39,12 @@ void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
   }
 }
 
+template <typename T>
+void normalise_buckets(const T* x, int cnt, float absmax, float* xn, uint32_t* bucket) {
+  normalise_tile(x, cnt, absmax, xn);
+  for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
+}
+
 struct MapSpan {
   const MapIndex& index;
 
@@ -43,8 +52,7 @@ struct MapSpan {
   void encode(const T* x, int cnt, float absmax, RngKey key, uint64_t counter, uint32_t* codes) const {
     float xn[kTile];
     uint32_t bucket[kTile];
-    normalise_tile(x, cnt, absmax, xn);
-    for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
+    normalise_buckets(x, cnt, absmax, xn, bucket);
     if (!kSR && index.nearest_direct()) return nearest_tile(index, xn, bucket, cnt, codes);
     if (kSR && index.steps() <= 1) return stochastic_tile(index, xn, bucket, key, counter, cnt, codes);
     // The step count is a template argument so the common one-step search is fully unrolled.
