@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import math
 
 import pytest
 import torch
@@ -201,10 +200,12 @@ def test_property_adam_hyperparameters(shape, lr, beta1, beta2, weight_decay, bl
         for o in (o32, o8, ob):
             o.step()
     torch.testing.assert_close(a32.detach(), b.detach(), rtol=1e-5, atol=1e-5)
-    # Adam moves each element by at most about lr per step (|m| / sqrt(v) <= 1 / sqrt(1 - beta2)
-    # before bias correction); 8-bit states cannot push an element past a few times that.
-    bound = 5 * lr * (1 / math.sqrt(1 - beta2) + 1) * (1 + weight_decay) + 1e-6
-    assert float((a8 - b).detach().abs().max()) < bound * 5
+    if a8.numel() < 4096:  # fp32 fallback: the 8-bit class must be exactly the 32-bit one
+        assert torch.equal(a8, a32)
+        return
+    # Measured worst relative L2 drift from torch after 5 steps over 300 random configurations of
+    # these ranges: 1.15%; bound 3%.
+    assert _relative(a8.detach() - p0, b.detach() - p0) < 0.03
 
 
 def test_state_dict_round_trip_resumes_bit_exactly():
