@@ -78,6 +78,21 @@ struct OptimArgs {
   int64_t total_blocks;
 };
 
+// The tensor of global block b: the last row whose kFirstBlock is <= b (binary search).
+LB_HD int64_t tensor_of_block(const OptimArgs& a, int64_t b) {
+  int64_t lo = 0;
+  int64_t hi = a.count - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (a.meta[mid * kMetaCols + kFirstBlock] <= b) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 namespace cpu {
 void optimizer_step(const OptimArgs& a, int threads);
 void quantize(const QuantizeArgs& a, int threads);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "encode.h"
@@ -170,43 +171,17 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, double* 
   sums[1] = uu;
 }
 
-template <Rule kRule, typename T>
-void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, double* sums) {
-  switch (a.n_states) {
+// Calls fn(std::integral_constant<int, K>{}) for K = n_states (0, 1 or 2), so loops see it as a constant.
+template <typename Fn>
+void with_states(int n_states, Fn&& fn) {
+  switch (n_states) {
     case 0:
-      return norm_block<kRule, 0, T>(a, t, block, sums);
+      return fn(std::integral_constant<int, 0>{});
     case 1:
-      return norm_block<kRule, 1, T>(a, t, block, sums);
+      return fn(std::integral_constant<int, 1>{});
     default:
-      return norm_block<kRule, 2, T>(a, t, block, sums);
+      return fn(std::integral_constant<int, 2>{});
   }
-}
-
-template <Rule kRule, typename T>
-void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index) {
-  switch (a.n_states) {
-    case 0:
-      return step_block<kRule, 0, T>(a, t, block, index);
-    case 1:
-      return step_block<kRule, 1, T>(a, t, block, index);
-    default:
-      return step_block<kRule, 2, T>(a, t, block, index);
-  }
-}
-
-// Tensor of global block b: the last row whose kFirstBlock is <= b.
-int64_t tensor_of_block(const OptimArgs& a, int64_t b) {
-  int64_t lo = 0;
-  int64_t hi = a.count - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (a.meta[mid * kMetaCols + kFirstBlock] <= b) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
 }
 
 template <Rule kRule>
@@ -233,7 +208,10 @@ void step_all(const OptimArgs& a, int threads) {
     for (int64_t b = 0; b < a.total_blocks; ++b) {
       const int64_t t = tensor_of_block(a, b);
       const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
-      LB_DISPATCH_DTYPE(tensors[t].dtype, norm_block<kRule, scalar_t>(a, tensors[t], block, &sums[2 * b]));
+      with_states(a.n_states, [&](auto states) {
+        LB_DISPATCH_DTYPE(tensors[t].dtype,
+                          norm_block<kRule, decltype(states)::value, scalar_t>(a, tensors[t], block, &sums[2 * b]));
+      });
     }
     for (int64_t t = 0; t < a.count; ++t) {
       const int64_t first = a.meta[t * kMetaCols + kFirstBlock];
@@ -252,7 +230,9 @@ void step_all(const OptimArgs& a, int threads) {
     const int64_t t = tensor_of_block(a, b);
     const TensorView& tv = tensors[t];
     const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
-    LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, scalar_t>(a, tv, block, index));
+    with_states(a.n_states, [&](auto states) {
+      LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, decltype(states)::value, scalar_t>(a, tv, block, index));
+    });
   }
 }
 

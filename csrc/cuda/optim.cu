@@ -27,16 +27,7 @@ struct BlockTask {
 };
 
 __device__ BlockTask find_block(const OptimArgs& a, int64_t b) {
-  int64_t lo = 0;
-  int64_t hi = a.count - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (a.meta[mid * kMetaCols + kFirstBlock] <= b) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
+  const int64_t lo = tensor_of_block(a, b);
   const int64_t* m = a.meta + lo * kMetaCols;
   const int64_t start = (b - m[kFirstBlock]) * a.block_size;
   const int64_t left = m[kNumel] - start;
