@@ -1,10 +1,12 @@
 #include "encode.h"
 
-// Hot loops compiled twice: baseline x86-64 and an AVX2 clone chosen at load time where the CPU has
-// it (32-bit vector multiplies for the hash). Both clones compute identical results: the same IEEE
-// operations, and no FMA (-ffp-contract=off, no "fma" target).
+#include <cstring>
+
+// Hot loops compiled for baseline x86-64 with AVX2 and AVX-512 clones, chosen at load time by what
+// the CPU has (32-bit vector multiplies for the hash, wider lanes). All clones compute identical
+// results: the same IEEE operations, and no FMA (-ffp-contract=off, no "fma" target).
 #if defined(__x86_64__) && defined(__GNUC__)
-#define LB_CLONES __attribute__((target_clones("avx2", "default")))
+#define LB_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define LB_CLONES
 #endif
@@ -26,36 +28,34 @@ LB_CLONES void normalise_buckets(const float* x, int cnt, float absmax, float* x
   for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
 }
 
-LB_CLONES void nearest_tile(const MapIndex& index, const float* xn, const uint32_t* b, int cnt, uint32_t* codes) {
-  const float* thresholds = index.thresholds();
-  const uint8_t* bases = index.bases();
-  for (int j = 0; j < cnt; ++j) {
-    const uint32_t k = b[j] - kFirstBucket;
-    codes[j] = bases[k] + static_cast<uint32_t>(xn[j] >= thresholds[k]);
-  }
+namespace {
+
+// codes[j] = step_code of element j, given its bucket. The table lookup is a bare load-load-store
+// loop; the arithmetic around it is a second loop that vectorises. Keeping scalar work per element
+// this small is what makes the O(1) search cheap.
+inline void step_codes(const uint32_t* table, const float* xn, const uint32_t* b, int cnt, uint32_t* codes) {
+  for (int j = 0; j < cnt; ++j) codes[j] = table[static_cast<int64_t>(b[j]) - kFirstBucket];
+  for (int j = 0; j < cnt; ++j) codes[j] = step_code(codes[j], xn[j]);
 }
 
-LB_CLONES void stochastic_tile(const MapIndex& index, const float* xn, const uint32_t* b, RngKey key, uint64_t counter0,
-                               int cnt, uint32_t* codes) {
-  const uint8_t* start = index.start();
-  const float* boundary = index.boundaries();
+}  // namespace
+
+LB_CLONES void nearest_tile(const MapIndex& index, const float* xn, const uint32_t* b, int cnt, uint32_t* codes) {
+  step_codes(index.nearest_steps(), xn, b, cnt, codes);
+}
+
+LB_CLONES void stochastic_tile(const MapIndex& index, const float* xn, const uint32_t* b, RngKey key,
+                               uint64_t counter0, int cnt, uint32_t* codes) {
+  step_codes(index.floor_steps(), xn, b, cnt, codes);
   const float* low_gap = index.low_gap();
-  // Table lookups in one scalar loop; the draws and the decision in a second one that vectorises.
-  float low[kTile];
-  float width[kTile];
-  for (int j = 0; j < cnt; ++j) {
-    const uint32_t k = b[j] - kFirstBucket;
-    const uint32_t lo = start[k] + static_cast<uint32_t>(xn[j] >= boundary[k]);
-    codes[j] = lo;
-    low[j] = low_gap[2 * lo];
-    width[j] = low_gap[2 * lo + 1];
-  }
+  float pair[2 * kTile];  // (map value, gap) of each element's floor code, fetched by a bare loop
+  for (int j = 0; j < cnt; ++j) std::memcpy(pair + 2 * j, low_gap + 2 * codes[j], 2 * sizeof(float));
   const uint32_t lo0 = static_cast<uint32_t>(counter0);
   const uint32_t hi0 = static_cast<uint32_t>(counter0 >> 32);
   for (int j = 0; j < cnt; ++j) {
     const uint32_t lo = lo0 + static_cast<uint32_t>(j);
     const float u = uniform01(key, lo, hi0 + static_cast<uint32_t>(lo < lo0));
-    codes[j] += static_cast<uint32_t>(u * width[j] < xn[j] - low[j]);
+    codes[j] += static_cast<uint32_t>(u * pair[2 * j + 1] < xn[j] - pair[2 * j]);
   }
 }
 

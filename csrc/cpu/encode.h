@@ -21,8 +21,8 @@ void uniform_tile(RngKey key, uint64_t counter0, int cnt, float* u);
 // Nearest codes of normalised xn with buckets b, for a map index with nearest_direct() (encode.cpp).
 void nearest_tile(const MapIndex& index, const float* xn, const uint32_t* b, int cnt, uint32_t* codes);
 
-// Stochastic codes, with the draws of counters counter0 .., for a map index whose buckets need at
-// most one refinement step (encode.cpp).
+// Stochastic codes of normalised xn with buckets b, with the draws of counters counter0 .., for a
+// map index whose buckets need at most one refinement step (encode.cpp).
 void stochastic_tile(const MapIndex& index, const float* xn, const uint32_t* b, RngKey key, uint64_t counter0,
                      int cnt, uint32_t* codes);
 

@@ -11,18 +11,13 @@
 namespace lowbit::cpu {
 namespace {
 
+// The float with this order key (order_key inverted).
 float bucket_value(uint32_t key) {
   return bits_to_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
 }
 
-// Full 32-bit order-preserving key (bucket16 is its top half); bucket_value inverts it.
-uint32_t order_key(float x) {
-  const uint32_t b = float_to_bits(x + 0.f);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
 // T[j] = smallest key whose nearest code is >= j, for j = 1..n-1 (UINT32_MAX if none in [-1, 1]).
-std::vector<uint32_t> nearest_steps(const float* map, uint32_t n) {
+std::vector<uint32_t> nearest_jumps(const float* map, uint32_t n) {
   const uint32_t lo_key = order_key(-1.f);
   const uint32_t hi_key = order_key(1.f);
   auto code = [&](uint32_t key) { return map_encode_nearest(map, n, bucket_value(key)); };
@@ -54,15 +49,14 @@ MapIndex::MapIndex(const float* map, uint32_t n)
       nearest_direct_(true),
       padded_(map, map + n),
       start_(kLastBucket - kFirstBucket + 1),
-      thresholds_(kLastBucket - kFirstBucket + 1, std::numeric_limits<float>::infinity()),
-      boundaries_(kLastBucket - kFirstBucket + 1, std::numeric_limits<float>::infinity()),
-      bases_(kLastBucket - kFirstBucket + 1) {
+      floor_steps_(kLastBucket - kFirstBucket + 1),
+      nearest_steps_(kLastBucket - kFirstBucket + 1) {
   padded_.push_back(std::numeric_limits<float>::infinity());
   for (uint32_t i = 0; i < n; ++i) {
     low_gap_.push_back(padded_[i]);
     low_gap_.push_back(padded_[i + 1] - padded_[i]);
   }
-  const std::vector<uint32_t> up = nearest_steps(map, n);
+  const std::vector<uint32_t> up = nearest_jumps(map, n);
   uint32_t lo = 0;
   for (uint32_t b = kFirstBucket; b <= kLastBucket; ++b) {
     const uint32_t first_key = b << 16;
@@ -74,18 +68,21 @@ MapIndex::MapIndex(const float* map, uint32_t n)
     start_[b - kFirstBucket] = static_cast<uint8_t>(lo);
     int inside = 0;
     for (uint32_t i = lo + 1; i < n && map[i] <= last; ++i) ++inside;
-    if (inside > 0) boundaries_[b - kFirstBucket] = map[lo + 1];
+    // map[lo + 1] lies in (first, last], so its key shares this bucket's top 16 bits.
+    const uint32_t step = inside > 0 ? order_key(map[lo + 1]) & 0xFFFFu : kNoStep;
+    floor_steps_[b - kFirstBucket] = lo << kStepBits | step;
     steps_ = std::max(steps_, inside);
 
     const uint32_t base = map_encode_nearest(map, n, first);
-    bases_[b - kFirstBucket] = static_cast<uint8_t>(base);
+    uint32_t jump = kNoStep;
     int jumps = 0;
     for (uint32_t j = base + 1; j < n && up[j] <= last_key; ++j) {
       if (up[j] > first_key) {
-        thresholds_[b - kFirstBucket] = bucket_value(up[j]);
+        jump = up[j] & 0xFFFFu;
         ++jumps;
       }
     }
+    nearest_steps_[b - kFirstBucket] = base << kStepBits | jump;
     nearest_direct_ = nearest_direct_ && jumps <= 1;
   }
 }

@@ -3,13 +3,15 @@
 // x is reduced to a 16-bit bucket of its order-preserving bit pattern (sign, exponent and the top 7
 // mantissa bits). A bucket is narrower than the gap between neighbouring values of the dynamic and
 // linear maps, so it holds at most one step of any of the step functions below:
-// - floor_index: the floor index at the start of each bucket; one branch-free comparison finishes
+// - floor index: the floor index at the start of each bucket; one branch-free comparison finishes
 //   the search (maps with closer values get as many steps as their densest bucket needs, and beyond
 //   kMaxRefine the binary search of qmap.h takes over). Stochastic rounding starts from it.
 // - nearest: the nearest code is itself a non-decreasing step function of x, so each bucket stores
 //   its code at the bucket start and the exact x at which it steps up, found at build time by
-//   bisecting map_encode_nearest over float bit patterns. One load and one comparison per element.
-// Both answers equal those of qmap.h's binary search exactly, so CPU and CUDA codes agree.
+//   bisecting map_encode_nearest over float bit patterns.
+// For one-step buckets both are packed into one word per bucket (see step_code), so a code costs
+// one table load plus arithmetic that vectorises. The answers equal those of qmap.h's binary
+// search exactly, so CPU and CUDA codes agree.
 #pragma once
 
 #include <cstdint>
@@ -20,14 +22,30 @@
 
 namespace lowbit::cpu {
 
-// Order-preserving key of a float (negative patterns inverted, positive ones with the sign bit
-// set), top 16 bits. Branch-free so that loops over it vectorise. -0 is bucketed as +0 (x + 0 is
-// exact otherwise): both compare equal to any map value, and this keeps the two zero entries of
-// symmetric maps out of the bucket below zero, which would otherwise need a second search step.
-inline uint32_t bucket16(float x) {
+// Order-preserving key of a float: negative patterns inverted, positive ones with the sign bit set,
+// so that x <= y exactly when order_key(x) <= order_key(y) for non-NaN floats. Branch-free so that
+// loops over it vectorise. -0 is keyed as +0 (x + 0 is exact otherwise): both compare equal to any
+// map value, and this keeps the two zero entries of symmetric maps out of the bucket below zero,
+// which would otherwise need a second search step.
+inline uint32_t order_key(float x) {
   const uint32_t b = float_to_bits(x + 0.f);
   const uint32_t neg = static_cast<uint32_t>(static_cast<int32_t>(b) >> 31);
-  return ((b ^ (neg >> 1)) ^ 0x80000000u) >> 16;
+  return (b ^ (neg >> 1)) ^ 0x80000000u;
+}
+
+// The bucket of x: the top 16 bits of its key.
+inline uint32_t bucket16(float x) { return order_key(x) >> 16; }
+
+// A bucket's step word: (code at the bucket start) << kStepBits | the low 16 bits of the order key at
+// which the code steps up by one inside the bucket (kNoStep if it does not). The key's top 16 bits
+// are the bucket's, so comparing low halves equals comparing x with the step's float.
+constexpr int kStepBits = 17;
+constexpr uint32_t kStepMask = (1u << kStepBits) - 1u;
+constexpr uint32_t kNoStep = 0x10000u;
+
+// The code of x from the step word of its bucket.
+inline uint32_t step_code(uint32_t word, float x) {
+  return (word >> kStepBits) + static_cast<uint32_t>((order_key(x) & 0xFFFFu) >= (word & kStepMask));
 }
 
 constexpr uint32_t kFirstBucket = 0x407Fu;  // bucket16(-1.0f)
@@ -47,12 +65,10 @@ class MapIndex {
     return i;
   }
 
-  // Tables indexed by bucket - kFirstBucket; indices are bytes to keep the tables cache-resident.
-  const uint8_t* start() const { return start_.data(); }
-  const float* thresholds() const { return thresholds_.data(); }
-  // The map value inside each bucket at which the floor index steps up (+inf if none).
-  const float* boundaries() const { return boundaries_.data(); }
-  const uint8_t* bases() const { return bases_.data(); }
+  // Step words indexed by bucket - kFirstBucket: step_code(word, x) is the floor index of x (valid
+  // when steps() <= 1) or its nearest code (valid when nearest_direct()).
+  const uint32_t* floor_steps() const { return floor_steps_.data(); }
+  const uint32_t* nearest_steps() const { return nearest_steps_.data(); }
 
   // True when no bucket holds more than one step of the nearest code.
   bool nearest_direct() const { return nearest_direct_; }
@@ -72,10 +88,9 @@ class MapIndex {
   bool nearest_direct_;
   std::vector<float> padded_;
   std::vector<float> low_gap_;
-  std::vector<uint8_t> start_;
-  std::vector<float> thresholds_;
-  std::vector<float> boundaries_;  // smallest x of the bucket with code base + 1 (+inf if none)
-  std::vector<uint8_t> bases_;     // nearest code at the bucket's first x
+  std::vector<uint8_t> start_;  // floor index at each bucket's first x; bytes keep it cache-resident
+  std::vector<uint32_t> floor_steps_;
+  std::vector<uint32_t> nearest_steps_;
 };
 
 // The index for this map, built on first use and kept in a small cache keyed by the map values.
