@@ -69,6 +69,7 @@ py::dict build_info() {
   info["openmp"] = _OPENMP;
   info["omp_max_threads"] = omp_get_max_threads();
   info["compiler"] = __VERSION__;
+  info["cpu_avx512"] = lowbit::cpu::avx512_active();
 #ifdef LOWBIT_WITH_CUDA
   info["cuda"] = true;
   info["cuda_archs"] = LOWBIT_CUDA_ARCHS;
@@ -95,6 +96,8 @@ PYBIND11_MODULE(_C, m) {
 #endif
   });
   m.def("build_info", &build_info);
+  // Private: tests run the optimizer step with and without the AVX-512 kernels and compare.
+  m.def("_set_cpu_avx512", &lowbit::cpu::set_avx512_enabled);
 
   m.def(
       "quantize_cpu",

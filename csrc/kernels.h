@@ -99,6 +99,9 @@ void quantize(const QuantizeArgs& a, int threads);
 void dequantize(const DequantizeArgs& a, int threads);
 void pack_bits(const PackArgs& a, int threads);
 void unpack_bits(const PackArgs& a, int threads);
+// The AVX-512 kernels of the optimizer step (cpu/avx512.h): in use?, and a switch for tests.
+bool avx512_active();
+bool set_avx512_enabled(bool enabled);
 }  // namespace cpu
 
 #ifdef LOWBIT_WITH_CUDA

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from lowbit import _ops
+from lowbit import _C, _ops
 from lowbit import _reference as R
 from lowbit.functional import create_dynamic_map, quantize_blockwise
 
@@ -54,11 +54,23 @@ def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int) -> list:
     return [params, grads, states[0], states[1], absmax[0], absmax[1], scalars, map1, map2]
 
 
+@pytest.fixture(params=["avx512", "portable"])
+def cpu_kernels(request):
+    """Runs a test with the CPU's AVX-512 kernels (where it has them) and with the portable loops."""
+    has_avx512 = _C._set_cpu_avx512(request.param == "avx512")
+    try:
+        if request.param == "avx512" and not has_avx512:
+            pytest.skip("this CPU has no AVX-512F: only the portable loops run")
+        yield request.param
+    finally:
+        _C._set_cpu_avx512(True)
+
+
 # LAMB always uses its trust ratio: it is checked with the norm modes below.
 @pytest.mark.parametrize("name", sorted(n for n in RULES if n != "lamb"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("grad_scale", [False, True])
-def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale):
+def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, cpu_kernels):
     rule, n_states, flags, hyper = RULES[name]
     params, grads, s1, s2, a1, a2, scalars, map1, map2 = _tensors(rule, n_states, dtype, seed=len(name))
     scales = torch.tensor([0.5, 1.0, 2.0, 0.25]) if grad_scale else None

@@ -59,4 +59,17 @@ LB_CLONES void stochastic_tile(const MapIndex& index, const float* xn, const uin
   }
 }
 
+LB_CLONES void nearest_codes_u8(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out) {
+  const uint32_t* table = index.nearest_steps();
+  float xn[kTile];
+  uint32_t word[kTile];
+  for (int lo = 0; lo < cnt; lo += kTile) {
+    const int m = std::min(kTile, cnt - lo);
+    normalise_tile(x + lo, m, absmax, xn);
+    for (int j = 0; j < m; ++j) word[j] = bucket16(xn[j]);
+    for (int j = 0; j < m; ++j) word[j] = table[static_cast<int64_t>(word[j]) - kFirstBucket];
+    for (int j = 0; j < m; ++j) out[lo + j] = static_cast<uint8_t>(step_code(word[j], xn[j]));
+  }
+}
+
 }  // namespace lowbit::cpu

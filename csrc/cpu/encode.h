@@ -26,6 +26,10 @@ void nearest_tile(const MapIndex& index, const float* xn, const uint32_t* b, int
 void stochastic_tile(const MapIndex& index, const float* xn, const uint32_t* b, RngKey key, uint64_t counter0,
                      int cnt, uint32_t* codes);
 
+// Nearest codes of fp32 x against absmax, stored as bytes, for a map index with nearest_direct()
+// and at most 256 entries: the optimizer's state encode (encode.cpp).
+void nearest_codes_u8(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out);
+
 // xn = normalise(x, absmax) and the buckets of xn, for fp32 input (encode.cpp; an AVX2 clone).
 void normalise_buckets(const float* x, int cnt, float absmax, float* xn, uint32_t* bucket);
 

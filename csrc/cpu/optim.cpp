@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx512.h"
 #include "encode.h"
 #include "kernels.h"
 #include "lowbit/blockwise.h"
@@ -47,31 +48,43 @@ TensorView view(const OptimArgs& a, int64_t t) {
                                 a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f}};
 }
 
+// Decodes 8-bit state k of a block into out.
 void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, const float* map, float* out) {
-  if (t.eight_bit) {
-    const uint8_t* codes = static_cast<const uint8_t*>(t.state[k]) + lo;
-    const float amax = t.absmax[k][block];
-    for (int i = 0; i < cnt; ++i) out[i] = map[codes[i]] * amax;
-  } else {
-    std::copy_n(static_cast<const float*>(t.state[k]) + lo, cnt, out);
-  }
+  const uint8_t* codes = static_cast<const uint8_t*>(t.state[k]) + lo;
+  const float amax = t.absmax[k][block];
+  if (avx512_active()) return decode_u8_avx512(map, codes, cnt, amax, out);
+  for (int i = 0; i < cnt; ++i) out[i] = map[codes[i]] * amax;
 }
 
+// Requantizes 8-bit state k of a block from in, against the block absmax of bit pattern max_bits.
 void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, uint32_t max_bits,
                  const MapIndex* index, const float* in) {
-  if (!t.eight_bit) {
-    std::copy_n(in, cnt, static_cast<float*>(t.state[k]) + lo);
-    return;
-  }
   const float amax = absmax_from_bits(max_bits);
   t.absmax[k][block] = amax;
   uint8_t* codes = static_cast<uint8_t*>(t.state[k]) + lo;
+  if (index->nearest_direct()) return nearest_codes_u8(*index, in, cnt, amax, codes);
   uint32_t tile[kTile];
   const MapSpan span{*index};
   for (int j = 0; j < cnt; j += kTile) {
     const int m = std::min(kTile, cnt - j);
     span.encode<false>(in + j, m, amax, RngKey{0, 0}, 0, tile);
     for (int i = 0; i < m; ++i) codes[j + i] = static_cast<uint8_t>(tile[i]);
+  }
+}
+
+// s[k] = the fp32 values of state k of a block: 32-bit states in place, 8-bit ones decoded into
+// `decoded` (copying 32-bit states through a buffer instead costs as much as the whole update).
+template <int kStates>
+void block_states(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
+                  float (&decoded)[2][kMaxBlock], float* (&s)[2]) {
+  for (int k = 0; k < 2; ++k) {
+    s[k] = decoded[k];
+    if (k >= kStates) continue;
+    if (t.eight_bit) {
+      load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, s[k]);
+    } else {
+      s[k] = static_cast<float*>(t.state[k]) + lo;
+    }
   }
 }
 
@@ -128,8 +141,9 @@ template <Rule kRule, int kStates, typename T>
 void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index) {
   const int64_t lo = block * a.block_size;
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
-  float s[2][kMaxBlock];
-  for (int k = 0; k < kStates; ++k) load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, s[k]);
+  float decoded[2][kMaxBlock];
+  float* s[2];
+  block_states<kStates>(a, t, block, lo, cnt, decoded, s);
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   uint32_t max_bits[2];
@@ -142,7 +156,9 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const Ma
 #else
   update_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
 #endif
-  for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], s[k]);
+  if (t.eight_bit) {
+    for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], s[k]);
+  }
 }
 
 // Pre-pass of the norm modes: sums of p^2 (before the step) and u^2 over one block, computed from
@@ -153,8 +169,9 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, double* 
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
   const StepHyper h = a.hyper;
   const StepScalars sc = t.scalars;
-  float s[2][kMaxBlock];
-  for (int k = 0; k < kStates; ++k) load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, s[k]);
+  float decoded[2][kMaxBlock];
+  float* s[2];
+  block_states<kStates>(a, t, block, lo, cnt, decoded, s);
   const T* param = static_cast<const T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   double pp = 0.0;
