@@ -1,5 +1,6 @@
-// AVX-512 kernels of the 8-bit optimizer step (avx512.cpp), chosen at run time where the CPU has
-// AVX-512F; they return the same results as the portable loops of optim.cpp.
+// AVX-512 kernels of the optimizer step (avx512.cpp, and the AVX-512 entry of the update loop in
+// optim.cpp), chosen at run time where the CPU has AVX-512F; they return the same results as the
+// portable loops.
 #pragma once
 
 #include <cstdint>

@@ -89,7 +89,7 @@ void block_states(const OptimArgs& a, const TensorView& t, int64_t block, int64_
 }
 
 // The update of one block: everything it reads is in locals and restrict pointers so that it
-// vectorises. Always inlined into the two entry points below, so each is compiled for its target;
+// vectorises. Always inlined into the entry points below, so each is compiled for its target;
 // the rules it calls are inlined too, and any out-of-line copy stays baseline code.
 template <Rule kRule, int kStates, typename T>
 __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, const StepScalars& scalars,
@@ -134,6 +134,14 @@ __attribute__((target("avx2"))) void update_avx2(const StepHyper& h, const StepS
   update_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
 }
 
+// 16-wide where the CPU has AVX-512F and avx512_active() allows it (same IEEE results again).
+template <Rule kRule, int kStates, typename T>
+__attribute__((target("avx512f"))) void update_avx512(const StepHyper& h, const StepScalars& sc, T* param,
+                                                      const T* grad, float* s1, float* s2, int cnt,
+                                                      uint32_t* max_bits) {
+  update_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+}
+
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
@@ -148,7 +156,9 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const Ma
   const T* grad = static_cast<const T*>(t.grad) + lo;
   uint32_t max_bits[2];
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (kHasAvx2) {
+  if (avx512_active()) {
+    update_avx512<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
+  } else if (kHasAvx2) {
     update_avx2<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
   } else {
     update_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
