@@ -32,11 +32,12 @@ def test_train_lm_8bit_matches_torch_adam():
         tuple(map(float, m))
         for m in re.findall(r"final train loss (\S+)\s+held-out loss (\S+)\s+state [\d,]+ bytes", out)
     ]
-    assert len(losses) == 2, out
+    assert len(losses) == 3, out
     assert all(math.isfinite(v) for pair in losses for v in pair), out
-    (fp32_train, _), (low_train, _) = losses
-    # Measured at 60 steps (8-bit + StableEmbedding vs torch Adam + nn.Embedding, final train loss):
-    # seed 0: 2.4389 vs 2.4505 (-0.48%), seed 1: 2.4713 vs 2.4694 (+0.08%), seed 2: 2.4247 vs 2.4558
-    # (-1.27%). 3% is 2.4x the largest of the three; both runs have fallen from ln(256) = 5.55 by then.
-    assert abs(low_train / fp32_train - 1) < 0.03, out
+    (_, _), (fp32_train, _), (low_train, _) = losses
+    # The 8-bit run against torch Adam on the same model (StableEmbedding), final train loss at 60
+    # steps, measured: seed 0: 2.4389 vs 2.4434 (-0.18%), seed 1: 2.4713 vs 2.4719 (-0.03%), seed 2:
+    # 2.4247 vs 2.4249 (-0.01%). 1% is the bound (5x the largest of the three); both runs
+    # have fallen from ln(256) = 5.55 by then.
+    assert abs(low_train / fp32_train - 1) < 0.01, out
     assert low_train < 3.0 and fp32_train < 3.0, out
