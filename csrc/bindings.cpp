@@ -37,6 +37,17 @@ DequantizeArgs dequantize_args(uintptr_t in, uintptr_t absmax, int64_t n, uintpt
                         blocksize,              ptr<void>(out),           dtype};
 }
 
+lowbit::FewbitEncodeArgs fewbit_encode_args(uintptr_t x, int64_t n, int dtype, uintptr_t bounds, int bits,
+                                             uintptr_t packed) {
+  return lowbit::FewbitEncodeArgs{ptr<const void>(x), n, dtype, ptr<const float>(bounds), bits, ptr<uint8_t>(packed)};
+}
+
+lowbit::FewbitGradArgs fewbit_grad_args(uintptr_t grad, uintptr_t packed, int64_t n, int dtype, uintptr_t levels,
+                                        int bits, uintptr_t out) {
+  return lowbit::FewbitGradArgs{ptr<const void>(grad),   ptr<const uint8_t>(packed), n, dtype,
+                                ptr<const float>(levels), bits,                       ptr<void>(out)};
+}
+
 // hyper: lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay, max_unorm.
 lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states,
                              int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars,
@@ -129,6 +140,20 @@ PYBIND11_MODULE(_C, m) {
       nogil);
 
   m.def(
+      "fewbit_encode_cpu",
+      [](uintptr_t x, int64_t n, int dtype, uintptr_t bounds, int bits, uintptr_t packed, int threads) {
+        lowbit::cpu::fewbit_encode(fewbit_encode_args(x, n, dtype, bounds, bits, packed), threads);
+      },
+      nogil);
+  m.def(
+      "fewbit_grad_cpu",
+      [](uintptr_t grad, uintptr_t packed, int64_t n, int dtype, uintptr_t levels, int bits, uintptr_t out,
+         int threads) {
+        lowbit::cpu::fewbit_grad(fewbit_grad_args(grad, packed, n, dtype, levels, bits, out), threads);
+      },
+      nogil);
+
+  m.def(
       "optimizer_step_cpu",
       [](int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states, int64_t block_size,
          uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales, int64_t count,
@@ -166,6 +191,20 @@ PYBIND11_MODULE(_C, m) {
         lowbit::cuda::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, meta,
                                                 scalars, grad_scales, count, total_blocks),
                                      device, stream);
+      },
+      nogil);
+  m.def(
+      "fewbit_encode_cuda",
+      [](uintptr_t x, int64_t n, int dtype, uintptr_t bounds, int bits, uintptr_t packed, int device,
+         uintptr_t stream) {
+        lowbit::cuda::fewbit_encode(fewbit_encode_args(x, n, dtype, bounds, bits, packed), device, stream);
+      },
+      nogil);
+  m.def(
+      "fewbit_grad_cuda",
+      [](uintptr_t grad, uintptr_t packed, int64_t n, int dtype, uintptr_t levels, int bits, uintptr_t out,
+         int device, uintptr_t stream) {
+        lowbit::cuda::fewbit_grad(fewbit_grad_args(grad, packed, n, dtype, levels, bits, out), device, stream);
       },
       nogil);
   m.def(

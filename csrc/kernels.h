@@ -44,6 +44,28 @@ struct PackArgs {
   int bits;
 };
 
+// Few-bit backward (lowbit/fewbit.h). Encode: the packed interval codes of x (n elements of dtype)
+// against 2^bits - 1 sorted boundaries. Grad: out = grad * levels[code] for 2^bits levels, in fp32,
+// rounded to dtype.
+struct FewbitEncodeArgs {
+  const void* x;
+  int64_t n;
+  int dtype;
+  const float* bounds;
+  int bits;
+  uint8_t* packed;
+};
+
+struct FewbitGradArgs {
+  const void* grad;
+  const uint8_t* packed;
+  int64_t n;
+  int dtype;
+  const float* levels;
+  int bits;
+  void* out;
+};
+
 // One fused optimizer step over a list of tensors. Row t of `meta` (int64, kMetaCols columns)
 // describes tensor t; row t of `scalars` (float32, kScalarCols columns) holds its StepScalars.
 // States with state_bits == 8 are uint8 codes into map1/map2 (signed/unsigned per rule) with one
@@ -99,6 +121,8 @@ void quantize(const QuantizeArgs& a, int threads);
 void dequantize(const DequantizeArgs& a, int threads);
 void pack_bits(const PackArgs& a, int threads);
 void unpack_bits(const PackArgs& a, int threads);
+void fewbit_encode(const FewbitEncodeArgs& a, int threads);
+void fewbit_grad(const FewbitGradArgs& a, int threads);
 // The AVX-512 kernels of the optimizer step (cpu/avx512.h): in use?, and a switch for tests.
 bool avx512_active();
 bool set_avx512_enabled(bool enabled);
@@ -111,6 +135,8 @@ void quantize(const QuantizeArgs& a, int device, uintptr_t stream);
 void dequantize(const DequantizeArgs& a, int device, uintptr_t stream);
 void pack_bits(const PackArgs& a, int device, uintptr_t stream);
 void unpack_bits(const PackArgs& a, int device, uintptr_t stream);
+void fewbit_encode(const FewbitEncodeArgs& a, int device, uintptr_t stream);
+void fewbit_grad(const FewbitGradArgs& a, int device, uintptr_t stream);
 const char* runtime_version();
 }  // namespace cuda
 #endif

@@ -281,6 +281,72 @@ def _(packed: Tensor, bits: int, numel: int) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# Few-bit backward (fewbit-backward.txt section 3; include/lowbit/fewbit.h)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_fewbit_bits(bits: int) -> None:
+    _check(isinstance(bits, int) and 1 <= bits <= 8, f"bits must be an int in 1..8, got {bits!r}")
+
+
+@torch.library.custom_op("lowbit::fewbit_encode", mutates_args=())
+def fewbit_encode(x: Tensor, boundaries: Tensor, bits: int) -> Tensor:
+    """The interval codes of ``x``, bit-packed: ``ceil(numel*bits/8)`` uint8.
+
+    Element i gets the number of ``boundaries`` (``2**bits - 1`` sorted fp32 values on x's device)
+    that are <= x_i, in ``bits`` bits; NaN gets 0. ``x`` is read in flat (contiguous) order.
+    """
+    _check_fewbit_bits(bits)
+    _check_input("x", x, FLOAT_DTYPES)
+    _check_input("boundaries", boundaries, (torch.float32,))
+    _check(
+        boundaries.numel() == 2**bits - 1,
+        f"boundaries must hold 2**bits - 1 = {2**bits - 1} values for bits={bits}, got {boundaries.numel()}",
+    )
+    _check_same_device("x", x, boundaries=boundaries)
+    n = x.numel()
+    out = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=x.device)
+    if n > 0:
+        _launch("fewbit_encode", x.device)(
+            x.data_ptr(), n, _DTYPE_CODES[x.dtype], boundaries.data_ptr(), bits, out.data_ptr()
+        )
+    return out
+
+
+@fewbit_encode.register_fake
+def _(x: Tensor, boundaries: Tensor, bits: int) -> Tensor:
+    return x.new_empty(packed_bytes(x.numel(), bits), dtype=torch.uint8)
+
+
+@torch.library.custom_op("lowbit::fewbit_grad", mutates_args=())
+def fewbit_grad(grad: Tensor, packed: Tensor, levels: Tensor, bits: int) -> Tensor:
+    """``grad * levels[code]`` element-wise, for the codes of :func:`fewbit_encode` (fp32 math).
+
+    ``levels`` holds ``2**bits`` fp32 values on grad's device; the result has grad's shape and dtype.
+    """
+    _check_fewbit_bits(bits)
+    _check_input("grad", grad, FLOAT_DTYPES)
+    _check_input("levels", levels, (torch.float32,))
+    _check(
+        levels.numel() == 2**bits, f"levels must hold 2**bits = {2**bits} values for bits={bits}, got {levels.numel()}"
+    )
+    n = grad.numel()
+    _check_codes("packed", packed, n, bits)
+    _check_same_device("grad", grad, packed=packed, levels=levels)
+    out = torch.empty_like(grad)
+    if n > 0:
+        _launch("fewbit_grad", grad.device)(
+            grad.data_ptr(), packed.data_ptr(), n, _DTYPE_CODES[grad.dtype], levels.data_ptr(), bits, out.data_ptr()
+        )
+    return out
+
+
+@fewbit_grad.register_fake
+def _(grad: Tensor, packed: Tensor, levels: Tensor, bits: int) -> Tensor:
+    return torch.empty_like(grad)
+
+
+# ---------------------------------------------------------------------------------------------
 # Fused optimizer step
 # ---------------------------------------------------------------------------------------------
 

@@ -151,6 +151,20 @@ def dequantize_linear(
     return (((codes - qmax) / qmax) * _expand(absmax, numel, blocksize)).to(dtype)
 
 
+def fewbit_encode(x: Tensor, boundaries: Tensor, bits: int) -> Tensor:
+    """Twin of ``lowbit::fewbit_encode``: the number of boundaries <= x (NaN: 0), bit-packed."""
+    xf = x.reshape(-1).float()
+    codes = torch.bucketize(xf, boundaries, right=True)
+    codes = torch.where(torch.isnan(xf), torch.zeros_like(codes), codes)
+    return pack_bits(codes, bits)
+
+
+def fewbit_grad(grad: Tensor, packed: Tensor, levels: Tensor, bits: int) -> Tensor:
+    """Twin of ``lowbit::fewbit_grad``: ``grad * levels[code]`` in fp32, rounded to grad's dtype."""
+    codes = unpack_bits(packed, bits, grad.numel())
+    return (grad.reshape(-1).float() * levels[codes]).to(grad.dtype).reshape(grad.shape)
+
+
 def nearest_oracle(xn: Tensor, code: Tensor) -> Tensor:
     """Brute force: the smallest |code[j] - xn| for every element (used to check true argmin)."""
     return (code[None, :] - xn.reshape(-1, 1)).abs().min(dim=1).values

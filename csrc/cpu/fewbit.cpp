@@ -1,0 +1,123 @@
+// Few-bit backward on the CPU (lowbit/fewbit.h): OpenMP over chunks of whole 8-code groups, so each
+// chunk owns its bytes of the packed stream. The bit width is a template argument, so the code loops
+// are fully unrolled and the compare-and-count form vectorises.
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels.h"
+#include "lowbit/dispatch.h"
+#include "lowbit/fewbit.h"
+#include "lowbit/pack.h"
+
+namespace lowbit::cpu {
+namespace {
+
+constexpr int kChunk = 4096;  // elements per work item, a multiple of kGroup
+constexpr int64_t kParallelMin = 1 << 15;
+
+// Up to 4 bits (15 boundaries), counting the boundaries <= x element-wise is cheaper than a
+// search and vectorises; above, the binary search of fewbit.h.
+template <int kBits, typename T>
+void encode_chunk(const T* x, int cnt, const float* bounds, uint32_t* codes) {
+  constexpr int kBounds = (1 << kBits) - 1;
+  if constexpr (kBits <= 4) {
+    float b[kBounds];
+    std::copy_n(bounds, kBounds, b);
+    for (int j = 0; j < cnt; ++j) {
+      const float v = to_float(x[j]);
+      uint32_t c = 0;
+      for (int i = 0; i < kBounds; ++i) c += static_cast<uint32_t>(v >= b[i]);
+      codes[j] = c;
+    }
+  } else {
+    for (int j = 0; j < cnt; ++j) codes[j] = interval_code(to_float(x[j]), bounds, kBits);
+  }
+}
+
+// Packs cnt codes to out (the chunk's first byte); only the tensor's last chunk has a partial group.
+template <int kBits>
+void pack_chunk(const uint32_t* codes, int cnt, uint8_t* out) {
+  const int full = cnt / kGroup;
+  for (int g = 0; g < full; ++g) {
+    const uint64_t acc = pack8(codes + g * kGroup, kBits);
+    std::memcpy(out + g * kBits, &acc, kBits);
+  }
+  if (cnt > full * kGroup) pack_group(codes + full * kGroup, cnt - full * kGroup, kBits, out + full * kBits);
+}
+
+template <int kBits>
+void unpack_chunk(const uint8_t* in, int cnt, uint32_t* codes) {
+  const int full = cnt / kGroup;
+  for (int g = 0; g < full; ++g) {
+    uint64_t acc = 0;
+    std::memcpy(&acc, in + g * kBits, kBits);
+    unpack8(acc, kBits, codes + g * kGroup);
+  }
+  if (cnt > full * kGroup) unpack_group(in + full * kBits, cnt - full * kGroup, kBits, codes + full * kGroup);
+}
+
+// Calls fn(std::integral_constant<int, B>{}) for B = bits (1..8).
+template <typename Fn>
+void with_bits(int bits, Fn&& fn) {
+  switch (bits) {
+    case 1:
+      return fn(std::integral_constant<int, 1>{});
+    case 2:
+      return fn(std::integral_constant<int, 2>{});
+    case 3:
+      return fn(std::integral_constant<int, 3>{});
+    case 4:
+      return fn(std::integral_constant<int, 4>{});
+    case 5:
+      return fn(std::integral_constant<int, 5>{});
+    case 6:
+      return fn(std::integral_constant<int, 6>{});
+    case 7:
+      return fn(std::integral_constant<int, 7>{});
+    default:
+      return fn(std::integral_constant<int, 8>{});
+  }
+}
+
+template <int kBits, typename T>
+void encode_impl(const FewbitEncodeArgs& a, int threads) {
+  const T* x = static_cast<const T*>(a.x);
+  const int64_t nchunks = (a.n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t lo = c * kChunk;
+    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    uint32_t codes[kChunk];
+    encode_chunk<kBits>(x + lo, cnt, a.bounds, codes);
+    pack_chunk<kBits>(codes, cnt, a.packed + lo / kGroup * kBits);
+  }
+}
+
+template <int kBits, typename T>
+void grad_impl(const FewbitGradArgs& a, int threads) {
+  const T* grad = static_cast<const T*>(a.grad);
+  T* out = static_cast<T*>(a.out);
+  const int64_t nchunks = (a.n + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+  for (int64_t c = 0; c < nchunks; ++c) {
+    const int64_t lo = c * kChunk;
+    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    uint32_t codes[kChunk];
+    unpack_chunk<kBits>(a.packed + lo / kGroup * kBits, cnt, codes);
+    const float* levels = a.levels;
+    for (int j = 0; j < cnt; ++j) out[lo + j] = from_float<T>(to_float(grad[lo + j]) * levels[codes[j]]);
+  }
+}
+
+}  // namespace
+
+void fewbit_encode(const FewbitEncodeArgs& a, int threads) {
+  with_bits(a.bits, [&](auto bits) { LB_DISPATCH_DTYPE(a.dtype, (encode_impl<decltype(bits)::value, scalar_t>(a, threads))); });
+}
+
+void fewbit_grad(const FewbitGradArgs& a, int threads) {
+  with_bits(a.bits, [&](auto bits) { LB_DISPATCH_DTYPE(a.dtype, (grad_impl<decltype(bits)::value, scalar_t>(a, threads))); });
+}
+
+}  // namespace lowbit::cpu

@@ -1,0 +1,84 @@
+// CUDA kernels of few-bit backward (lowbit/fewbit.h). One thread owns one group of 8 consecutive
+// elements, which packs into exactly `bits` bytes; boundaries and levels (at most 256 floats) are
+// staged in shared memory.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "check.cuh"
+#include "kernels.h"
+#include "lowbit/dispatch.h"
+#include "lowbit/fewbit.h"
+#include "lowbit/pack.h"
+
+namespace lowbit::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxTable = 1 << kMaxFewbitBits;
+
+template <typename T>
+__global__ void fewbit_encode_kernel(const T* x, int64_t n, const float* bounds, int bits, uint8_t* packed) {
+  __shared__ float sb[kMaxTable];
+  const int nb = (1 << bits) - 1;
+  for (int i = threadIdx.x; i < nb; i += blockDim.x) sb[i] = bounds[i];
+  __syncthreads();
+  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t e0 = g * kGroup;
+  if (e0 >= n) return;
+  const int cnt = n - e0 < kGroup ? static_cast<int>(n - e0) : kGroup;
+  uint32_t codes[kGroup] = {};
+  for (int k = 0; k < cnt; ++k) codes[k] = interval_code(to_float(x[e0 + k]), sb, bits);
+  if (cnt == kGroup) {
+    const uint64_t acc = pack8(codes, bits);
+    for (int b = 0; b < bits; ++b) packed[g * bits + b] = static_cast<uint8_t>(acc >> (8 * b));
+  } else {
+    pack_group(codes, cnt, bits, packed + g * bits);
+  }
+}
+
+template <typename T>
+__global__ void fewbit_grad_kernel(const T* grad, const uint8_t* packed, int64_t n, const float* levels, int bits,
+                                   T* out) {
+  __shared__ float sl[kMaxTable];
+  for (int i = threadIdx.x; i < (1 << bits); i += blockDim.x) sl[i] = levels[i];
+  __syncthreads();
+  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t e0 = g * kGroup;
+  if (e0 >= n) return;
+  const int cnt = n - e0 < kGroup ? static_cast<int>(n - e0) : kGroup;
+  uint32_t codes[kGroup];
+  unpack_group(packed + g * bits, cnt, bits, codes);
+  for (int k = 0; k < cnt; ++k) out[e0 + k] = from_float<T>(to_float(grad[e0 + k]) * sl[codes[k]]);
+}
+
+dim3 grid_for(int64_t n) {
+  const int64_t groups = (n + kGroup - 1) / kGroup;
+  return dim3(static_cast<unsigned int>((groups + kThreads - 1) / kThreads));
+}
+
+}  // namespace
+
+void fewbit_encode(const FewbitEncodeArgs& a, int device, uintptr_t stream_handle) {
+  if (a.n == 0) return;
+  LB_CUDA_CHECK(cudaSetDevice(device));
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  LB_DISPATCH_DTYPE(a.dtype, {
+    fewbit_encode_kernel<scalar_t><<<grid_for(a.n), kThreads, 0, stream>>>(static_cast<const scalar_t*>(a.x), a.n,
+                                                                           a.bounds, a.bits, a.packed);
+    LB_CUDA_LAUNCH_CHECK();
+  });
+}
+
+void fewbit_grad(const FewbitGradArgs& a, int device, uintptr_t stream_handle) {
+  if (a.n == 0) return;
+  LB_CUDA_CHECK(cudaSetDevice(device));
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
+  LB_DISPATCH_DTYPE(a.dtype, {
+    fewbit_grad_kernel<scalar_t><<<grid_for(a.n), kThreads, 0, stream>>>(
+        static_cast<const scalar_t*>(a.grad), a.packed, a.n, a.levels, a.bits, static_cast<scalar_t*>(a.out));
+    LB_CUDA_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace lowbit::cuda
