@@ -152,9 +152,9 @@ def dequantize_linear(
 
 
 def fewbit_encode(x: Tensor, boundaries: Tensor, bits: int) -> Tensor:
-    """Twin of ``lowbit::fewbit_encode``: the number of boundaries <= x (NaN: 0), bit-packed."""
+    """Twin of ``lowbit::fewbit_encode``: the number of boundaries < x (NaN: 0), bit-packed."""
     xf = x.reshape(-1).float()
-    codes = torch.bucketize(xf, boundaries, right=True)
+    codes = torch.bucketize(xf, boundaries)
     codes = torch.where(torch.isnan(xf), torch.zeros_like(codes), codes)
     return pack_bits(codes, bits)
 

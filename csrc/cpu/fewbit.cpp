@@ -16,7 +16,7 @@ namespace {
 constexpr int kChunk = 4096;  // elements per work item, a multiple of kGroup
 constexpr int64_t kParallelMin = 1 << 15;
 
-// Up to 4 bits (15 boundaries), counting the boundaries <= x element-wise is cheaper than a
+// Up to 4 bits (15 boundaries), counting the boundaries < x element-wise is cheaper than a
 // search and vectorises; above, the binary search of fewbit.h.
 template <int kBits, typename T>
 void encode_chunk(const T* x, int cnt, const float* bounds, uint32_t* codes) {
@@ -27,7 +27,7 @@ void encode_chunk(const T* x, int cnt, const float* bounds, uint32_t* codes) {
     for (int j = 0; j < cnt; ++j) {
       const float v = to_float(x[j]);
       uint32_t c = 0;
-      for (int i = 0; i < kBounds; ++i) c += static_cast<uint32_t>(v >= b[i]);
+      for (int i = 0; i < kBounds; ++i) c += static_cast<uint32_t>(v > b[i]);
       codes[j] = c;
     }
   } else {
