@@ -294,7 +294,8 @@ def fewbit_encode(x: Tensor, boundaries: Tensor, bits: int) -> Tensor:
     """The interval codes of ``x``, bit-packed: ``ceil(numel*bits/8)`` uint8.
 
     Element i gets the number of ``boundaries`` (``2**bits - 1`` sorted fp32 values on x's device)
-    that are < x_i, in ``bits`` bits (``torch.bucketize``'s convention); NaN gets 0. ``x`` is read in flat (contiguous) order.
+    that are < x_i, in ``bits`` bits (``torch.bucketize``'s convention); NaN gets 0. ``x`` is read in
+    flat (contiguous) order.
     """
     _check_fewbit_bits(bits)
     _check_input("x", x, FLOAT_DTYPES)

@@ -46,15 +46,26 @@ void pack_chunk(const uint32_t* codes, int cnt, uint8_t* out) {
   if (cnt > full * kGroup) pack_group(codes + full * kGroup, cnt - full * kGroup, kBits, out + full * kBits);
 }
 
-template <int kBits>
-void unpack_chunk(const uint8_t* in, int cnt, uint32_t* codes) {
+// out = grad * levels[code], decoding each 8-code group from one 64-bit word in registers.
+template <int kBits, typename T>
+void scale_chunk(const T* grad, const uint8_t* in, const float* levels, int cnt, T* out) {
+  constexpr uint64_t kMask = (uint64_t{1} << kBits) - 1u;
   const int full = cnt / kGroup;
   for (int g = 0; g < full; ++g) {
     uint64_t acc = 0;
     std::memcpy(&acc, in + g * kBits, kBits);
-    unpack8(acc, kBits, codes + g * kGroup);
+    const T* gr = grad + g * kGroup;
+    T* o = out + g * kGroup;
+    for (int k = 0; k < kGroup; ++k) o[k] = from_float<T>(to_float(gr[k]) * levels[(acc >> (kBits * k)) & kMask]);
   }
-  if (cnt > full * kGroup) unpack_group(in + full * kBits, cnt - full * kGroup, kBits, codes + full * kGroup);
+  if (cnt > full * kGroup) {
+    uint32_t codes[kGroup];
+    const int rest = cnt - full * kGroup;
+    unpack_group(in + full * kBits, rest, kBits, codes);
+    for (int k = 0; k < rest; ++k) {
+      out[full * kGroup + k] = from_float<T>(to_float(grad[full * kGroup + k]) * levels[codes[k]]);
+    }
+  }
 }
 
 // Calls fn(std::integral_constant<int, B>{}) for B = bits (1..8).
@@ -103,10 +114,7 @@ void grad_impl(const FewbitGradArgs& a, int threads) {
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t lo = c * kChunk;
     const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
-    uint32_t codes[kChunk];
-    unpack_chunk<kBits>(a.packed + lo / kGroup * kBits, cnt, codes);
-    const float* levels = a.levels;
-    for (int j = 0; j < cnt; ++j) out[lo + j] = from_float<T>(to_float(grad[lo + j]) * levels[codes[j]]);
+    scale_chunk<kBits>(grad + lo, a.packed + lo / kGroup * kBits, a.levels, cnt, out + lo);
   }
 }
 

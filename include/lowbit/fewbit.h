@@ -33,9 +33,4 @@ LB_HD uint64_t pack8(const uint32_t* codes, int bits) {
   return acc;
 }
 
-LB_HD void unpack8(uint64_t acc, int bits, uint32_t* codes) {
-  const uint64_t mask = (uint64_t{1} << bits) - 1u;
-  for (int k = 0; k < kGroup; ++k) codes[k] = static_cast<uint32_t>((acc >> (bits * k)) & mask);
-}
-
 }  // namespace lowbit
