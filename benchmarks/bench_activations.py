@@ -1,0 +1,118 @@
+"""Forward+backward time and saved-for-backward bytes of lowbit's few-bit activations vs torch's.
+
+Run from the repository root::
+
+    python benchmarks/bench_activations.py
+    python benchmarks/bench_activations.py --numel 1000000 --repeats 3 --threads 2
+
+Options: ``--numel`` (fp32 elements per layer call, default 16 * 2**20), ``--repeats`` (timed runs,
+alternated between the layers, default 10), ``--threads`` (``torch.set_num_threads``), ``--bits`` (3).
+
+Time: one forward and one backward pass of each layer on the same randn input and output gradient,
+median of the alternated runs; the ratio to torch's layer from the same run is the number to read on
+this noisy machine. Bytes: what a GPT-2-small-shaped MLP stack (12 blocks of Linear 768 -> 3072,
+activation, Linear 3072 -> 768, batch 8 x 1024 tokens) saves for backward, counted by
+:func:`lowbit.memory.saved_tensor_bytes`, with torch's GELU and with FewBitGELU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+from common import cpu_model
+from torch import nn
+
+import lowbit
+from lowbit.memory import saved_tensor_bytes
+from lowbit.nn.activations import FewBitGELU, FewBitSiLU
+
+GPT2_BLOCKS, GPT2_D, GPT2_TOKENS = 12, 768, 8 * 1024
+
+
+def fwd_bwd(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
+    """One forward and backward pass of ``layer`` at ``x`` with output gradient ``g``."""
+
+    def run() -> None:
+        torch.autograd.grad(layer(x), x, g)
+
+    return run
+
+
+def time_alternated(calls: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median seconds of each call, the calls taking turns so machine noise hits all alike."""
+    for fn in calls.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(repeats):
+        for k, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def mlp_stack(activation: Callable[[], nn.Module]) -> nn.Sequential:
+    """GPT2_BLOCKS blocks of Linear(d, 4d) -> activation -> Linear(4d, d)."""
+    layers: list[nn.Module] = []
+    for _ in range(GPT2_BLOCKS):
+        layers += [nn.Linear(GPT2_D, 4 * GPT2_D), activation(), nn.Linear(4 * GPT2_D, GPT2_D)]
+    return nn.Sequential(*layers)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--numel", type=int, default=16 * 2**20)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--bits", type=int, default=3)
+    args = p.parse_args(argv)
+    if args.numel < 1 or args.repeats < 1:
+        p.error("--numel and --repeats must be positive")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Print the timing table and the saved-bytes comparison."""
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    print(
+        f"lowbit {lowbit.__version__}, torch {torch.__version__}, {cpu_model()}, "
+        f"{torch.get_num_threads()} threads, python {sys.version.split()[0]}"
+    )
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(args.numel, generator=gen).requires_grad_()
+    g = torch.randn(args.numel, generator=gen)
+    layers = {
+        "torch GELU": nn.GELU(),
+        f"FewBitGELU({args.bits})": FewBitGELU(args.bits),
+        "torch SiLU": nn.SiLU(),
+        f"FewBitSiLU({args.bits})": FewBitSiLU(args.bits),
+    }
+    times = time_alternated({k: fwd_bwd(m, x, g) for k, m in layers.items()}, args.repeats)
+    print(f"\nforward+backward, {args.numel} fp32 elements, median of {args.repeats} alternated runs")
+    print(f"{'layer':<16} {'ms':>8} {'x torch':>8}")
+    for k, t in times.items():
+        base = times["torch GELU"] if "GELU" in k else times["torch SiLU"]
+        print(f"{k:<16} {t * 1e3:8.2f} {t / base:7.2f}x")
+
+    tokens = torch.randn(GPT2_TOKENS, GPT2_D)
+    print(f"\nsaved for backward, GPT-2-small MLP stack ({GPT2_BLOCKS} blocks, {GPT2_TOKENS} tokens, fp32)")
+    base = None
+    for label, act in (("torch GELU", nn.GELU), (f"FewBitGELU({args.bits})", lambda: FewBitGELU(args.bits))):
+        with torch.no_grad():
+            model = mlp_stack(act)
+        saved = saved_tensor_bytes(model, tokens).total
+        base = base or saved
+        print(f"{label:<16} {saved / 2**20:10.1f} MiB  {saved / base:6.3f}x")
+
+
+if __name__ == "__main__":
+    main()

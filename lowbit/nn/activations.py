@@ -1,0 +1,184 @@
+"""Few-bit backward activation layers (fewbit-backward.txt).
+
+The forward pass is torch's own activation, so outputs are bit-identical to ``torch.nn.GELU`` and
+friends. For backward the layer saves only the index of the interval of an optimal piecewise-constant
+approximation of f' that each input falls in, bit-packed: exactly ``ceil(N * bits / 8)`` bytes plus the
+``2**bits``-entry fp32 level table, instead of the whole input. The backward pass multiplies the
+incoming gradient by the level (section 3, eq. 2). Tables come from :func:`lowbit.nn.fewbit.table`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from lowbit import _ops
+from lowbit.nn import fewbit
+
+__all__ = [
+    "FewBitActivation",
+    "FewBitELU",
+    "FewBitGELU",
+    "FewBitHardswish",
+    "FewBitLeakyReLU",
+    "FewBitMish",
+    "FewBitReLU",
+    "FewBitSELU",
+    "FewBitSiLU",
+    "FewBitSigmoid",
+    "FewBitSoftplus",
+    "FewBitTanh",
+    "few_bit",
+]
+
+
+class _FewBitFunction(torch.autograd.Function):
+    """y = f(x) by torch; saves the packed interval codes of x and the level table for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, name: str, boundaries: Tensor, levels: Tensor, bits: int) -> Tensor:
+        y = fewbit.activation_fn(name)(x)
+        packed = _ops.fewbit_encode(x.contiguous(), boundaries, bits)
+        ctx.save_for_backward(packed, levels)
+        ctx.bits = bits
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        packed, levels = ctx.saved_tensors
+        return _ops.fewbit_grad(grad.contiguous(), packed, levels, ctx.bits), None, None, None, None
+
+
+def _table_tensors(name: str, bits: int, weight: str, device: torch.device) -> tuple[Tensor, Tensor]:
+    t = fewbit.table(name, bits, weight)
+    return t.boundaries.to(device), t.levels.to(device)
+
+
+def few_bit(x: Tensor, name: str, bits: int = 3, weight: str = "normal") -> Tensor:
+    """Activation ``name`` of ``x`` with a ``bits``-bit backward pass (see the module docstring).
+
+    Args:
+        x: fp32, fp16 or bf16 input of any shape, on CPU or CUDA.
+        name: one of :data:`lowbit.nn.fewbit.ACTIVATIONS` (torch's default parameters).
+        bits: bits saved per element, 1..8 (``relu`` and ``leaky_relu``: 1 only, where they are exact).
+        weight: the table's weight, ``"normal"`` (default) or ``"uniform"`` on [-10, 10].
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
+    boundaries, levels = _table_tensors(name, bits, weight, x.device)
+    return _FewBitFunction.apply(x, name, boundaries, levels, bits)
+
+
+class FewBitActivation(nn.Module):
+    """Activation ``name`` whose backward pass saves ``bits`` bits per element.
+
+    Args:
+        name: one of :data:`lowbit.nn.fewbit.ACTIVATIONS` (torch's default parameters).
+        bits: bits saved per element, 1..8 (``relu`` and ``leaky_relu``: 1 only, where they are exact).
+        weight: the table's weight, ``"normal"`` (default) or ``"uniform"`` on [-10, 10].
+    """
+
+    boundaries: Tensor
+    levels: Tensor
+
+    def __init__(self, name: str, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__()
+        boundaries, levels = _table_tensors(name, bits, weight, torch.device("cpu"))
+        self.name, self.bits, self.weight = name, bits, weight
+        # Derived from (name, bits, weight): not part of the state dict, but moved by .to(device).
+        self.register_buffer("boundaries", boundaries, persistent=False)
+        self.register_buffer("levels", levels, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The activation of ``x``; the tables follow the module's device."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != self.levels.device:
+            raise ValueError(
+                f"lowbit: x is on {x.device} but {type(self).__name__}'s tables are on {self.levels.device}; "
+                "move the module with .to(device)"
+            )
+        return _FewBitFunction.apply(x, self.name, self.boundaries, self.levels, self.bits)
+
+    def extra_repr(self) -> str:
+        """Name, bits and weight."""
+        return f"{self.name!r}, bits={self.bits}, weight={self.weight!r}"
+
+
+class FewBitGELU(FewBitActivation):
+    """torch.nn.GELU() with a few-bit backward pass."""
+
+    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__("gelu", bits, weight)
+
+
+class FewBitSiLU(FewBitActivation):
+    """torch.nn.SiLU() with a few-bit backward pass."""
+
+    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__("silu", bits, weight)
+
+
+class FewBitSigmoid(FewBitActivation):
+    """torch.nn.Sigmoid() with a few-bit backward pass."""
+
+    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__("sigmoid", bits, weight)
+
+
+class FewBitTanh(FewBitActivation):
+    """torch.nn.Tanh() with a few-bit backward pass."""
+
+    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__("tanh", bits, weight)
+
+
+class FewBitSELU(FewBitActivation):
+    """torch.nn.SELU() with a few-bit backward pass."""
+
+    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__("selu", bits, weight)
+
+
+class FewBitELU(FewBitActivation):
+    """torch.nn.ELU() with a few-bit backward pass."""
+
+    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__("elu", bits, weight)
+
+
+class FewBitSoftplus(FewBitActivation):
+    """torch.nn.Softplus() with a few-bit backward pass."""
+
+    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__("softplus", bits, weight)
+
+
+class FewBitMish(FewBitActivation):
+    """torch.nn.Mish() with a few-bit backward pass."""
+
+    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__("mish", bits, weight)
+
+
+class FewBitHardswish(FewBitActivation):
+    """torch.nn.Hardswish() with a few-bit backward pass."""
+
+    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__("hardswish", bits, weight)
+
+
+class FewBitLeakyReLU(FewBitActivation):
+    """torch.nn.LeakyReLU() (slope 0.01) with a few-bit backward pass; exact at 1 bit."""
+
+    def __init__(self, bits: int = 1, weight: str = "normal") -> None:
+        super().__init__("leaky_relu", bits, weight)
+
+
+class FewBitReLU(FewBitActivation):
+    """torch.nn.ReLU() with a few-bit backward pass; exact at 1 bit."""
+
+    def __init__(self, bits: int = 1, weight: str = "normal") -> None:
+        super().__init__("relu", bits, weight)
