@@ -27,6 +27,18 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
+@pytest.fixture(params=["avx512", "portable"])
+def cpu_kernels(request):
+    """Runs a test with the CPU's AVX-512 kernels (where it has them) and with the portable loops."""
+    has_avx512 = lowbit._C._set_cpu_avx512(request.param == "avx512")
+    try:
+        if request.param == "avx512" and not has_avx512:
+            pytest.skip("this CPU has no AVX-512F: only the portable loops run")
+        yield request.param
+    finally:
+        lowbit._C._set_cpu_avx512(True)
+
+
 def sample(dist: str, n: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:
     """Test data: 'normal', 'uniform' on [-1, 1], or heavy-tailed 'heavy' = N(0,1) * exp(3 N(0,1))."""
     g = torch.Generator().manual_seed(seed)

@@ -7,6 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lowbit
 from lowbit import _ops
 from lowbit import _reference as R
 from tests.conftest import DTYPES, sample
@@ -32,7 +33,7 @@ def _input(n: int, bits: int, dtype: torch.dtype, seed: int, device: str) -> tor
 
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_encode_and_grad_match_reference(device, bits, dtype):
+def test_encode_and_grad_match_reference(device, bits, dtype, cpu_kernels):
     for n in SIZES:
         x = _input(n, bits, dtype, seed=n + bits, device=device)
         b = _bounds(bits, n + bits, device)
@@ -63,9 +64,14 @@ def test_grad_multiplies_by_the_level_of_each_interval(n, bits, seed):
     b = _bounds(bits, seed)
     levels = torch.randn(2**bits, generator=torch.Generator().manual_seed(seed))
     grad = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
-    got = ops.fewbit_grad(grad, ops.fewbit_encode(x, b, bits), levels, bits)
     want = grad * levels[torch.searchsorted(b, x)]
-    assert torch.equal(got, want)
+    for avx512 in (True, False):  # the AVX-512 kernels (where the CPU has them) and the portable loops
+        lowbit._C._set_cpu_avx512(avx512)
+        try:
+            got = ops.fewbit_grad(grad, ops.fewbit_encode(x, b, bits), levels, bits)
+        finally:
+            lowbit._C._set_cpu_avx512(True)
+        assert torch.equal(got, want)
 
 
 def test_opcheck(device):

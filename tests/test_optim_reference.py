@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from lowbit import _C, _ops
+from lowbit import _ops
 from lowbit import _reference as R
 from lowbit.functional import create_dynamic_map, quantize_blockwise
 
@@ -52,18 +52,6 @@ def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int) -> list:
     for i in range(len(sizes)):
         scalars += [1e-3 / (1 - 0.9 ** (i + 2)), (1 - 0.999 ** (i + 2)) ** 0.5, float(i == 0)]
     return [params, grads, states[0], states[1], absmax[0], absmax[1], scalars, map1, map2]
-
-
-@pytest.fixture(params=["avx512", "portable"])
-def cpu_kernels(request):
-    """Runs a test with the CPU's AVX-512 kernels (where it has them) and with the portable loops."""
-    has_avx512 = _C._set_cpu_avx512(request.param == "avx512")
-    try:
-        if request.param == "avx512" and not has_avx512:
-            pytest.skip("this CPU has no AVX-512F: only the portable loops run")
-        yield request.param
-    finally:
-        _C._set_cpu_avx512(True)
 
 
 # LAMB always uses its trust ratio: it is checked with the norm modes below.

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "avx512.h"
 #include "kernels.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/fewbit.h"
@@ -99,9 +100,17 @@ void encode_impl(const FewbitEncodeArgs& a, int threads) {
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t lo = c * kChunk;
     const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    uint8_t* out = a.packed + lo / kGroup * kBits;
+    int done = 0;
+    if constexpr (kBits <= 4 && std::is_same_v<T, float>) {
+      if (avx512_active()) {
+        done = cnt - cnt % 16;
+        fewbit_encode_f32_avx512(kBits, x + lo, done, a.bounds, out);
+      }
+    }
     uint32_t codes[kChunk];
-    encode_chunk<kBits>(x + lo, cnt, a.bounds, codes);
-    pack_chunk<kBits>(codes, cnt, a.packed + lo / kGroup * kBits);
+    encode_chunk<kBits>(x + lo + done, cnt - done, a.bounds, codes);
+    pack_chunk<kBits>(codes, cnt - done, out + done / kGroup * kBits);
   }
 }
 
@@ -114,7 +123,15 @@ void grad_impl(const FewbitGradArgs& a, int threads) {
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t lo = c * kChunk;
     const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
-    scale_chunk<kBits>(grad + lo, a.packed + lo / kGroup * kBits, a.levels, cnt, out + lo);
+    const uint8_t* in = a.packed + lo / kGroup * kBits;
+    int done = 0;
+    if constexpr (kBits <= 4 && std::is_same_v<T, float>) {
+      if (avx512_active()) {
+        done = cnt - cnt % 16;
+        fewbit_grad_f32_avx512(kBits, grad + lo, in, a.levels, done, out + lo);
+      }
+    }
+    scale_chunk<kBits>(grad + lo + done, in + done / kGroup * kBits, a.levels, cnt - done, out + lo + done);
   }
 }
 
