@@ -1,4 +1,4 @@
-"""Forward+backward time and saved-for-backward bytes of lowbit's few-bit activations vs torch's.
+"""Time, saved bytes and gradient error of lowbit's few-bit and inverted activations vs torch's.
 
 Run from the repository root::
 
@@ -12,7 +12,10 @@ Time: one forward and one backward pass of each layer on the same randn input an
 median of the alternated runs; the ratio to torch's layer from the same run is the number to read on
 this noisy machine. Bytes: what a GPT-2-small-shaped MLP stack (12 blocks of Linear 768 -> 3072,
 activation, Linear 3072 -> 768, batch 8 x 1024 tokens) saves for backward, counted by
-:func:`lowbit.memory.saved_tensor_bytes`, with torch's GELU and with FewBitGELU.
+:func:`lowbit.memory.saved_tensor_bytes`, with torch's GELU, FewBitGELU and InvGELU. Error: the
+backward slope against the exact f' over x in [-10, 10] as each layer computes it
+(:func:`lowbit.nn.invact.gradient_error`; the same grid for the few-bit layers), for lowbit's InvAct
+tables, the InvAct paper's approximations and few-bit tables of 1, 3 and 8 bits.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from common import cpu_model
 from torch import nn
 
 import lowbit
+from lowbit import _ops
 from lowbit.memory import saved_tensor_bytes
-from lowbit.nn.activations import FewBitGELU, FewBitSiLU
+from lowbit.nn import fewbit, invact
+from lowbit.nn.activations import FewBitGELU, FewBitSiLU, InvGELU, InvSiLU
 
 GPT2_BLOCKS, GPT2_D, GPT2_TOKENS = 12, 768, 8 * 1024
 
@@ -65,6 +70,22 @@ def mlp_stack(activation: Callable[[], nn.Module]) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+def fewbit_error(name: str, bits: int, points: int = 2_000_001) -> dict[str, float]:
+    """gradient_error's measures for the shipped few-bit table of ``name`` (normal weight)."""
+    t = fewbit.table(name, bits)
+    x = torch.linspace(-10.0, 10.0, points)
+    got = _ops.fewbit_grad(torch.ones_like(x), _ops.fewbit_encode(x, t.boundaries, bits), t.levels, bits).double()
+    xd = x.double()
+    err = got - fewbit.derivative(name)(xd)
+    dx = 20.0 / (points - 1)
+    density = torch.exp(-0.5 * xd * xd) / (2 * torch.pi) ** 0.5
+    return {
+        "linf": err.abs().max().item(),
+        "l2_uniform": ((err * err).sum().item() * dx) ** 0.5,
+        "l2_normal": ((err * err * density).sum().item() * dx) ** 0.5,
+    }
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -93,8 +114,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     layers = {
         "torch GELU": nn.GELU(),
         f"FewBitGELU({args.bits})": FewBitGELU(args.bits),
+        "InvGELU": InvGELU(),
         "torch SiLU": nn.SiLU(),
         f"FewBitSiLU({args.bits})": FewBitSiLU(args.bits),
+        "InvSiLU": InvSiLU(),
     }
     times = time_alternated({k: fwd_bwd(m, x, g) for k, m in layers.items()}, args.repeats)
     print(f"\nforward+backward, {args.numel} fp32 elements, median of {args.repeats} alternated runs")
@@ -106,12 +129,28 @@ def main(argv: Optional[list[str]] = None) -> None:
     tokens = torch.randn(GPT2_TOKENS, GPT2_D)
     print(f"\nsaved for backward, GPT-2-small MLP stack ({GPT2_BLOCKS} blocks, {GPT2_TOKENS} tokens, fp32)")
     base = None
-    for label, act in (("torch GELU", nn.GELU), (f"FewBitGELU({args.bits})", lambda: FewBitGELU(args.bits))):
+    variants = (
+        ("torch GELU", nn.GELU),
+        (f"FewBitGELU({args.bits})", lambda: FewBitGELU(args.bits)),
+        ("InvGELU", InvGELU),
+    )
+    for label, act in variants:
         with torch.no_grad():
             model = mlp_stack(act)
         saved = saved_tensor_bytes(model, tokens).total
         base = base or saved
         print(f"{label:<16} {saved / 2**20:10.1f} MiB  {saved / base:6.3f}x")
+
+    print("\nbackward slope error vs exact f', x in [-10, 10] (fp32 forward and evaluation)")
+    print(f"{'method':<24} {'Linf':>9} {'L2 unif':>9} {'L2 normal':>9}")
+    for name in ("gelu", "silu"):
+        rows = {
+            f"{name} InvAct (lowbit)": invact.gradient_error(name),
+            f"{name} InvAct (paper)": invact.gradient_error(name, "paper"),
+        }
+        rows.update({f"{name} FewBit {b}-bit": fewbit_error(name, b) for b in (1, 3, 8)})
+        for label, e in rows.items():
+            print(f"{label:<24} {e['linf']:9.2e} {e['l2_uniform']:9.2e} {e['l2_normal']:9.2e}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,12 @@ lowbit::FewbitGradArgs fewbit_grad_args(uintptr_t grad, uintptr_t packed, int64_
                                 ptr<const float>(levels), bits,                       ptr<void>(out)};
 }
 
+lowbit::InvactGradArgs invact_grad_args(uintptr_t grad, uintptr_t y, uintptr_t bits, int64_t n, int dtype,
+                                        uintptr_t coeffs, uintptr_t params, uintptr_t out) {
+  return lowbit::InvactGradArgs{ptr<const void>(grad),   ptr<const void>(y),        ptr<const uint8_t>(bits), n, dtype,
+                                ptr<const float>(coeffs), ptr<const float>(params), ptr<void>(out)};
+}
+
 // hyper: lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay, max_unorm.
 lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states,
                              int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars,
@@ -152,6 +158,13 @@ PYBIND11_MODULE(_C, m) {
         lowbit::cpu::fewbit_grad(fewbit_grad_args(grad, packed, n, dtype, levels, bits, out), threads);
       },
       nogil);
+  m.def(
+      "invact_grad_cpu",
+      [](uintptr_t grad, uintptr_t y, uintptr_t bits, int64_t n, int dtype, uintptr_t coeffs, uintptr_t params,
+         uintptr_t out, int threads) {
+        lowbit::cpu::invact_grad(invact_grad_args(grad, y, bits, n, dtype, coeffs, params, out), threads);
+      },
+      nogil);
 
   m.def(
       "optimizer_step_cpu",
@@ -205,6 +218,13 @@ PYBIND11_MODULE(_C, m) {
       [](uintptr_t grad, uintptr_t packed, int64_t n, int dtype, uintptr_t levels, int bits, uintptr_t out,
          int device, uintptr_t stream) {
         lowbit::cuda::fewbit_grad(fewbit_grad_args(grad, packed, n, dtype, levels, bits, out), device, stream);
+      },
+      nogil);
+  m.def(
+      "invact_grad_cuda",
+      [](uintptr_t grad, uintptr_t y, uintptr_t bits, int64_t n, int dtype, uintptr_t coeffs, uintptr_t params,
+         uintptr_t out, int device, uintptr_t stream) {
+        lowbit::cuda::invact_grad(invact_grad_args(grad, y, bits, n, dtype, coeffs, params, out), device, stream);
       },
       nogil);
   m.def(

@@ -66,6 +66,19 @@ struct FewbitGradArgs {
   void* out;
 };
 
+// Inverted-activation backward (lowbit/invact.h): out = grad * f'(f^-1(y)) with the branch bit of
+// each element (bit-packed, 1 = right branch); grad, y and out share dtype.
+struct InvactGradArgs {
+  const void* grad;
+  const void* y;
+  const uint8_t* bits;
+  int64_t n;
+  int dtype;
+  const float* coeffs;  // kInvactCoeffs
+  const float* params;  // kInvactParams
+  void* out;
+};
+
 // One fused optimizer step over a list of tensors. Row t of `meta` (int64, kMetaCols columns)
 // describes tensor t; row t of `scalars` (float32, kScalarCols columns) holds its StepScalars.
 // States with state_bits == 8 are uint8 codes into map1/map2 (signed/unsigned per rule) with one
@@ -123,6 +136,7 @@ void pack_bits(const PackArgs& a, int threads);
 void unpack_bits(const PackArgs& a, int threads);
 void fewbit_encode(const FewbitEncodeArgs& a, int threads);
 void fewbit_grad(const FewbitGradArgs& a, int threads);
+void invact_grad(const InvactGradArgs& a, int threads);
 // The AVX-512 kernels of the optimizer step (cpu/avx512.h): in use?, and a switch for tests.
 bool avx512_active();
 bool set_avx512_enabled(bool enabled);
@@ -137,6 +151,7 @@ void pack_bits(const PackArgs& a, int device, uintptr_t stream);
 void unpack_bits(const PackArgs& a, int device, uintptr_t stream);
 void fewbit_encode(const FewbitEncodeArgs& a, int device, uintptr_t stream);
 void fewbit_grad(const FewbitGradArgs& a, int device, uintptr_t stream);
+void invact_grad(const InvactGradArgs& a, int device, uintptr_t stream);
 const char* runtime_version();
 }  // namespace cuda
 #endif

@@ -347,6 +347,50 @@ def _(grad: Tensor, packed: Tensor, levels: Tensor, bits: int) -> Tensor:
     return torch.empty_like(grad)
 
 
+# Inverted activations (inverted-activations.txt section 2; include/lowbit/invact.h)
+_INVACT_COEFFS = 2 * 6 * 16
+_INVACT_PARAMS = 5
+
+
+@torch.library.custom_op("lowbit::invact_grad", mutates_args=())
+def invact_grad(grad: Tensor, y: Tensor, bits: Tensor, coeffs: Tensor, params: Tensor) -> Tensor:
+    """``grad * f'(f^-1(y))`` element-wise on the branch named by each element's bit (fp32 math).
+
+    ``bits`` holds one packed bit per element (1: right branch, ``x > T``), as
+    ``fewbit_encode(x, [T], 1)`` writes it; ``coeffs`` (192 fp32) and ``params`` (5 fp32) are a table of
+    :mod:`lowbit.nn.invact`. ``grad`` and ``y`` share shape and dtype; so does the result.
+    """
+    _check_input("grad", grad, FLOAT_DTYPES)
+    _check_input("y", y, FLOAT_DTYPES)
+    _check(y.dtype == grad.dtype, f"y has dtype {y.dtype} but grad has {grad.dtype}; they must match")
+    _check(y.shape == grad.shape, f"y has shape {tuple(y.shape)} but grad has {tuple(grad.shape)}; they must match")
+    n = grad.numel()
+    _check_codes("bits", bits, n, 1)
+    _check_input("coeffs", coeffs, (torch.float32,))
+    _check_input("params", params, (torch.float32,))
+    _check(coeffs.numel() == _INVACT_COEFFS, f"coeffs must hold {_INVACT_COEFFS} values, got {coeffs.numel()}")
+    _check(params.numel() == _INVACT_PARAMS, f"params must hold {_INVACT_PARAMS} values, got {params.numel()}")
+    _check_same_device("grad", grad, y=y, bits=bits, coeffs=coeffs, params=params)
+    out = torch.empty_like(grad)
+    if n > 0:
+        _launch("invact_grad", grad.device)(
+            grad.data_ptr(),
+            y.data_ptr(),
+            bits.data_ptr(),
+            n,
+            _DTYPE_CODES[grad.dtype],
+            coeffs.data_ptr(),
+            params.data_ptr(),
+            out.data_ptr(),
+        )
+    return out
+
+
+@invact_grad.register_fake
+def _(grad: Tensor, y: Tensor, bits: Tensor, coeffs: Tensor, params: Tensor) -> Tensor:
+    return torch.empty_like(grad)
+
+
 # ---------------------------------------------------------------------------------------------
 # Fused optimizer step
 # ---------------------------------------------------------------------------------------------

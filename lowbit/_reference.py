@@ -165,6 +165,25 @@ def fewbit_grad(grad: Tensor, packed: Tensor, levels: Tensor, bits: int) -> Tens
     return (grad.reshape(-1).float() * levels[codes]).to(grad.dtype).reshape(grad.shape)
 
 
+def invact_grad(grad: Tensor, y: Tensor, bits: Tensor, coeffs: Tensor, params: Tensor) -> Tensor:
+    """Twin of ``lowbit::invact_grad``: invact.h's invact_slope, one fp32 torch op per C++ operation."""
+    n = grad.numel()
+    right = unpack_bits(bits, 1, n).long()
+    c = coeffs.reshape(2, -1, 16)
+    d0 = y.reshape(-1).float() - params[0]
+    d = torch.where(d0 < 0, torch.zeros_like(d0), d0)
+    u = _sqrt32(d) * params[1 + right]
+    inside = u < 16
+    piece = torch.where(inside, u, torch.full_like(u, 15.0)).floor()
+    z = u - piece
+    idx = piece.long()
+    p = c[right, -1, idx]
+    for k in range(c.shape[1] - 2, -1, -1):
+        p = p * z + c[right, k, idx]
+    q = torch.where(u >= 16, params[3 + right], p)
+    return (grad.reshape(-1).float() * q).to(grad.dtype).reshape(grad.shape)
+
+
 def nearest_oracle(xn: Tensor, code: Tensor) -> Tensor:
     """Brute force: the smallest |code[j] - xn| for every element (used to check true argmin)."""
     return (code[None, :] - xn.reshape(-1, 1)).abs().min(dim=1).values

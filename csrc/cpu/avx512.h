@@ -1,5 +1,5 @@
 // AVX-512 kernels of the optimizer step (avx512.cpp, and the AVX-512 entry of the update loop in
-// optim.cpp) and of the few-bit activations (fewbit_avx512.cpp), chosen at run time where the CPU
+// optim.cpp) and of the few-bit activations (activations_avx512.cpp), chosen at run time where the CPU
 // has AVX-512F; they return the same results as the portable loops.
 #pragma once
 
@@ -17,10 +17,14 @@ bool set_avx512_enabled(bool enabled);
 void decode_u8_avx512(const float* map, const uint8_t* codes, int cnt, float scale, float* out);
 
 // Few-bit codes (fewbit.h) of bits = 1..4 bits of fp32 x, packed to out, for the first cnt - cnt % 16
-// elements (fewbit_avx512.cpp); the caller does the rest.
+// elements (activations_avx512.cpp); the caller does the rest.
 void fewbit_encode_f32_avx512(int bits, const float* x, int cnt, const float* bounds, uint8_t* out);
 
 // out = grad * levels[code] for bits = 1..4, for the first cnt - cnt % 16 elements.
 void fewbit_grad_f32_avx512(int bits, const float* grad, const uint8_t* in, const float* levels, int cnt, float* out);
+
+// out = grad * invact_slope(y, bit) (lowbit/invact.h) for the first cnt - cnt % 16 elements.
+void invact_grad_f32_avx512(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
+                            const float* params, int cnt, float* out);
 
 }  // namespace lowbit::cpu

@@ -1,6 +1,6 @@
-"""Layers for memory-efficient training: embeddings for 8-bit optimizers, few-bit activations."""
+"""Layers for memory-efficient training: embeddings for 8-bit optimizers, activations that save less."""
 
-from lowbit.nn import fewbit
+from lowbit.nn import fewbit, invact
 from lowbit.nn.activations import (
     FewBitActivation,
     FewBitELU,
@@ -14,7 +14,12 @@ from lowbit.nn.activations import (
     FewBitSiLU,
     FewBitSoftplus,
     FewBitTanh,
+    InvActivation,
+    InvGELU,
+    InvMish,
+    InvSiLU,
     few_bit,
+    inv_act,
 )
 from lowbit.nn.embedding import Embedding, StableEmbedding
 from lowbit.nn.fewbit import FewBitTable, optimal_levels
@@ -34,8 +39,14 @@ __all__ = [
     "FewBitSoftplus",
     "FewBitTable",
     "FewBitTanh",
+    "InvActivation",
+    "InvGELU",
+    "InvMish",
+    "InvSiLU",
     "StableEmbedding",
     "few_bit",
     "fewbit",
+    "inv_act",
+    "invact",
     "optimal_levels",
 ]

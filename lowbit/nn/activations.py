@@ -1,10 +1,16 @@
-"""Few-bit backward activation layers (fewbit-backward.txt).
+"""Activation layers that save less for backward: few-bit backward and inverted activations.
 
-The forward pass is torch's own activation, so outputs are bit-identical to ``torch.nn.GELU`` and
-friends. For backward the layer saves only the index of the interval of an optimal piecewise-constant
-approximation of f' that each input falls in, bit-packed: exactly ``ceil(N * bits / 8)`` bytes plus the
-``2**bits``-entry fp32 level table, instead of the whole input. The backward pass multiplies the
+Few-bit backward (fewbit-backward.txt). The forward pass is torch's own activation, so outputs are
+bit-identical to ``torch.nn.GELU`` and friends. For backward the layer saves only the index of the
+interval of an optimal piecewise-constant approximation of f' that each input falls in, bit-packed:
+exactly ``ceil(N * bits / 8)`` bytes plus the ``2**bits``-entry fp32 level table, instead of the whole
+input. The backward pass multiplies the
 incoming gradient by the level (section 3, eq. 2). Tables come from :func:`lowbit.nn.fewbit.table`.
+
+Inverted activations (inverted-activations.txt). The forward pass is again torch's own; the layer saves
+its output, which the next layer (a Linear) saves anyway, so autograd keeps one tensor for both, plus one
+bit per element naming the monotone branch of ``f`` the input came from: ``ceil(N / 8)`` bytes on top of
+the shared output. The backward pass evaluates ``f'(f^-1(y))`` by the tables of :mod:`lowbit.nn.invact`.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from lowbit import _ops
-from lowbit.nn import fewbit
+from lowbit.nn import fewbit, invact
 
 __all__ = [
     "FewBitActivation",
@@ -30,7 +36,12 @@ __all__ = [
     "FewBitSigmoid",
     "FewBitSoftplus",
     "FewBitTanh",
+    "InvActivation",
+    "InvGELU",
+    "InvMish",
+    "InvSiLU",
     "few_bit",
+    "inv_act",
 ]
 
 
@@ -107,11 +118,17 @@ class FewBitActivation(nn.Module):
         return f"{self.name!r}, bits={self.bits}, weight={self.weight!r}"
 
 
-class FewBitGELU(FewBitActivation):
-    """torch.nn.GELU() with a few-bit backward pass."""
+def _gelu_name(approximate: str) -> str:
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"lowbit: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return "gelu" if approximate == "none" else "gelu_tanh"
 
-    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__("gelu", bits, weight)
+
+class FewBitGELU(FewBitActivation):
+    """torch.nn.GELU(approximate) with a few-bit backward pass."""
+
+    def __init__(self, bits: int = 3, weight: str = "normal", approximate: str = "none") -> None:
+        super().__init__(_gelu_name(approximate), bits, weight)
 
 
 class FewBitSiLU(FewBitActivation):
@@ -182,3 +199,99 @@ class FewBitReLU(FewBitActivation):
 
     def __init__(self, bits: int = 1, weight: str = "normal") -> None:
         super().__init__("relu", bits, weight)
+
+
+class _InvActFunction(torch.autograd.Function):
+    """y = f(x) by torch; saves y and the packed branch bits (x > T) for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, name: str, threshold: Tensor, coeffs: Tensor, params: Tensor) -> Tensor:
+        y = fewbit.activation_fn(name)(x)
+        bits = _ops.fewbit_encode(x.contiguous(), threshold, 1)
+        ctx.save_for_backward(y, bits)
+        # The tables are constants shared by every call, kept by reference rather than saved: what the
+        # layer saves is exactly y and ceil(N / 8) bytes of bits.
+        ctx.coeffs, ctx.params = coeffs, params
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        y, bits = ctx.saved_tensors
+        dx = _ops.invact_grad(grad.contiguous(), y.contiguous(), bits, ctx.coeffs, ctx.params)
+        return dx, None, None, None, None
+
+
+def _invact_tensors(name: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    t = invact.table(name)
+    return t.threshold_tensor.to(device), t.coeffs.to(device), t.params.to(device)
+
+
+def inv_act(x: Tensor, name: str) -> Tensor:
+    """Activation ``name`` of ``x`` with an inverted-activation backward pass (see the module docstring).
+
+    Saves the output (shared with the next layer when that saves its input) and ``ceil(N / 8)`` bytes.
+
+    Args:
+        x: fp32, fp16 or bf16 input of any shape, on CPU or CUDA.
+        name: one of :data:`lowbit.nn.invact.ACTIVATIONS` (``gelu``, ``gelu_tanh``, ``silu``, ``mish``).
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
+    return _InvActFunction.apply(x, name, *_invact_tensors(name, x.device))
+
+
+class InvActivation(nn.Module):
+    """Activation ``name`` that saves its output and 1 bit per element for backward.
+
+    Args:
+        name: one of :data:`lowbit.nn.invact.ACTIVATIONS` (``gelu``, ``gelu_tanh``, ``silu``, ``mish``).
+    """
+
+    threshold: Tensor
+    coeffs: Tensor
+    params: Tensor
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        threshold, coeffs, params = _invact_tensors(name, torch.device("cpu"))
+        self.name = name
+        # Derived from the name: not part of the state dict, but moved by .to(device).
+        self.register_buffer("threshold", threshold.clone(), persistent=False)
+        self.register_buffer("coeffs", coeffs.clone(), persistent=False)
+        self.register_buffer("params", params.clone(), persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The activation of ``x``; the tables follow the module's device."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != self.coeffs.device:
+            raise ValueError(
+                f"lowbit: x is on {x.device} but {type(self).__name__}'s tables are on {self.coeffs.device}; "
+                "move the module with .to(device)"
+            )
+        return _InvActFunction.apply(x, self.name, self.threshold, self.coeffs, self.params)
+
+    def extra_repr(self) -> str:
+        """The activation's name."""
+        return repr(self.name)
+
+
+class InvGELU(InvActivation):
+    """torch.nn.GELU(approximate) with an inverted-activation backward pass."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__(_gelu_name(approximate))
+
+
+class InvSiLU(InvActivation):
+    """torch.nn.SiLU() with an inverted-activation backward pass."""
+
+    def __init__(self) -> None:
+        super().__init__("silu")
+
+
+class InvMish(InvActivation):
+    """torch.nn.Mish() with an inverted-activation backward pass."""
+
+    def __init__(self) -> None:
+        super().__init__("mish")

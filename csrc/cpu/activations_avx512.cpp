@@ -1,10 +1,18 @@
-// AVX-512 few-bit kernels for fp32 and 1-4 bit codes (fewbit.cpp keeps the portable loops and the
-// other cases). Encoding counts the boundaries below 16 inputs at once and merges each 8-code group
+// AVX-512 kernels of the activation layers for fp32: few-bit codes of 1-4 bits (fewbit.cpp keeps the
+// portable loops and the other cases) and the inverted-activation slope (invact.cpp).
+//
+// Few-bit. Encoding counts the boundaries below 16 inputs at once and merges each 8-code group
 // into one word with per-lane shifts and an in-register OR tree; decoding spreads a group word over
 // 8 lanes with per-lane shifts and looks the levels up with one permute, the 2**bits <= 16 levels
 // sitting in one register. Results equal the portable loops bit for bit (the same compares, the same
 // IEEE multiply; tests run both paths).
+//
+// Inverted activations: the branch bits of 16 elements are one mask; both branches' coefficient
+// tables (16 pieces each) sit in registers and one two-table permute per power picks the piece of the
+// element's branch; the operations are invact_slope's, one for one.
 #include <cstring>
+
+#include "lowbit/invact.h"
 
 #include "avx512.h"
 
@@ -72,7 +80,48 @@ LB_TARGET void grad_f32(const float* grad, const uint8_t* in, const float* level
   }
 }
 
+LB_TARGET void invact_f32(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
+                          const float* params, int cnt, float* out) {
+  constexpr int kPowers = kInvactDegree + 1;
+  static_assert(kInvactPieces == 16, "one register per branch and power");
+  __m512 left[kPowers], right[kPowers];
+  for (int k = 0; k < kPowers; ++k) {
+    left[k] = _mm512_loadu_ps(coeffs + k * kInvactPieces);
+    right[k] = _mm512_loadu_ps(coeffs + (kPowers + k) * kInvactPieces);
+  }
+  const __m512 y0 = _mm512_set1_ps(params[0]);
+  const __m512 scale_l = _mm512_set1_ps(params[1]), scale_r = _mm512_set1_ps(params[2]);
+  const __m512 tail_l = _mm512_set1_ps(params[3]), tail_r = _mm512_set1_ps(params[4]);
+  const __m512 pieces = _mm512_set1_ps(static_cast<float>(kInvactPieces));
+  const __m512i low4 = _mm512_set1_epi32(15), branch_bit = _mm512_set1_epi32(16);
+  for (int i = 0; i + 16 <= cnt; i += 16) {
+    uint16_t m16 = 0;
+    std::memcpy(&m16, bits + i / 8, 2);
+    const __mmask16 r = m16;
+    // max(0, d) returns d when d is NaN, as 0 > d ? 0 : d does.
+    const __m512 d = _mm512_max_ps(_mm512_setzero_ps(), _mm512_sub_ps(_mm512_loadu_ps(y + i), y0));
+    const __m512 u = _mm512_mul_ps(_mm512_sqrt_ps(d), _mm512_mask_blend_ps(r, scale_l, scale_r));
+    // For u in [0, 16) truncation is the scalar cast; other lanes (the tail, NaN) are replaced below
+    // or turn NaN through z, whatever piece they read.
+    const __m512i piece = _mm512_and_si512(_mm512_cvttps_epi32(u), low4);
+    const __m512 z = _mm512_sub_ps(u, _mm512_cvtepi32_ps(piece));
+    const __m512i idx = _mm512_mask_or_epi32(piece, r, piece, branch_bit);
+    __m512 p = _mm512_permutex2var_ps(left[kInvactDegree], idx, right[kInvactDegree]);
+    for (int k = kInvactDegree - 1; k >= 0; --k) {
+      p = _mm512_add_ps(_mm512_mul_ps(p, z), _mm512_permutex2var_ps(left[k], idx, right[k]));
+    }
+    const __mmask16 tail = _mm512_cmp_ps_mask(u, pieces, _CMP_GE_OQ);
+    p = _mm512_mask_blend_ps(tail, p, _mm512_mask_blend_ps(r, tail_l, tail_r));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(grad + i), p));
+  }
+}
+
 }  // namespace
+
+void invact_grad_f32_avx512(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
+                            const float* params, int cnt, float* out) {
+  invact_f32(grad, y, bits, coeffs, params, cnt, out);
+}
 
 void fewbit_encode_f32_avx512(int bits, const float* x, int cnt, const float* bounds, uint8_t* out) {
   switch (bits) {
@@ -102,6 +151,7 @@ void fewbit_grad_f32_avx512(int bits, const float* grad, const uint8_t* in, cons
 
 #else
 
+void invact_grad_f32_avx512(const float*, const float*, const uint8_t*, const float*, const float*, int, float*) {}
 void fewbit_encode_f32_avx512(int, const float*, int, const float*, uint8_t*) {}
 void fewbit_grad_f32_avx512(int, const float*, const uint8_t*, const float*, int, float*) {}
 

@@ -1,0 +1,185 @@
+"""Inverted activations: the lowbit::invact_grad op, the shipped tables, the layers and their savings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import lowbit
+import lowbit.nn.activations as A
+from lowbit import _ops
+from lowbit import _reference as R
+from lowbit.memory import saved_tensor_bytes
+from lowbit.nn import _invact_gen, fewbit, invact
+from tests.conftest import DTYPES
+
+ops = torch.ops.lowbit
+SIZES = [0, 1, 7, 8, 15, 16, 17, 4095, 4096, 4097, 3 * 4096 + 5]
+# Measured by gradient_error (fp32 forward and evaluation, x in [-10, 10]); the floor is fp32 itself:
+# near the minimum T a rounded y pins x down only to ~sqrt(ulp(f(T))).
+LINF_BOUND = 2e-4
+L2_NORMAL_BOUND = 5e-6
+LAYERS = {
+    "gelu": (A.InvGELU, nn.GELU, {}),
+    "gelu_tanh": (A.InvGELU, nn.GELU, {"approximate": "tanh"}),
+    "silu": (A.InvSiLU, nn.SiLU, {}),
+    "mish": (A.InvMish, nn.Mish, {}),
+}
+
+
+def _outputs(name: str, n: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Outputs of the activation on a wide input, with the special values, and the branch bits."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * 4
+    tab = invact.table(name)
+    y = fewbit.activation_fn(name)(x)
+    special = torch.tensor(
+        [tab.params[0].item(), tab.params[0].item() - 1e-3, 0.0, -0.0, 1e-30, float("nan"), float("inf"), 7.0]
+    )
+    k = min(n, special.numel())
+    y[:k] = special[:k]
+    bits = _ops.fewbit_encode(x, tab.threshold_tensor, 1)
+    return y.to(dtype), bits
+
+
+@pytest.mark.parametrize("name", invact.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grad_matches_reference(device, name, dtype, cpu_kernels):
+    tab = invact.table(name)
+    for n in SIZES:
+        y, bits = _outputs(name, n, dtype, seed=n)
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(n + 1)).to(dtype)
+        got = ops.invact_grad(
+            grad.to(device), y.to(device), bits.to(device), tab.coeffs.to(device), tab.params.to(device)
+        )
+        assert got.dtype == dtype and got.shape == grad.shape
+        want = R.invact_grad(grad, y, bits, tab.coeffs, tab.params)
+        assert torch.equal(got.cpu().isnan(), want.isnan())
+        assert torch.equal(got.cpu().nan_to_num(), want.nan_to_num())
+
+
+def test_special_outputs():
+    """NaN gives NaN; y = +inf on the right branch and y = 0 on the left take the limits 1 and 0."""
+    tab = invact.table("gelu")
+    y = torch.tensor([float("nan"), float("inf"), 0.0, -1e-30] + [0.0] * 12)
+    bits = _ops.pack_bits(torch.tensor([1, 1, 0, 0] + [0] * 12, dtype=torch.uint8), 1)
+    for avx512 in (True, False):
+        lowbit._C._set_cpu_avx512(avx512)
+        try:
+            got = ops.invact_grad(torch.ones(16), y, bits, tab.coeffs, tab.params)
+        finally:
+            lowbit._C._set_cpu_avx512(True)
+        assert torch.isnan(got[0]) and got[1].item() == 1.0 and got[2].item() == 0.0 and abs(got[3].item()) < 1e-6
+
+
+@given(n=st.integers(0, 3000), seed=st.integers(0, 2**31 - 1), name=st.sampled_from(invact.ACTIVATIONS))
+def test_grad_is_close_to_the_exact_derivative(n, seed, name):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 5
+    g = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
+    tab = invact.table(name)
+    y = fewbit.activation_fn(name)(x)
+    bits = _ops.fewbit_encode(x, tab.threshold_tensor, 1)
+    got = ops.invact_grad(g, y, bits, tab.coeffs, tab.params).double()
+    want = g.double() * fewbit.derivative(name)(x.double())
+    assert torch.all((got - want).abs() <= LINF_BOUND * g.abs().double() + 1e-6)
+
+
+@pytest.mark.parametrize("name", invact.ACTIVATIONS)
+def test_gradient_error_is_within_the_stated_bounds(name):
+    err = invact.gradient_error(name)
+    assert err["linf"] < LINF_BOUND and err["l2_normal"] < L2_NORMAL_BOUND
+
+
+@pytest.mark.parametrize("name", ["gelu", "silu"])
+def test_tables_beat_the_papers_approximations_tenfold(name):
+    ours, paper = invact.gradient_error(name), invact.gradient_error(name, "paper")
+    for key in ("linf", "l2_uniform", "l2_normal"):
+        assert ours[key] * 10 < paper[key], (key, ours[key], paper[key])
+
+
+def test_shipped_tables_are_what_the_generator_writes():
+    from importlib import resources
+
+    shipped = resources.files("lowbit.nn").joinpath(invact.TABLE_FILE).read_text(encoding="utf-8")
+    assert _invact_gen.render([invact.fit(n) for n in invact.ACTIVATIONS]) == shipped
+
+
+@pytest.mark.parametrize("name", LAYERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_forward_is_torchs_and_backward_is_close(name, dtype):
+    ours_cls, torch_cls, kw = LAYERS[name]
+    x = (torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 4).to(dtype).requires_grad_()
+    g = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y = ours_cls(**kw)(x)
+    assert torch.equal(y, torch_cls(**kw)(x))
+    (dx,) = torch.autograd.grad(y, x, g)
+    assert dx.dtype == dtype
+    want = g.double() * fewbit.derivative(name)(x.detach().double())
+    # fp32: the table's bound; bf16/fp16: the rounding of y (and of dx) dominates.
+    tol = LINF_BOUND if dtype == torch.float32 else 0.05
+    assert torch.all(
+        (dx.double() - want).abs() <= tol * g.abs().double() + 1e-6 + 1e-2 * want.abs() * (tol != LINF_BOUND)
+    )
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 4096 + 3])
+def test_saved_bytes_are_the_shared_output_and_one_bit(n):
+    model = nn.Sequential(A.InvGELU(), nn.Linear(n, 3))
+    x = torch.randn(2, n, requires_grad=True)
+    saved = saved_tensor_bytes(model, x)
+    assert saved.total == 4 * 2 * n + (2 * n + 7) // 8
+    plain = saved_tensor_bytes(nn.Sequential(nn.GELU(), nn.Linear(n, 3)), x)
+    assert plain.total == 2 * 4 * 2 * n
+
+
+def test_under_torch_compile_and_checkpointing():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), A.InvSiLU(), nn.Linear(64, 4))
+    x = torch.randn(8, 16, requires_grad=True)
+    (eager,) = torch.autograd.grad(model(x).sum(), x)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    (comp,) = torch.autograd.grad(compiled(x).sum(), x)
+    assert torch.equal(eager, comp)
+    (ckpt,) = torch.autograd.grad(checkpoint(model, x, use_reentrant=False).sum(), x)
+    assert torch.equal(eager, ckpt)
+
+
+def test_functional_form_matches_the_module():
+    x = torch.randn(513, requires_grad=True)
+    g = torch.randn(513)
+    (a,) = torch.autograd.grad(A.inv_act(x, "mish"), x, g)
+    (b,) = torch.autograd.grad(A.InvMish()(x), x, g)
+    assert torch.equal(a, b)
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="one minimum"):
+        A.InvActivation("tanh")
+    with pytest.raises(ValueError, match="approximate must be"):
+        A.InvGELU(approximate="fast")
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        A.InvSiLU()([1.0])
+    tab = invact.table("gelu")
+    y, g = torch.randn(16), torch.randn(16)
+    bits = torch.zeros(2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bits has 3 bytes"):
+        ops.invact_grad(g, y, torch.zeros(3, dtype=torch.uint8), tab.coeffs, tab.params)
+    with pytest.raises(TypeError, match="y has dtype"):
+        ops.invact_grad(g, y.double(), bits, tab.coeffs, tab.params)
+    with pytest.raises(ValueError, match="coeffs must hold 192"):
+        ops.invact_grad(g, y, bits, tab.coeffs[:1], tab.params)
+    with pytest.raises(ValueError, match="y has shape"):
+        ops.invact_grad(g, y.reshape(4, 4), bits, tab.coeffs, tab.params)
+
+
+def test_opcheck():
+    tab = invact.table("silu")
+    x = torch.randn(100) * 4  # no NaN: opcheck compares outputs with NaN != NaN
+    bits = _ops.fewbit_encode(x, tab.threshold_tensor, 1)
+    torch.library.opcheck(
+        ops.invact_grad.default, (torch.randn(100), torch.nn.functional.silu(x), bits, tab.coeffs, tab.params)
+    )
