@@ -21,10 +21,12 @@ from lowbit.nn.activations import (
     few_bit,
     inv_act,
 )
+from lowbit.nn.compress import CompressionReport, compress_activations
 from lowbit.nn.embedding import Embedding, StableEmbedding
 from lowbit.nn.fewbit import FewBitTable, optimal_levels
 
 __all__ = [
+    "CompressionReport",
     "Embedding",
     "FewBitActivation",
     "FewBitELU",
@@ -44,6 +46,7 @@ __all__ = [
     "InvMish",
     "InvSiLU",
     "StableEmbedding",
+    "compress_activations",
     "few_bit",
     "fewbit",
     "inv_act",

@@ -1,0 +1,216 @@
+"""Swap a model's activations for ones that save less for backward, in place, keeping every weight.
+
+:func:`compress_activations` walks a model and replaces each activation that computes exactly a torch
+function lowbit has a compressed form of: ``torch.nn`` activation modules (``nn.GELU``, ``nn.SiLU``, ...,
+with torch's default parameters), activation functions stored as module attributes (``self.act_fn =
+F.silu``), and Hugging Face ``transformers.activations`` modules that call the torch function
+(``GELUActivation``, ``GELUTanh``, ``SiLUActivation``, ``MishActivation``). The forward pass of the
+model is unchanged bit for bit. Activations written as Python formulas (``NewGELUActivation``,
+``FastGELUActivation``, ...) round differently from torch's kernels; they are replaced only with
+``strict=False``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lowbit.nn import fewbit, invact
+from lowbit.nn.activations import FewBitActivation, InvActivation
+
+__all__ = ["CompressionReport", "Replacement", "compress_activations"]
+
+METHODS = ("fewbit", "invact")
+
+# torch.nn modules whose forward is the named function when their parameters are torch's defaults.
+_MODULES: dict[type, Callable[[nn.Module], Optional[str]]] = {
+    nn.GELU: lambda m: {"none": "gelu", "tanh": "gelu_tanh"}.get(m.approximate),
+    nn.SiLU: lambda m: "silu",
+    nn.Mish: lambda m: "mish",
+    nn.Sigmoid: lambda m: "sigmoid",
+    nn.Tanh: lambda m: "tanh",
+    nn.SELU: lambda m: "selu",
+    nn.ELU: lambda m: "elu" if m.alpha == 1.0 else None,
+    nn.Softplus: lambda m: "softplus" if (m.beta, m.threshold) == (1.0, 20.0) else None,
+    nn.Hardswish: lambda m: "hardswish",
+    nn.LeakyReLU: lambda m: "leaky_relu" if m.negative_slope == 0.01 else None,
+    nn.ReLU: lambda m: "relu",
+}
+
+_FUNCTIONS: dict[Any, str] = {
+    F.gelu: "gelu",
+    F.silu: "silu",
+    F.mish: "mish",
+    torch.sigmoid: "sigmoid",
+    F.sigmoid: "sigmoid",
+    torch.tanh: "tanh",
+    F.tanh: "tanh",
+    F.selu: "selu",
+    torch.selu: "selu",
+    F.elu: "elu",
+    F.softplus: "softplus",
+    F.hardswish: "hardswish",
+    F.leaky_relu: "leaky_relu",
+    F.relu: "relu",
+    torch.relu: "relu",
+}
+
+# Hugging Face activations (transformers.activations) by class name: exact ones call the torch function
+# through ``self.act`` or directly; the others are Python formulas of the same function.
+_HF_EXACT = {
+    "GELUActivation": "gelu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+    "SiLUActivation": "silu",
+    "MishActivation": "mish",
+}
+_HF_FORMULA = {"NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """One swapped activation: where (module path, ``.attr`` for a function attribute), what, by what."""
+
+    path: str
+    before: str
+    after: str
+
+
+@dataclass
+class CompressionReport:
+    """What :func:`compress_activations` replaced, and what it left alone and why."""
+
+    replaced: list[Replacement] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"replaced {len(self.replaced)} activation(s)"]
+        lines += [f"  {r.path}: {r.before} -> {r.after}" for r in self.replaced]
+        if self.skipped:
+            lines.append(f"left {len(self.skipped)} alone")
+            lines += [f"  {p}: {why}" for p, why in self.skipped]
+        return "\n".join(lines)
+
+
+def _function_name(fn: Any) -> Optional[str]:
+    if isinstance(fn, functools.partial):
+        if fn.func is F.gelu and not fn.args and fn.keywords == {"approximate": "tanh"}:
+            return "gelu_tanh"
+        if fn.func is F.gelu and not fn.args and fn.keywords in ({}, {"approximate": "none"}):
+            return "gelu"
+        return None
+    try:
+        return _FUNCTIONS.get(fn)
+    except TypeError:  # unhashable callables
+        return None
+
+
+def _module_name(m: nn.Module, strict: bool) -> tuple[Optional[str], Optional[str]]:
+    """(activation name, None) for a replaceable module, (None, reason) for a recognised one that is
+    not, (None, None) for anything else."""
+    rule = _MODULES.get(type(m))
+    if rule is not None:
+        name = rule(m)
+        return (name, None) if name else (None, f"{type(m).__name__} with non-default parameters")
+    cls = type(m).__name__
+    if not type(m).__module__.startswith("transformers."):
+        return None, None
+    formula = f"{cls} computes a Python formula that rounds differently from torch's kernel (strict=False)"
+    if cls in _HF_EXACT:
+        # Exact when it calls the torch function: directly (no ``act``) or through ``self.act``.
+        act = getattr(m, "act", None)
+        if act is None or _function_name(act) == _HF_EXACT[cls] or not strict:
+            return _HF_EXACT[cls], None
+        return None, formula
+    if cls in _HF_FORMULA:
+        return (None, formula) if strict else (_HF_FORMULA[cls], None)
+    return None, None
+
+
+def _make(
+    name: str, method: str, bits: int, weight: str, device: torch.device
+) -> tuple[Optional[nn.Module], Optional[str]]:
+    if method == "invact":
+        if name not in invact.ACTIVATIONS:
+            return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish)"
+        return InvActivation(name).to(device), None
+    # ReLU and LeakyReLU are exact at 1 bit, their only table.
+    b = 1 if fewbit.table_bits(name) == (1,) else bits
+    return FewBitActivation(name, b, weight).to(device), None
+
+
+def compress_activations(
+    model: nn.Module, method: str = "fewbit", bits: int = 3, weight: str = "normal", strict: bool = True
+) -> CompressionReport:
+    """Replace the activations of ``model`` in place by ones that save less for backward.
+
+    Args:
+        model: any ``nn.Module``; its submodules are replaced, the model object itself is kept.
+        method: ``"fewbit"`` (:class:`~lowbit.nn.FewBitActivation`, ``bits`` bits per element; ReLU and
+            LeakyReLU take their exact 1-bit form) or ``"invact"`` (:class:`~lowbit.nn.InvActivation`, the
+            output plus 1 bit per element; GELU, SiLU and Mish only).
+        bits: bits per element for ``"fewbit"``, 1..8.
+        weight: the few-bit tables' weight, ``"normal"`` or ``"uniform"``.
+        strict: replace only activations whose forward stays bit-identical (default); with False also
+            Python-formula activations such as Hugging Face's ``NewGELUActivation``, whose outputs then
+            change by rounding.
+
+    Returns:
+        A :class:`CompressionReport` listing every replacement and every recognised activation left
+        alone, with the reason.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"lowbit: model must be a torch.nn.Module, got {type(model).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"lowbit: method must be one of {METHODS}, got {method!r}")
+    if method == "fewbit":
+        fewbit._check_bits(bits)
+        if weight not in fewbit.WEIGHTS:
+            raise ValueError(f"lowbit: weight must be one of {fewbit.WEIGHTS}, got {weight!r}")
+    # The new layers' tables go where the model lives (activations themselves hold no tensors).
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    report = CompressionReport()
+    root_name, root_reason = _module_name(model, strict)
+    if root_name is not None or root_reason is not None:
+        report.skipped.append(("", "the root module cannot be replaced in place; wrap it or convert its parent"))
+    _walk(model, "", (method, bits, weight, device), strict, report)
+    return report
+
+
+def _walk(module: nn.Module, prefix: str, how: tuple, strict: bool, report: CompressionReport) -> None:
+    for attr, value in list(vars(module).items()):
+        if attr.startswith("_") or isinstance(value, (nn.Module, torch.Tensor)):
+            continue
+        name = _function_name(value) if callable(value) else None
+        if name is None:
+            continue
+        path = f"{prefix}.{attr}" if prefix else attr
+        new, reason = _make(name, *how)
+        if new is None:
+            report.skipped.append((path, reason or ""))
+            continue
+        setattr(module, attr, new)
+        report.replaced.append(Replacement(path, getattr(value, "__name__", repr(value)), repr(new)))
+    for child_name, child in list(module._modules.items()):
+        if child is None:
+            continue
+        path = f"{prefix}.{child_name}" if prefix else child_name
+        name, reason = _module_name(child, strict)
+        if name is None:
+            if reason is not None:
+                report.skipped.append((path, reason))
+            else:
+                _walk(child, path, how, strict, report)
+            continue
+        new, why = _make(name, *how)
+        if new is None:
+            report.skipped.append((path, why or ""))
+            continue
+        module._modules[child_name] = new
+        report.replaced.append(Replacement(path, repr(child), repr(new)))
