@@ -15,7 +15,9 @@ activation, Linear 3072 -> 768, batch 8 x 1024 tokens) saves for backward, count
 :func:`lowbit.memory.saved_tensor_bytes`, with torch's GELU, FewBitGELU and InvGELU. Error: the
 backward slope against the exact f' over x in [-10, 10] as each layer computes it
 (:func:`lowbit.nn.invact.gradient_error`; the same grid for the few-bit layers), for lowbit's InvAct
-tables, the InvAct paper's approximations and few-bit tables of 1, 3 and 8 bits.
+tables, the InvAct paper's approximations and few-bit tables of 1, 3 and 8 bits. BLPA: bytes saved by a
+pre-activation conv stack (8 units BatchNorm2d -> ReLU -> Conv2d 64 -> 64, 3x3, batch 32 x 32 x 32) with
+torch's layers and with ApproxBNReLUConv2d at 8 and 4 bits, and the forward+backward time of the stack.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import nn
 import lowbit
 from lowbit import _ops
 from lowbit.memory import saved_tensor_bytes
-from lowbit.nn import fewbit, invact
+from lowbit.nn import ApproxBNReLUConv2d, fewbit, invact
 from lowbit.nn.activations import FewBitGELU, FewBitSiLU, InvGELU, InvSiLU
 
 GPT2_BLOCKS, GPT2_D, GPT2_TOKENS = 12, 768, 8 * 1024
@@ -84,6 +86,16 @@ def fewbit_error(name: str, bits: int, points: int = 2_000_001) -> dict[str, flo
         "l2_uniform": ((err * err).sum().item() * dx) ** 0.5,
         "l2_normal": ((err * err * density).sum().item() * dx) ** 0.5,
     }
+
+
+def preact_stack(bits: Optional[int]) -> nn.Sequential:
+    """8 pre-activation units of 64 channels: torch's layers (bits None) or ApproxBNReLUConv2d."""
+    torch.manual_seed(0)
+    if bits is None:
+        units = [nn.Sequential(nn.BatchNorm2d(64), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1)) for _ in range(8)]
+    else:
+        units = [ApproxBNReLUConv2d(64, 64, 3, padding=1, bits=bits) for _ in range(8)]
+    return nn.Sequential(*units)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -140,6 +152,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         saved = saved_tensor_bytes(model, tokens).total
         base = base or saved
         print(f"{label:<16} {saved / 2**20:10.1f} MiB  {saved / base:6.3f}x")
+
+    images = torch.randn(32, 64, 32, 32, requires_grad=True)
+    stacks = {"torch BN-ReLU-Conv": preact_stack(None), "BLPA 8-bit": preact_stack(8), "BLPA 4-bit": preact_stack(4)}
+    out_grad = torch.randn(32, 64, 32, 32)
+    stack_times = time_alternated({k: fwd_bwd(m, images, out_grad) for k, m in stacks.items()}, args.repeats)
+    print("\npre-activation conv stack (8 units, 64 channels, 32 x 32 x 32, fp32): saved bytes, fwd+bwd time")
+    base_bytes, base_time = None, stack_times["torch BN-ReLU-Conv"]
+    for label, model in stacks.items():
+        saved = saved_tensor_bytes(model, images).total
+        base_bytes = base_bytes or saved
+        ms = stack_times[label] * 1e3
+        print(
+            f"{label:<20} {saved / 2**20:8.1f} MiB {saved / base_bytes:6.3f}x {ms:9.1f} ms {ms / base_time / 1e3:6.2f}x"
+        )
 
     print("\nbackward slope error vs exact f', x in [-10, 10] (fp32 forward and evaluation)")
     print(f"{'method':<24} {'Linf':>9} {'L2 unif':>9} {'L2 normal':>9}")

@@ -21,11 +21,14 @@ from lowbit.nn.activations import (
     few_bit,
     inv_act,
 )
+from lowbit.nn.blpa import ApproxBNReLUConv2d, ApproxBNReLULinear
 from lowbit.nn.compress import CompressionReport, compress_activations
 from lowbit.nn.embedding import Embedding, StableEmbedding
 from lowbit.nn.fewbit import FewBitTable, optimal_levels
 
 __all__ = [
+    "ApproxBNReLUConv2d",
+    "ApproxBNReLULinear",
     "CompressionReport",
     "Embedding",
     "FewBitActivation",

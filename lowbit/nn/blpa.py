@@ -1,0 +1,269 @@
+"""Approximate-activation backprop (approx-activations-blpa.txt): pre-activation blocks
+BatchNorm -> ReLU -> Conv2d/Linear whose forward pass is exact and whose backward pass uses a K-bit copy
+of the batch-normalised activation.
+
+A plain ``nn.Sequential(BatchNorm, ReLU, Conv2d)`` saves the BatchNorm input and the ReLU output, two
+full tensors. These blocks save only a K-bit (4 or 8, any of 1..8) code per element of the normalised
+activation ``A1 = (x - mean) / std`` and the per-channel ``1 / std`` (section 3.2), plus, in eval mode,
+the batch's per-channel mean and spread of ``A1`` (the quantisation range, see below); the batch-norm
+parameters and the weight are parameters, kept anyway.
+
+Codes follow eqs. 9-10 in the normalised domain: the range ``[-3, 3]`` (the paper's ``beta +- 3 gamma`` for
+``A2 = gamma A1 + beta``) is cut into ``2**K`` intervals of width ``6 / 2**K``, shifted so that the ReLU
+threshold ``A1 = -beta / gamma`` falls on a cut, and decoded to interval midpoints. In eval mode the
+running statistics need not normalise the batch, so the range is the batch's mean +- 3 std of ``A1``.
+The approximation is sign-preserving (section 3.2) by construction: each element's code lies on the
+side of the cut that its exact ``A2 > 0`` decides (clipped to that side), so the ReLU mask in backward
+is exactly torch's, also at ``A2 == 0``, for outliers beyond the clipping range and for ``gamma <= 0``.
+Hence, as section 3.3 shows, the gradients to the block's input flow exactly through the linear map,
+the ReLU and the scale and bias; only ``grad W``, ``grad gamma`` and the variance term of the batch-norm
+backward (eq. 8) see the approximation.
+
+The blocks hold ordinary ``bn`` and ``conv`` / ``linear`` submodules, so their state dicts are those of the
+three-layer sequence and running statistics update exactly as in torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lowbit import _ops
+
+__all__ = ["ApproxBNReLUConv2d", "ApproxBNReLULinear"]
+
+_RANGE = 6.0  # width of the quantised range of A1, in standard deviations (eq. 9: 6 * gamma for A2)
+
+
+def _check_bits(bits: object) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"lowbit: bits must be an int in 1..8, got {bits!r}")
+    return bits
+
+
+def _grid(gamma: Tensor, beta: Tensor, bits: int, span: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Per channel: the cut t (the ReLU threshold in A1, 0 when gamma == 0), the code o of the first
+    interval above it (1..2**bits - 1, so both sides have codes) and the interval width h.
+
+    ``span`` is None with batch statistics: A1 then has mean 0 and variance 1 and the range is [-3, 3]
+    (eq. 9). With running statistics it holds the batch's (mean, std) of A1 per channel, and the range is
+    mean +- 3 std."""
+    g, b = gamma.float(), beta.float()
+    t = torch.where(g != 0, -b / torch.where(g != 0, g, torch.ones_like(g)), torch.zeros_like(g))
+    t = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
+    if span is None:
+        lower, h = torch.full_like(t, -_RANGE / 2), torch.full_like(t, _RANGE / 2**bits)
+    else:
+        std = span[1].clamp_min(1e-12)
+        lower, h = span[0] - std * (_RANGE / 2), std * (_RANGE / 2**bits)
+    o = torch.clamp(torch.round((t - lower) / h), 1, 2**bits - 1)
+    return t, o, h
+
+
+def _bcast(v: Tensor, dim: int) -> Tensor:
+    """A per-channel vector shaped to broadcast over an input of ``dim`` dims (channels at dim 1)."""
+    return v.reshape((1, -1) + (1,) * (dim - 2))
+
+
+def _encode(a1: Tensor, positive: Tensor, gamma: Tensor, beta: Tensor, bits: int, span: Optional[Tensor]) -> Tensor:
+    """Packed K-bit codes of a1 (fp32), each on the side of its channel's cut that ``positive`` (the
+    exact A2 > 0) names; see the module docstring."""
+    t, o, h = (_bcast(v, a1.dim()) for v in _grid(gamma, beta, bits, span))
+    top = 2**bits - 1
+    # ceil(.) - 1 puts a value exactly on the cut below it, as ReLU's gradient treats 0.
+    raw = torch.ceil((a1 - t) / h) - 1 + o
+    # gamma > 0: A2 > 0 <=> A1 > t, the codes >= o; gamma < 0 flips the side; gamma == 0: no side.
+    g = _bcast(gamma.float(), a1.dim())
+    upper = positive ^ (g < 0)
+    lo = torch.where(upper, o, torch.zeros_like(o))
+    hi = torch.where(upper, torch.full_like(o, top), o - 1)
+    lo = torch.where(g == 0, torch.zeros_like(lo), lo)
+    hi = torch.where(g == 0, torch.full_like(hi, top), hi)
+    codes = torch.minimum(torch.maximum(raw.nan_to_num(0.0), lo), hi)
+    return _ops.pack_bits(codes.to(torch.uint8).reshape(-1), bits)
+
+
+def _decode(
+    packed: Tensor, shape: torch.Size, gamma: Tensor, beta: Tensor, bits: int, span: Optional[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """(approximate A1 in fp32, exact ReLU mask A2 > 0) from the packed codes."""
+    dim = len(shape)
+    t, o, h = (_bcast(v, dim) for v in _grid(gamma, beta, bits, span))
+    codes = _ops.unpack_bits(packed, bits, shape.numel()).reshape(shape).float()
+    a1 = t + (codes - o + 0.5) * h
+    g, b = _bcast(gamma.float(), dim), _bcast(beta.float(), dim)
+    mask = torch.where(g == 0, (b > 0).expand(shape), (codes >= o) ^ (g < 0))
+    return a1, mask
+
+
+class _ApproxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, bn_weight: Tensor, bn_bias: Tensor, weight: Tensor, bias: Optional[Tensor], block: Any
+    ) -> Tensor:
+        bn = block.bn
+        a2 = bn(x)  # the module's own call: exact output and running-statistics update
+        out = block._linear(F.relu(a2), weight, bias)
+        dims = [0] + list(range(2, x.dim()))
+        batch_stats = bn.training or not bn.track_running_stats
+        if batch_stats:
+            var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+        else:
+            mean, var = bn.running_mean.float(), bn.running_var.float()
+        invstd = torch.rsqrt(var + bn.eps)
+        a1 = (x.float() - _bcast(mean, x.dim())) * _bcast(invstd, x.dim())
+        # Running statistics need not fit the batch: the range then follows the batch's own spread.
+        span = None if batch_stats else torch.stack(torch.std_mean(a1, dim=dims, correction=0)[::-1])
+        packed = _encode(a1, a2 > 0, bn_weight.detach(), bn_bias.detach(), block.bits, span)
+        ctx.save_for_backward(packed, invstd, bn_weight, bn_bias, weight, bias, span)
+        ctx.shape, ctx.dtype, ctx.batch_stats, ctx.block = x.shape, x.dtype, batch_stats, block
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        packed, invstd, gamma, beta, weight, bias, span = ctx.saved_tensors
+        block = ctx.block
+        a1, mask = _decode(packed, ctx.shape, gamma, beta, block.bits, span)
+        dim = len(ctx.shape)
+        g, b = _bcast(gamma.float(), dim), _bcast(beta.float(), dim)
+        a3 = torch.where(mask, (g * a1 + b).clamp_min(0), torch.zeros_like(a1)).to(ctx.dtype)
+        # Eq. 5: grad A3 does not depend on A3; grad W uses the approximation.
+        with torch.enable_grad():
+            a3 = a3.detach().requires_grad_(True)
+            w = weight.detach().requires_grad_(True)
+            bb = bias.detach().requires_grad_(True) if bias is not None else None
+            y = block._linear(a3, w, bb)
+            inputs = [a3, w] + ([bb] if bb is not None else [])
+            grads = torch.autograd.grad(y, inputs, grad)
+        g_a3, g_w = grads[0], grads[1]
+        g_bias = grads[2] if bias is not None else None
+        dims = [0] + list(range(2, dim))
+        g_a2 = torch.where(mask, g_a3.float(), torch.zeros_like(a1))  # eq. 6, exact: the mask is
+        g_beta = g_a2.sum(dims)  # eq. 7
+        g_gamma = (a1 * g_a2).sum(dims)
+        g_a1 = g * g_a2
+        if ctx.batch_stats:  # eq. 8
+            g_x = _bcast(invstd, dim) * (
+                g_a1 - g_a1.mean(dims, keepdim=True) - a1 * (a1 * g_a1).mean(dims, keepdim=True)
+            )
+        else:
+            g_x = _bcast(invstd, dim) * g_a1
+        return (
+            g_x.to(ctx.dtype),
+            g_gamma.to(gamma.dtype),
+            g_beta.to(beta.dtype),
+            g_w,
+            g_bias,
+            None,
+        )
+
+
+class _ApproxBlock(nn.Module):
+    bn: Union[nn.BatchNorm1d, nn.BatchNorm2d]
+    bits: int
+
+    def _linear(self, a3: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    def _layer(self) -> Union[nn.Linear, nn.Conv2d]:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        """BatchNorm -> ReLU -> the linear map of ``x``, exactly; backward from the K-bit codes."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
+        want = 2 if isinstance(self, ApproxBNReLULinear) else 4
+        if x.dim() != want:
+            raise ValueError(
+                f"lowbit: {type(self).__name__} takes {want}-d input (N, C, ...), got shape {tuple(x.shape)}"
+            )
+        layer = self._layer()
+        if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return layer(F.relu(self.bn(x)))
+        return _ApproxFunction.apply(x, self.bn.weight, self.bn.bias, layer.weight, layer.bias, self)
+
+    def extra_repr(self) -> str:
+        """The code width."""
+        return f"bits={self.bits}"
+
+
+class ApproxBNReLULinear(_ApproxBlock):
+    """``BatchNorm1d(in_features) -> ReLU -> Linear(in_features, out_features)`` saving K bits per
+    element for backward (see the module docstring).
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``.
+        bits: code width K, 1..8 (the paper uses 4 and 8).
+        eps, momentum: as ``nn.BatchNorm1d`` (affine, tracking running statistics).
+        device, dtype: factory arguments of the parameters.
+
+    Inputs are ``(N, in_features)``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        bits: int = 8,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.bits = _check_bits(bits)
+        self.bn = nn.BatchNorm1d(in_features, eps=eps, momentum=momentum, device=device, dtype=dtype)
+        self.linear = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+
+    def _layer(self) -> nn.Linear:
+        return self.linear
+
+    def _linear(self, a3: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        return F.linear(a3, weight, bias)
+
+
+class ApproxBNReLUConv2d(_ApproxBlock):
+    """``BatchNorm2d(in_channels) -> ReLU -> Conv2d(in_channels, out_channels, ...)`` saving K bits per
+    element for backward: the pre-activation unit of a pre-activation ResNet (paper section 3.4).
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias: as ``nn.Conv2d``
+            (zero padding).
+        bits: code width K, 1..8 (the paper uses 4 and 8).
+        eps, momentum: as ``nn.BatchNorm2d`` (affine, tracking running statistics).
+        device, dtype: factory arguments of the parameters.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: Union[int, tuple[int, int]],
+        stride: Union[int, tuple[int, int]] = 1,
+        padding: Union[int, tuple[int, int]] = 0,
+        dilation: Union[int, tuple[int, int]] = 1,
+        groups: int = 1,
+        bias: bool = True,
+        bits: int = 8,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        device: Optional[torch.device] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        super().__init__()
+        self.bits = _check_bits(bits)
+        self.bn = nn.BatchNorm2d(in_channels, eps=eps, momentum=momentum, device=device, dtype=dtype)
+        self.conv = nn.Conv2d(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, device=device, dtype=dtype
+        )
+
+    def _layer(self) -> nn.Conv2d:
+        return self.conv
+
+    def _linear(self, a3: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        c = self.conv
+        return F.conv2d(a3, weight, bias, c.stride, c.padding, c.dilation, c.groups)
