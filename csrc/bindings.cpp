@@ -54,6 +54,22 @@ lowbit::InvactGradArgs invact_grad_args(uintptr_t grad, uintptr_t y, uintptr_t b
                                 ptr<const float>(coeffs), ptr<const float>(params), ptr<void>(out)};
 }
 
+// t: x, a2, grad, codes_in, codes_out, mean, invstd, grid, gamma, beta, out, g_gamma, g_beta (addresses).
+lowbit::BlpaArgs blpa_args(const std::vector<uintptr_t>& t, int64_t n, int64_t channels, int64_t inner, int dtype,
+                           int bits, int batch_stats) {
+  if (t.size() != 13) throw std::invalid_argument("lowbit: blpa takes 13 tensor addresses");
+  if (channels < 1 || inner < 1 || n % (channels * inner) != 0) {
+    throw std::invalid_argument("lowbit: blpa shape: n must be a multiple of channels * inner");
+  }
+  return lowbit::BlpaArgs{ptr<const void>(t[0]),   ptr<const void>(t[1]),    ptr<const void>(t[2]),
+                          ptr<const uint8_t>(t[3]), ptr<uint8_t>(t[4]),       n,
+                          channels,                 inner,                    dtype,
+                          bits,                     ptr<const float>(t[5]),   ptr<const float>(t[6]),
+                          ptr<const float>(t[7]),   ptr<const float>(t[8]),   ptr<const float>(t[9]),
+                          batch_stats,              ptr<void>(t[10]),         ptr<float>(t[11]),
+                          ptr<float>(t[12])};
+}
+
 // hyper: lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay, max_unorm.
 lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states,
                              int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars,
@@ -158,6 +174,23 @@ PYBIND11_MODULE(_C, m) {
         lowbit::cpu::fewbit_grad(fewbit_grad_args(grad, packed, n, dtype, levels, bits, out), threads);
       },
       nogil);
+  for (const char* which : {"encode", "decode", "backward"}) {
+    const std::string kind = which;
+    m.def(
+        ("blpa_" + kind + "_cpu").c_str(),
+        [kind](const std::vector<uintptr_t>& t, int64_t n, int64_t channels, int64_t inner, int dtype, int bits,
+               int batch_stats, int threads) {
+          const auto a = blpa_args(t, n, channels, inner, dtype, bits, batch_stats);
+          if (kind == "encode") {
+            lowbit::cpu::blpa_encode(a, threads);
+          } else if (kind == "decode") {
+            lowbit::cpu::blpa_decode(a, threads);
+          } else {
+            lowbit::cpu::blpa_backward(a, threads);
+          }
+        },
+        nogil);
+  }
   m.def(
       "invact_grad_cpu",
       [](uintptr_t grad, uintptr_t y, uintptr_t bits, int64_t n, int dtype, uintptr_t coeffs, uintptr_t params,
@@ -220,6 +253,23 @@ PYBIND11_MODULE(_C, m) {
         lowbit::cuda::fewbit_grad(fewbit_grad_args(grad, packed, n, dtype, levels, bits, out), device, stream);
       },
       nogil);
+  for (const char* which : {"encode", "decode", "backward"}) {
+    const std::string kind = which;
+    m.def(
+        ("blpa_" + kind + "_cuda").c_str(),
+        [kind](const std::vector<uintptr_t>& t, int64_t n, int64_t channels, int64_t inner, int dtype, int bits,
+               int batch_stats, int device, uintptr_t stream) {
+          const auto a = blpa_args(t, n, channels, inner, dtype, bits, batch_stats);
+          if (kind == "encode") {
+            lowbit::cuda::blpa_encode(a, device, stream);
+          } else if (kind == "decode") {
+            lowbit::cuda::blpa_decode(a, device, stream);
+          } else {
+            lowbit::cuda::blpa_backward(a, device, stream);
+          }
+        },
+        nogil);
+  }
   m.def(
       "invact_grad_cuda",
       [](uintptr_t grad, uintptr_t y, uintptr_t bits, int64_t n, int dtype, uintptr_t coeffs, uintptr_t params,

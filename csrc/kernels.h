@@ -79,6 +79,31 @@ struct InvactGradArgs {
   void* out;
 };
 
+// Approximate-activation blocks (lowbit/blpa.h) over an (N, channels, inner) tensor of n elements:
+// encode (x, a2 -> packed), decode (packed -> out = relu(gamma * a1 + beta) with the exact mask) and
+// backward (packed, grad = dL/da3 -> out = dL/dx, g_gamma, g_beta), the batch-norm backward of eq. 8.
+struct BlpaArgs {
+  const void* x;
+  const void* a2;
+  const void* grad;
+  const uint8_t* codes_in;
+  uint8_t* codes_out;
+  int64_t n;
+  int64_t channels;
+  int64_t inner;
+  int dtype;
+  int bits;
+  const float* mean;
+  const float* invstd;
+  const float* grid;  // kBlpaGridRows x channels
+  const float* gamma;
+  const float* beta;
+  int batch_stats;
+  void* out;
+  float* g_gamma;
+  float* g_beta;
+};
+
 // One fused optimizer step over a list of tensors. Row t of `meta` (int64, kMetaCols columns)
 // describes tensor t; row t of `scalars` (float32, kScalarCols columns) holds its StepScalars.
 // States with state_bits == 8 are uint8 codes into map1/map2 (signed/unsigned per rule) with one
@@ -137,6 +162,9 @@ void unpack_bits(const PackArgs& a, int threads);
 void fewbit_encode(const FewbitEncodeArgs& a, int threads);
 void fewbit_grad(const FewbitGradArgs& a, int threads);
 void invact_grad(const InvactGradArgs& a, int threads);
+void blpa_encode(const BlpaArgs& a, int threads);
+void blpa_decode(const BlpaArgs& a, int threads);
+void blpa_backward(const BlpaArgs& a, int threads);
 // The AVX-512 kernels of the optimizer step (cpu/avx512.h): in use?, and a switch for tests.
 bool avx512_active();
 bool set_avx512_enabled(bool enabled);
@@ -152,6 +180,9 @@ void unpack_bits(const PackArgs& a, int device, uintptr_t stream);
 void fewbit_encode(const FewbitEncodeArgs& a, int device, uintptr_t stream);
 void fewbit_grad(const FewbitGradArgs& a, int device, uintptr_t stream);
 void invact_grad(const InvactGradArgs& a, int device, uintptr_t stream);
+void blpa_encode(const BlpaArgs& a, int device, uintptr_t stream);
+void blpa_decode(const BlpaArgs& a, int device, uintptr_t stream);
+void blpa_backward(const BlpaArgs& a, int device, uintptr_t stream);
 const char* runtime_version();
 }  // namespace cuda
 #endif

@@ -7,7 +7,12 @@ import torch
 from torch import nn
 
 import lowbit.nn as lnn
+from lowbit import _reference as R
 from lowbit.memory import saved_tensor_bytes
+from lowbit.nn import blpa
+from tests.conftest import DTYPES
+
+ops = torch.ops.lowbit
 
 
 def _pair(kind: str, bits: int, seed: int = 0) -> tuple[nn.Module, nn.Sequential]:
@@ -140,3 +145,63 @@ def test_bad_arguments_are_rejected():
         lnn.ApproxBNReLUConv2d(3, 3, 3)(torch.randn(3, 5, 5))
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         lnn.ApproxBNReLULinear(4, 4)([1.0])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 7, 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 3), (64, 12), (3, 5, 7, 9), (2, 4, 1, 1), (1, 1)])
+def test_ops_match_reference(device, bits, dtype, shape):
+    g = torch.Generator().manual_seed(bits + len(shape))
+    c = shape[1]
+    x = (torch.randn(shape, generator=g) * 2 + 0.3).to(dtype)
+    x.view(-1)[0] = float("nan")
+    gamma = torch.randn(c, generator=g)
+    gamma[0] = 0.0
+    if c > 1:
+        gamma[1] = -abs(gamma[1])
+    beta = torch.randn(c, generator=g)
+    a2 = (x.float() * _view(gamma, shape) + _view(beta, shape)).to(dtype)
+    dims = [0] + list(range(2, len(shape)))
+    var, mean = torch.var_mean(x.float().nan_to_num(), dim=dims, correction=0)
+    invstd = torch.rsqrt(var + 1e-5)
+    span = None if bits % 2 else torch.stack([torch.randn(c, generator=g) * 0.1, torch.rand(c, generator=g) + 0.5])
+    grid = blpa._grid(gamma, beta, bits, span)
+    args = [t.to(device) for t in (x, a2, mean, invstd, grid)]
+    packed = ops.blpa_encode(*args, bits)
+    assert torch.equal(packed.cpu(), R.blpa_encode(x, a2, mean, invstd, grid, bits))
+    a3 = ops.blpa_decode(packed, grid.to(device), gamma.to(device), beta.to(device), list(shape), bits, dtype)
+    assert torch.equal(a3.cpu(), R.blpa_decode(packed.cpu(), grid, gamma, beta, shape, bits, dtype))
+    grad = torch.randn(shape, generator=g).to(dtype)
+    for batch_stats in (True, False):
+        got = ops.blpa_backward(
+            packed,
+            grad.to(device),
+            grid.to(device),
+            gamma.to(device),
+            beta.to(device),
+            invstd.to(device),
+            bits,
+            batch_stats,
+        )
+        want = R.blpa_backward(packed.cpu(), grad, grid, gamma, beta, invstd, bits, batch_stats)
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a.cpu(), b, **tol)
+
+
+def _view(v: torch.Tensor, shape: tuple) -> torch.Tensor:
+    return v.reshape((1, -1) + (1,) * (len(shape) - 2))
+
+
+def test_opcheck():
+    x = torch.randn(4, 3, 5, 5)
+    gamma, beta = torch.rand(3) + 0.5, torch.randn(3)
+    grid = blpa._grid(gamma, beta, 4, None)
+    invstd, mean = torch.ones(3), torch.zeros(3)
+    a2 = x * _view(gamma, x.shape) + _view(beta, x.shape)
+    torch.library.opcheck(ops.blpa_encode.default, (x, a2, mean, invstd, grid, 4))
+    packed = ops.blpa_encode(x, a2, mean, invstd, grid, 4)
+    torch.library.opcheck(ops.blpa_decode.default, (packed, grid, gamma, beta, [4, 3, 5, 5], 4, torch.float32))
+    torch.library.opcheck(
+        ops.blpa_backward.default, (packed, torch.randn(4, 3, 5, 5), grid, gamma, beta, invstd, 4, True)
+    )

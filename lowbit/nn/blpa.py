@@ -44,14 +44,15 @@ def _check_bits(bits: object) -> int:
     return bits
 
 
-def _grid(gamma: Tensor, beta: Tensor, bits: int, span: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """Per channel: the cut t (the ReLU threshold in A1, 0 when gamma == 0), the code o of the first
-    interval above it (1..2**bits - 1, so both sides have codes) and the interval width h.
+def _grid(gamma: Tensor, beta: Tensor, bits: int, span: Optional[Tensor]) -> Tensor:
+    """fp32 [4, C]: per channel the cut t (the ReLU threshold in A1, 0 when gamma == 0), the code o of
+    the first interval above it (1..2**bits - 1, so both sides have codes), the interval width h and the
+    sign of gamma (include/lowbit/blpa.h).
 
     ``span`` is None with batch statistics: A1 then has mean 0 and variance 1 and the range is [-3, 3]
     (eq. 9). With running statistics it holds the batch's (mean, std) of A1 per channel, and the range is
     mean +- 3 std."""
-    g, b = gamma.float(), beta.float()
+    g, b = gamma.detach().float(), beta.detach().float()
     t = torch.where(g != 0, -b / torch.where(g != 0, g, torch.ones_like(g)), torch.zeros_like(g))
     t = torch.where(torch.isfinite(t), t, torch.zeros_like(t))
     if span is None:
@@ -60,43 +61,12 @@ def _grid(gamma: Tensor, beta: Tensor, bits: int, span: Optional[Tensor]) -> tup
         std = span[1].clamp_min(1e-12)
         lower, h = span[0] - std * (_RANGE / 2), std * (_RANGE / 2**bits)
     o = torch.clamp(torch.round((t - lower) / h), 1, 2**bits - 1)
-    return t, o, h
+    return torch.stack([t, o, h, torch.sign(g)]).contiguous()
 
 
 def _bcast(v: Tensor, dim: int) -> Tensor:
     """A per-channel vector shaped to broadcast over an input of ``dim`` dims (channels at dim 1)."""
     return v.reshape((1, -1) + (1,) * (dim - 2))
-
-
-def _encode(a1: Tensor, positive: Tensor, gamma: Tensor, beta: Tensor, bits: int, span: Optional[Tensor]) -> Tensor:
-    """Packed K-bit codes of a1 (fp32), each on the side of its channel's cut that ``positive`` (the
-    exact A2 > 0) names; see the module docstring."""
-    t, o, h = (_bcast(v, a1.dim()) for v in _grid(gamma, beta, bits, span))
-    top = 2**bits - 1
-    # ceil(.) - 1 puts a value exactly on the cut below it, as ReLU's gradient treats 0.
-    raw = torch.ceil((a1 - t) / h) - 1 + o
-    # gamma > 0: A2 > 0 <=> A1 > t, the codes >= o; gamma < 0 flips the side; gamma == 0: no side.
-    g = _bcast(gamma.float(), a1.dim())
-    upper = positive ^ (g < 0)
-    lo = torch.where(upper, o, torch.zeros_like(o))
-    hi = torch.where(upper, torch.full_like(o, top), o - 1)
-    lo = torch.where(g == 0, torch.zeros_like(lo), lo)
-    hi = torch.where(g == 0, torch.full_like(hi, top), hi)
-    codes = torch.minimum(torch.maximum(raw.nan_to_num(0.0), lo), hi)
-    return _ops.pack_bits(codes.to(torch.uint8).reshape(-1), bits)
-
-
-def _decode(
-    packed: Tensor, shape: torch.Size, gamma: Tensor, beta: Tensor, bits: int, span: Optional[Tensor]
-) -> tuple[Tensor, Tensor]:
-    """(approximate A1 in fp32, exact ReLU mask A2 > 0) from the packed codes."""
-    dim = len(shape)
-    t, o, h = (_bcast(v, dim) for v in _grid(gamma, beta, bits, span))
-    codes = _ops.unpack_bits(packed, bits, shape.numel()).reshape(shape).float()
-    a1 = t + (codes - o + 0.5) * h
-    g, b = _bcast(gamma.float(), dim), _bcast(beta.float(), dim)
-    mask = torch.where(g == 0, (b > 0).expand(shape), (codes >= o) ^ (g < 0))
-    return a1, mask
 
 
 class _ApproxFunction(torch.autograd.Function):
@@ -111,54 +81,34 @@ class _ApproxFunction(torch.autograd.Function):
         batch_stats = bn.training or not bn.track_running_stats
         if batch_stats:
             var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+            span = None
         else:
             mean, var = bn.running_mean.float(), bn.running_var.float()
-        invstd = torch.rsqrt(var + bn.eps)
-        a1 = (x.float() - _bcast(mean, x.dim())) * _bcast(invstd, x.dim())
-        # Running statistics need not fit the batch: the range then follows the batch's own spread.
-        span = None if batch_stats else torch.stack(torch.std_mean(a1, dim=dims, correction=0)[::-1])
-        packed = _encode(a1, a2 > 0, bn_weight.detach(), bn_bias.detach(), block.bits, span)
+            # Running statistics need not fit the batch: the range follows the batch's own spread of A1.
+            a1 = (x.float() - _bcast(mean, x.dim())) * _bcast(torch.rsqrt(var + bn.eps), x.dim())
+            std_a1, mean_a1 = torch.std_mean(a1, dim=dims, correction=0)
+            span = torch.stack([mean_a1, std_a1])
+        invstd = torch.rsqrt(var + bn.eps).contiguous()
+        grid = _grid(bn_weight, bn_bias, block.bits, span)
+        packed = _ops.blpa_encode(x.contiguous(), a2.contiguous(), mean.contiguous(), invstd, grid, block.bits)
         ctx.save_for_backward(packed, invstd, bn_weight, bn_bias, weight, bias, span)
-        ctx.shape, ctx.dtype, ctx.batch_stats, ctx.block = x.shape, x.dtype, batch_stats, block
+        ctx.shape, ctx.dtype, ctx.batch_stats, ctx.block = list(x.shape), x.dtype, batch_stats, block
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         packed, invstd, gamma, beta, weight, bias, span = ctx.saved_tensors
         block = ctx.block
-        a1, mask = _decode(packed, ctx.shape, gamma, beta, block.bits, span)
-        dim = len(ctx.shape)
-        g, b = _bcast(gamma.float(), dim), _bcast(beta.float(), dim)
-        a3 = torch.where(mask, (g * a1 + b).clamp_min(0), torch.zeros_like(a1)).to(ctx.dtype)
+        grid = _grid(gamma, beta, block.bits, span)
+        g32, b32 = gamma.detach().float().contiguous(), beta.detach().float().contiguous()
+        a3 = _ops.blpa_decode(packed, grid, g32, b32, ctx.shape, block.bits, ctx.dtype)
         # Eq. 5: grad A3 does not depend on A3; grad W uses the approximation.
-        with torch.enable_grad():
-            a3 = a3.detach().requires_grad_(True)
-            w = weight.detach().requires_grad_(True)
-            bb = bias.detach().requires_grad_(True) if bias is not None else None
-            y = block._linear(a3, w, bb)
-            inputs = [a3, w] + ([bb] if bb is not None else [])
-            grads = torch.autograd.grad(y, inputs, grad)
-        g_a3, g_w = grads[0], grads[1]
-        g_bias = grads[2] if bias is not None else None
-        dims = [0] + list(range(2, dim))
-        g_a2 = torch.where(mask, g_a3.float(), torch.zeros_like(a1))  # eq. 6, exact: the mask is
-        g_beta = g_a2.sum(dims)  # eq. 7
-        g_gamma = (a1 * g_a2).sum(dims)
-        g_a1 = g * g_a2
-        if ctx.batch_stats:  # eq. 8
-            g_x = _bcast(invstd, dim) * (
-                g_a1 - g_a1.mean(dims, keepdim=True) - a1 * (a1 * g_a1).mean(dims, keepdim=True)
-            )
-        else:
-            g_x = _bcast(invstd, dim) * g_a1
-        return (
-            g_x.to(ctx.dtype),
-            g_gamma.to(gamma.dtype),
-            g_beta.to(beta.dtype),
-            g_w,
-            g_bias,
-            None,
+        g_a3, g_w, g_bias = block._linear_backward(grad, a3, weight, bias is not None)
+        # Eqs. 6-8 in one native pass: the ReLU mask is exact, A1 comes from the codes.
+        g_x, g_gamma, g_beta = _ops.blpa_backward(
+            packed, g_a3.contiguous(), grid, g32, b32, invstd, block.bits, ctx.batch_stats
         )
+        return g_x, g_gamma.to(gamma.dtype), g_beta.to(beta.dtype), g_w, g_bias, None
 
 
 class _ApproxBlock(nn.Module):
@@ -166,6 +116,11 @@ class _ApproxBlock(nn.Module):
     bits: int
 
     def _linear(self, a3: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        raise NotImplementedError
+
+    def _linear_backward(
+        self, grad: Tensor, a3: Tensor, weight: Tensor, has_bias: bool
+    ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
         raise NotImplementedError
 
     def _layer(self) -> Union[nn.Linear, nn.Conv2d]:
@@ -225,6 +180,11 @@ class ApproxBNReLULinear(_ApproxBlock):
     def _linear(self, a3: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         return F.linear(a3, weight, bias)
 
+    def _linear_backward(
+        self, grad: Tensor, a3: Tensor, weight: Tensor, has_bias: bool
+    ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        return grad @ weight, grad.t() @ a3, grad.sum(0) if has_bias else None
+
 
 class ApproxBNReLUConv2d(_ApproxBlock):
     """``BatchNorm2d(in_channels) -> ReLU -> Conv2d(in_channels, out_channels, ...)`` saving K bits per
@@ -267,3 +227,22 @@ class ApproxBNReLUConv2d(_ApproxBlock):
     def _linear(self, a3: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         c = self.conv
         return F.conv2d(a3, weight, bias, c.stride, c.padding, c.dilation, c.groups)
+
+    def _linear_backward(
+        self, grad: Tensor, a3: Tensor, weight: Tensor, has_bias: bool
+    ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        c = self.conv
+        bias_sizes = [weight.shape[0]] if has_bias else None
+        return torch.ops.aten.convolution_backward(
+            grad,
+            a3,
+            weight,
+            bias_sizes,
+            c.stride,
+            c.padding,
+            c.dilation,
+            False,
+            [0, 0],
+            c.groups,
+            [True, True, has_bias],
+        )

@@ -1,0 +1,185 @@
+// Approximate-activation blocks on the CPU (lowbit/blpa.h). Every pass runs OpenMP over fixed chunks of
+// whole 8-code groups and walks each chunk in runs of one channel, so the per-channel constants are
+// scalars and the element loops vectorise. The backward reduction keeps one partial sum per chunk and
+// channel (double, a fixed chunking independent of the thread count) and adds them in chunk order, so
+// results do not depend on the number of threads.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+#include "lowbit/blpa.h"
+#include "lowbit/dispatch.h"
+#include "lowbit/fewbit.h"
+#include "lowbit/pack.h"
+
+namespace lowbit::cpu {
+namespace {
+
+constexpr int kChunk = 4096;  // elements per work item, a multiple of kGroup
+constexpr int64_t kParallelMin = 1 << 15;
+
+struct Grid {
+  const float* t;
+  const float* o;
+  const float* h;
+  const float* side;
+  explicit Grid(const BlpaArgs& a)
+      : t(a.grid), o(a.grid + a.channels), h(a.grid + 2 * a.channels), side(a.grid + 3 * a.channels) {}
+};
+
+// Calls fn(offset, length, channel) for the runs of one channel in elements [lo, lo + cnt).
+template <typename Fn>
+void for_runs(int64_t lo, int cnt, int64_t channels, int64_t inner, Fn&& fn) {
+  int64_t c = (lo / inner) % channels;
+  int64_t s = lo % inner;
+  for (int j = 0; j < cnt;) {
+    const int len = static_cast<int>(std::min<int64_t>(cnt - j, inner - s));
+    fn(j, len, c);
+    j += len;
+    s = 0;
+    c = c + 1 == channels ? 0 : c + 1;
+  }
+}
+
+// The chunk's codes, unpacked (a chunk starts on a whole group).
+void unpack_chunk(const uint8_t* in, int cnt, int bits, uint32_t* codes) {
+  const uint64_t mask = (uint64_t{1} << bits) - 1u;
+  const int full = cnt / kGroup;
+  for (int g = 0; g < full; ++g) {
+    uint64_t acc = 0;
+    std::memcpy(&acc, in + g * bits, bits);
+    for (int k = 0; k < kGroup; ++k) codes[g * kGroup + k] = static_cast<uint32_t>((acc >> (bits * k)) & mask);
+  }
+  if (cnt > full * kGroup) unpack_group(in + full * bits, cnt - full * kGroup, bits, codes + full * kGroup);
+}
+
+void pack_chunk(const uint32_t* codes, int cnt, int bits, uint8_t* out) {
+  const int full = cnt / kGroup;
+  for (int g = 0; g < full; ++g) {
+    const uint64_t acc = pack8(codes + g * kGroup, bits);
+    std::memcpy(out + g * bits, &acc, bits);
+  }
+  if (cnt > full * kGroup) pack_group(codes + full * kGroup, cnt - full * kGroup, bits, out + full * bits);
+}
+
+int64_t chunks_of(int64_t n) { return (n + kChunk - 1) / kChunk; }
+
+template <typename T>
+void encode_impl(const BlpaArgs& a, int threads) {
+  const T* x = static_cast<const T*>(a.x);
+  const T* a2 = static_cast<const T*>(a.a2);
+  const Grid g(a);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+  for (int64_t ch = 0; ch < chunks_of(a.n); ++ch) {
+    const int64_t lo = ch * kChunk;
+    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    uint32_t codes[kChunk];
+    for_runs(lo, cnt, a.channels, a.inner, [&](int j0, int len, int64_t c) {
+      const float mean = a.mean[c], invstd = a.invstd[c], t = g.t[c], o = g.o[c], h = g.h[c], side = g.side[c];
+      const T* xs = x + lo + j0;
+      const T* ps = a2 + lo + j0;
+      uint32_t* cs = codes + j0;
+      for (int j = 0; j < len; ++j) {
+        cs[j] = blpa_code((to_float(xs[j]) - mean) * invstd, to_float(ps[j]) > 0.0f, t, o, h, side, a.bits);
+      }
+    });
+    pack_chunk(codes, cnt, a.bits, a.codes_out + lo / kGroup * a.bits);
+  }
+}
+
+template <typename T>
+void decode_impl(const BlpaArgs& a, int threads) {
+  T* out = static_cast<T*>(a.out);
+  const Grid g(a);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+  for (int64_t ch = 0; ch < chunks_of(a.n); ++ch) {
+    const int64_t lo = ch * kChunk;
+    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    uint32_t codes[kChunk];
+    unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
+    for_runs(lo, cnt, a.channels, a.inner, [&](int j0, int len, int64_t c) {
+      const float t = g.t[c], o = g.o[c], h = g.h[c], side = g.side[c], gm = a.gamma[c], b = a.beta[c];
+      T* os = out + lo + j0;
+      const uint32_t* cs = codes + j0;
+      for (int j = 0; j < len; ++j) os[j] = from_float<T>(blpa_relu_value(cs[j], t, o, h, side, gm, b));
+    });
+  }
+}
+
+template <typename T>
+void backward_impl(const BlpaArgs& a, int threads) {
+  const T* grad = static_cast<const T*>(a.grad);
+  T* out = static_cast<T*>(a.out);
+  const Grid g(a);
+  const int64_t nchunks = chunks_of(a.n);
+  const int64_t channels = a.channels;
+  // Pass 1: per chunk and channel, sum(mask * g) and sum(mask * g * a1).
+  std::vector<double> partial(static_cast<size_t>(nchunks * channels * 2), 0.0);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
+    const int64_t lo = ch * kChunk;
+    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    uint32_t codes[kChunk];
+    unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
+    double* p = partial.data() + ch * channels * 2;
+    for_runs(lo, cnt, channels, a.inner, [&](int j0, int len, int64_t c) {
+      const float t = g.t[c], o = g.o[c], h = g.h[c], side = g.side[c], b = a.beta[c];
+      double s1 = 0.0, s2 = 0.0;
+      for (int j = j0; j < j0 + len; ++j) {
+        if (!blpa_mask(codes[j], o, side, b)) continue;
+        const double gv = to_float(grad[lo + j]);
+        s1 += gv;
+        s2 += gv * blpa_value(codes[j], t, o, h);
+      }
+      p[2 * c] += s1;
+      p[2 * c + 1] += s2;
+    });
+  }
+  const double m = static_cast<double>(a.n / channels);
+  std::vector<float> k1(static_cast<size_t>(channels)), k2(static_cast<size_t>(channels));
+  for (int64_t c = 0; c < channels; ++c) {
+    double s1 = 0.0, s2 = 0.0;
+    for (int64_t ch = 0; ch < nchunks; ++ch) {
+      s1 += partial[static_cast<size_t>((ch * channels + c) * 2)];
+      s2 += partial[static_cast<size_t>((ch * channels + c) * 2 + 1)];
+    }
+    a.g_beta[c] = static_cast<float>(s1);
+    a.g_gamma[c] = static_cast<float>(s2);
+    // Eq. 8 with mean(g_a1) = gamma s1 / m and mean(a1 g_a1) = gamma s2 / m, from the float sums as the
+    // CUDA kernel computes them.
+    k1[c] = a.batch_stats ? static_cast<float>(a.gamma[c] * static_cast<double>(a.g_beta[c]) / m) : 0.0f;
+    k2[c] = a.batch_stats ? static_cast<float>(a.gamma[c] * static_cast<double>(a.g_gamma[c]) / m) : 0.0f;
+  }
+  // Pass 2: dL/dx element-wise.
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
+    const int64_t lo = ch * kChunk;
+    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    uint32_t codes[kChunk];
+    unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
+    for_runs(lo, cnt, channels, a.inner, [&](int j0, int len, int64_t c) {
+      const float t = g.t[c], o = g.o[c], h = g.h[c], side = g.side[c], b = a.beta[c], gm = a.gamma[c];
+      const float inv = a.invstd[c], c1 = k1[c], c2 = k2[c];
+      const T* gs = grad + lo + j0;
+      T* os = out + lo + j0;
+      const uint32_t* cs = codes + j0;
+      for (int j = 0; j < len; ++j) {
+        const float ga1 = blpa_mask(cs[j], o, side, b) ? gm * to_float(gs[j]) : 0.0f;
+        os[j] = from_float<T>(inv * ((ga1 - c1) - blpa_value(cs[j], t, o, h) * c2));
+      }
+    });
+  }
+}
+
+}  // namespace
+
+void blpa_encode(const BlpaArgs& a, int threads) { LB_DISPATCH_DTYPE(a.dtype, (encode_impl<scalar_t>(a, threads))); }
+
+void blpa_decode(const BlpaArgs& a, int threads) { LB_DISPATCH_DTYPE(a.dtype, (decode_impl<scalar_t>(a, threads))); }
+
+void blpa_backward(const BlpaArgs& a, int threads) {
+  LB_DISPATCH_DTYPE(a.dtype, (backward_impl<scalar_t>(a, threads)));
+}
+
+}  // namespace lowbit::cpu

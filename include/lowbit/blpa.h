@@ -1,0 +1,70 @@
+// Approximate-activation backprop (approx-activations-blpa.txt section 3.2; lowbit/nn/blpa.py): K-bit
+// codes of the batch-normalised activation a1 = (x - mean) * invstd of a BatchNorm -> ReLU -> linear
+// block, on a per-channel grid of width h whose cut t (the ReLU threshold in a1) lies between code o - 1
+// and code o. Every code sits on the side of the cut that the exact pre-ReLU value a2 > 0 decides, so
+// the ReLU mask is recovered exactly from the code.
+//
+// grid: [4][channels] fp32 rows t, o, h, side (side = sign of gamma: +1, -1, or 0 when gamma == 0, where
+// the mask is beta > 0 and the codes are unconstrained). Element i of an (N, C, inner) tensor is in
+// channel (i / inner) % C.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "lowbit/dispatch.h"
+
+namespace lowbit {
+
+constexpr int kBlpaGridRows = 4;
+
+// The code of a1; ceil(.) - 1 puts a value on the cut below it, as ReLU's gradient treats 0. The
+// quotient is first limited to +-512 (NaN to -512), which changes no code (codes are clipped to
+// 0..255 after adding o <= 255) and lets ceil be an integer conversion that vectorises without
+// SSE4.1.
+LB_HD uint32_t blpa_code(float a1, bool positive, float t, float o, float h, float side, int bits) {
+  float v = (a1 - t) / h;
+  v = v > -512.0f ? v : -512.0f;
+  v = v < 512.0f ? v : 512.0f;
+  const int truncated = static_cast<int>(v);
+  const int ceiling = truncated + (static_cast<float>(truncated) < v ? 1 : 0);
+  float raw = static_cast<float>(ceiling) - 1.0f + o;
+  float lo = 0.0f;
+  float hi = static_cast<float>((1 << bits) - 1);
+  if (side != 0.0f) {
+    if (positive != (side < 0.0f)) {
+      lo = o;
+    } else {
+      hi = o - 1.0f;
+    }
+  }
+  raw = raw < lo ? lo : raw;
+  raw = raw > hi ? hi : raw;
+  return static_cast<uint32_t>(raw);
+}
+
+// The interval midpoint of a code (eq. 10).
+LB_HD float blpa_value(uint32_t code, float t, float o, float h) { return t + ((static_cast<float>(code) - o) + 0.5f) * h; }
+
+// The exact ReLU mask a2 > 0 of a code.
+LB_HD bool blpa_mask(uint32_t code, float o, float side, float beta) {
+  return side == 0.0f ? beta > 0.0f : ((static_cast<float>(code) >= o) != (side < 0.0f));
+}
+
+// Code i of a packed stream of `bits`-bit codes (pack.h layout) holding nbytes bytes.
+LB_HD uint32_t read_code(const uint8_t* packed, int64_t i, int bits, int64_t nbytes) {
+  const int64_t bit = i * bits;
+  const int64_t byte = bit >> 3;
+  uint32_t word = packed[byte];
+  if (byte + 1 < nbytes) word |= static_cast<uint32_t>(packed[byte + 1]) << 8;
+  return (word >> (bit & 7)) & ((1u << bits) - 1u);
+}
+
+// relu(gamma * a1 + beta) of a code where its exact mask is set, else 0 (the decoded ReLU output).
+LB_HD float blpa_relu_value(uint32_t code, float t, float o, float h, float side, float gamma, float beta) {
+  if (!blpa_mask(code, o, side, beta)) return 0.0f;
+  const float v = gamma * blpa_value(code, t, o, h) + beta;
+  return v < 0.0f ? 0.0f : v;
+}
+
+}  // namespace lowbit
