@@ -103,6 +103,7 @@ py::dict build_info() {
   info["omp_max_threads"] = omp_get_max_threads();
   info["compiler"] = __VERSION__;
   info["cpu_avx512"] = lowbit::cpu::avx512_active();
+  info["cpu_gather_encode"] = lowbit::cpu::gather_encode_active();
 #ifdef LOWBIT_WITH_CUDA
   info["cuda"] = true;
   info["cuda_archs"] = LOWBIT_CUDA_ARCHS;
@@ -131,6 +132,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("build_info", &build_info);
   // Private: tests run the optimizer step with and without the AVX-512 kernels and compare.
   m.def("_set_cpu_avx512", &lowbit::cpu::set_avx512_enabled);
+  m.def("_set_cpu_gather_encode", &lowbit::cpu::set_gather_encode);
 
   m.def(
       "quantize_cpu",

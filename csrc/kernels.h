@@ -168,6 +168,8 @@ void blpa_backward(const BlpaArgs& a, int threads);
 // The AVX-512 kernels of the optimizer step (cpu/avx512.h): in use?, and a switch for tests.
 bool avx512_active();
 bool set_avx512_enabled(bool enabled);
+bool gather_encode_active();
+void set_gather_encode(int mode);
 }  // namespace cpu
 
 #ifdef LOWBIT_WITH_CUDA

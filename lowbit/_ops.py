@@ -213,8 +213,8 @@ def quantize_linear(
 ) -> tuple[Tensor, Tensor]:
     """Group-wise symmetric linear absmax quantization (lpmm.txt eq. 6) to ``bits`` in 2..16.
 
-    Element codes are ``q + qmax`` with ``q = round(x / absmax * qmax)``, ``qmax = 2**(bits-1) - 1``,
-    bit-packed. Returns ``(packed, absmax)``.
+    Element codes are ``q + qmax`` with ``q = round(xn * qmax)``, ``qmax = 2**(bits-1) - 1``, where
+    ``xn = x * (1 / absmax)`` (exactly +-1 at the absmax element), bit-packed. Returns ``(packed, absmax)``.
     """
     _check_input("x", x, FLOAT_DTYPES)
     _check(2 <= bits <= MAX_LINEAR_BITS, f"bits must be in 2..{MAX_LINEAR_BITS}, got {bits}")

@@ -71,7 +71,12 @@ def _expand(per_block: Tensor, n: int, blocksize: int) -> Tensor:
 
 
 def _normalise(x: Tensor, amax_e: Tensor) -> Tensor:
-    return torch.where(amax_e > 0, x / amax_e, torch.zeros_like(x))
+    """blockwise.h's normalise: x * (1 / absmax), exactly +-1 at +-absmax, clamped to [-1, 1]."""
+    pos = amax_e > 0
+    inv = torch.where(pos, 1 / torch.where(pos, amax_e, torch.ones_like(amax_e)), torch.zeros_like(amax_e))
+    q = (x * inv).clamp(-1, 1)
+    q = torch.where(x == amax_e, torch.ones_like(q), torch.where(x == -amax_e, -torch.ones_like(q), q))
+    return torch.where(pos, q, torch.zeros_like(x))
 
 
 def pack_bits(codes: Tensor, bits: int) -> Tensor:

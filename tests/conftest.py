@@ -27,16 +27,20 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture(params=["avx512", "portable"])
+@pytest.fixture(params=["avx512-gather", "avx512", "portable"])
 def cpu_kernels(request):
-    """Runs a test with the CPU's AVX-512 kernels (where it has them) and with the portable loops."""
-    has_avx512 = lowbit._C._set_cpu_avx512(request.param == "avx512")
+    """Runs a test with the CPU's AVX-512 kernels (where it has them), with both of their state
+    encoders (gather and scalar table; normally a timing picks one), and with the portable loops."""
+    avx512 = request.param.startswith("avx512")
+    has_avx512 = lowbit._C._set_cpu_avx512(avx512)
+    lowbit._C._set_cpu_gather_encode(1 if request.param == "avx512-gather" else 0)
     try:
-        if request.param == "avx512" and not has_avx512:
+        if avx512 and not has_avx512:
             pytest.skip("this CPU has no AVX-512F: only the portable loops run")
         yield request.param
     finally:
         lowbit._C._set_cpu_avx512(True)
+        lowbit._C._set_cpu_gather_encode(-1)
 
 
 def sample(dist: str, n: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:

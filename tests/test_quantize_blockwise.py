@@ -26,12 +26,12 @@ def _exact(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _normalised(x: torch.Tensor, state: F.QuantState) -> torch.Tensor:
-    """x / block absmax, as the kernels compute it (fp32 division, 0 for all-zero blocks)."""
+    """x normalised by its block absmax as the kernels do it (blockwise.h: x * (1 / absmax), exactly +-1
+    at the absmax element, 0 for all-zero blocks)."""
     n = x.numel()
     bs = state.blocksize or max(n, 1)
     amax = state.absmax.repeat_interleave(bs)[:n] if state.blocksize else state.absmax.expand(n)
-    xf = x.reshape(-1).float()
-    return torch.where(amax > 0, xf / amax, torch.zeros_like(xf))
+    return R._normalise(x.reshape(-1).float(), amax)
 
 
 def _unpacked(codes: torch.Tensor, state: F.QuantState) -> torch.Tensor:

@@ -5,7 +5,13 @@
 // binary search over the 255 step keys measured slower than it.
 #include "avx512.h"
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <vector>
+
+#include "encode.h"
+#include "map_index.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -22,6 +28,9 @@ const bool kHasAvx512 = false;
 #endif
 
 std::atomic<bool> g_enabled{true};
+std::atomic<int> g_gather{-1};  // -1: not yet calibrated
+
+bool calibrate_gather();
 
 }  // namespace
 
@@ -31,6 +40,18 @@ bool set_avx512_enabled(bool enabled) {
   g_enabled.store(enabled, std::memory_order_relaxed);
   return kHasAvx512;
 }
+
+bool gather_encode_active() {
+  if (!avx512_active()) return false;
+  int v = g_gather.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = calibrate_gather() ? 1 : 0;
+    g_gather.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void set_gather_encode(int mode) { g_gather.store(mode < 0 ? -1 : (mode > 0 ? 1 : 0), std::memory_order_relaxed); }
 
 #ifdef LB_AVX512
 
@@ -65,9 +86,85 @@ LB_TARGET void decode_u8_avx512(const float* map, const uint8_t* codes, int cnt,
   for (; i < cnt; ++i) out[i] = map[codes[i]] * scale;
 }
 
+LB_TARGET void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out) {
+  // The steps of map_index.h, 16 lanes at a time: normalise() of blockwise.h (0 for non-positive and
+  // NaN absmax), order_key (with -0 keyed as +0), the bucket's step word by a gather, step_code.
+  const int* table = reinterpret_cast<const int*>(index.nearest_steps()) - kFirstBucket;
+  const bool scale = absmax > 0.f;
+  const __m512 am = _mm512_set1_ps(absmax);
+  const __m512 neg_am = _mm512_set1_ps(-absmax);
+  const __m512 inv = _mm512_set1_ps(block_inverse(absmax));
+  const __m512 plus1 = _mm512_set1_ps(1.f), minus1 = _mm512_set1_ps(-1.f);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
+  const __m512i step_mask = _mm512_set1_epi32(static_cast<int>(kStepMask));
+  const __m512i one = _mm512_set1_epi32(1);
+  int j = 0;
+  for (; j + 16 <= cnt; j += 16) {
+    __m512 xn = _mm512_setzero_ps();
+    if (scale) {
+      const __m512 v = _mm512_loadu_ps(x + j);
+      xn = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, inv), minus1), plus1);
+      xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, am, _CMP_EQ_OQ), xn, plus1);
+      xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, neg_am, _CMP_EQ_OQ), xn, minus1);
+    }
+    const __m512i b = _mm512_castps_si512(_mm512_add_ps(xn, _mm512_setzero_ps()));
+    const __m512i neg = _mm512_srai_epi32(b, 31);
+    const __m512i key = _mm512_xor_si512(_mm512_xor_si512(b, _mm512_srli_epi32(neg, 1)), sign);
+    const __m512i word = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), table, 4);
+    const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, low16), _mm512_and_si512(word, step_mask));
+    __m512i code = _mm512_srli_epi32(word, kStepBits);
+    code = _mm512_mask_add_epi32(code, up, code, one);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(code));
+  }
+  if (j < cnt) nearest_codes_u8(index, x + j, cnt - j, absmax, out + j);
+}
+
+namespace {
+
+// Whether the gather encoder beats the scalar-table one on this CPU: gathers are fast on some
+// x86 cores and slow on others (microcode mitigations, AMD's split gathers), and only timing tells.
+// Both return the same codes, so the choice affects speed only. Best of several alternated runs on
+// an L1-resident tile, once per process.
+bool calibrate_gather() {
+  constexpr int kN = 4096;
+  std::vector<float> map(256);
+  for (int i = 0; i < 256; ++i) map[i] = -1.f + 2.f * static_cast<float>(i) / 255.f;
+  const auto index = map_index(map.data(), 256);
+  if (!index->nearest_direct()) return false;
+  std::vector<float> x(kN);
+  uint32_t state = 12345u;
+  for (auto& v : x) {
+    state = state * 1664525u + 1013904223u;
+    v = static_cast<float>(static_cast<int32_t>(state)) * (1.f / 2147483648.f);
+  }
+  std::vector<uint8_t> out(kN);
+  double best[2] = {1e30, 1e30};
+  for (int rep = 0; rep < 16; ++rep) {
+    for (int which = 0; which < 2; ++which) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (which == 0) {
+        nearest_codes_u8(*index, x.data(), kN, 1.f, out.data());
+      } else {
+        nearest_codes_u8_avx512(*index, x.data(), kN, 1.f, out.data());
+      }
+      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+      best[which] = std::min(best[which], dt.count());
+    }
+  }
+  return best[1] < best[0];
+}
+
+}  // namespace
+
 #else
 
 void decode_u8_avx512(const float*, const uint8_t*, int, float, float*) {}
+void nearest_codes_u8_avx512(const MapIndex&, const float*, int, float, uint8_t*) {}
+
+namespace {
+bool calibrate_gather() { return false; }
+}  // namespace
 
 #endif
 

@@ -13,6 +13,18 @@ bool avx512_active();
 // Turns the AVX-512 kernels on or off (tests compare both paths); returns whether the CPU has them.
 bool set_avx512_enabled(bool enabled);
 
+// Whether the optimizer's state encode uses the AVX-512 gather encoder: AVX-512 is active and a
+// timing at first use found it faster than the scalar-table encoder on this CPU.
+bool gather_encode_active();
+
+// Forces the choice (tests run both encoders): 1 gather, 0 scalar table, -1 time it again.
+void set_gather_encode(int mode);
+
+class MapIndex;
+
+// nearest_codes_u8 (encode.h) with the step word of 16 elements fetched by one gather; same codes.
+void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out);
+
 // out[i] = map[codes[i]] * scale for a 256-entry map.
 void decode_u8_avx512(const float* map, const uint8_t* codes, int cnt, float scale, float* out);
 

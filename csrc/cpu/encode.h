@@ -33,11 +33,12 @@ void nearest_codes_u8(const MapIndex& index, const float* x, int cnt, float absm
 // xn = normalise(x, absmax) and the buckets of xn, for fp32 input (encode.cpp; an AVX2 clone).
 void normalise_buckets(const float* x, int cnt, float absmax, float* xn, uint32_t* bucket);
 
-// Element-wise normalise() with the block-constant branch hoisted so the division vectorises.
+// Element-wise normalise() with the block's division and its branch hoisted.
 template <typename T>
 void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
   if (absmax > 0.f) {
-    for (int j = 0; j < cnt; ++j) xn[j] = to_float(x[j]) / absmax;
+    const float inv = block_inverse(absmax);
+    for (int j = 0; j < cnt; ++j) xn[j] = normalise(to_float(x[j]), absmax, inv);
   } else {
     std::fill(xn, xn + cnt, 0.f);
   }

@@ -58,11 +58,14 @@ void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, 
 
 // Requantizes 8-bit state k of a block from in, against the block absmax of bit pattern max_bits.
 void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, uint32_t max_bits,
-                 const MapIndex* index, const float* in) {
+                 const MapIndex* index, bool gather, const float* in) {
   const float amax = absmax_from_bits(max_bits);
   t.absmax[k][block] = amax;
   uint8_t* codes = static_cast<uint8_t*>(t.state[k]) + lo;
-  if (index->nearest_direct()) return nearest_codes_u8(*index, in, cnt, amax, codes);
+  if (index->nearest_direct()) {
+    if (gather) return nearest_codes_u8_avx512(*index, in, cnt, amax, codes);
+    return nearest_codes_u8(*index, in, cnt, amax, codes);
+  }
   uint32_t tile[kTile];
   const MapSpan span{*index};
   for (int j = 0; j < cnt; j += kTile) {
@@ -146,7 +149,7 @@ const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
 template <Rule kRule, int kStates, typename T>
-void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index) {
+void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index, bool gather) {
   const int64_t lo = block * a.block_size;
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
   float decoded[2][kMaxBlock];
@@ -167,7 +170,7 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const Ma
   update_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
 #endif
   if (t.eight_bit) {
-    for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], s[k]);
+    for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], gather, s[k]);
   }
 }
 
@@ -228,6 +231,8 @@ void step_all(const OptimArgs& a, int threads) {
     index[k] = owned[k].get();
   }
   const bool par = threads > 1 && elements >= (1 << 15);
+  // Decided (and on first use timed) here, outside the parallel region.
+  const bool gather = any_eight_bit && gather_encode_active();
   if (a.hyper.norm_mode != kNormNone) {
     // Per-block partial sums, then per-tensor sums in block order: deterministic for any thread count.
     std::vector<double> sums(2 * a.total_blocks);
@@ -258,7 +263,7 @@ void step_all(const OptimArgs& a, int threads) {
     const TensorView& tv = tensors[t];
     const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
     with_states(a.n_states, [&](auto states) {
-      LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, decltype(states)::value, scalar_t>(a, tv, block, index));
+      LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, decltype(states)::value, scalar_t>(a, tv, block, index, gather));
     });
   }
 }

@@ -25,8 +25,21 @@ LB_HD uint32_t abs_bits(float v) { return float_to_bits(v) & 0x7FFFFFFFu; }
 
 LB_HD float absmax_from_bits(uint32_t m) { return bits_to_float(m >= kNonFiniteBits ? kQuietNaNBits : m); }
 
-// Normalised input of one element; 0 for all-zero and poisoned (NaN absmax) blocks.
-LB_HD float normalise(float v, float absmax) { return absmax > 0.f ? v / absmax : 0.f; }
+// 1 / absmax, the one division per block (0 for all-zero and poisoned blocks).
+LB_HD float block_inverse(float absmax) { return absmax > 0.f ? 1.f / absmax : 0.f; }
+
+// Normalised input of one element, v * (1 / absmax) with inv = block_inverse(absmax): a multiply per
+// element instead of a division, as bitsandbytes normalises. The absmax element maps to exactly +-1
+// (so it is reconstructed exactly), and the product, which can land one ulp beyond 1, is clamped to
+// [-1, 1]; 0 for all-zero and poisoned (NaN absmax) blocks. Selects rather than branches, so the
+// CPU loops vectorise; v is finite wherever absmax > 0.
+LB_HD float normalise(float v, float absmax, float inv) {
+  const float q = v * inv;
+  const float c = q < -1.f ? -1.f : (q < 1.f ? q : 1.f);
+  const float r = v == absmax ? 1.f : (v == -absmax ? -1.f : c);
+  return absmax > 0.f ? r : 0.f;
+}
+LB_HD float normalise(float v, float absmax) { return normalise(v, absmax, block_inverse(absmax)); }
 
 // Codes are indices into a sorted map of `n` entries (dynamic, linear, quantile, ... maps).
 struct MapCoder {
@@ -42,7 +55,7 @@ struct MapCoder {
 };
 
 // Symmetric linear absmax quantizer with qmax = 2^(bits-1) - 1 levels each side; the code is
-// q + qmax in [0, 2*qmax]. (v / absmax) * qmax is exactly +-qmax at the absmax element, so the
+// q + qmax in [0, 2*qmax]. normalise(v) * qmax is exactly +-qmax at the absmax element, so the
 // absmax is reconstructed exactly under both rounding modes.
 // Comparisons rather than fminf/fmaxf, whose NaN rules keep them from vectorising on the CPU;
 // y is never NaN here (normalise() is finite for finite inputs).
