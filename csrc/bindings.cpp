@@ -133,6 +133,7 @@ PYBIND11_MODULE(_C, m) {
   // Private: tests run the optimizer step with and without the AVX-512 kernels and compare.
   m.def("_set_cpu_avx512", &lowbit::cpu::set_avx512_enabled);
   m.def("_set_cpu_gather_encode", &lowbit::cpu::set_gather_encode);
+  m.def("_set_cpu_vbmi_decode", &lowbit::cpu::set_vbmi_decode);
 
   m.def(
       "quantize_cpu",

@@ -170,6 +170,7 @@ bool avx512_active();
 bool set_avx512_enabled(bool enabled);
 bool gather_encode_active();
 void set_gather_encode(int mode);
+bool set_vbmi_decode(bool enabled);
 }  // namespace cpu
 
 #ifdef LOWBIT_WITH_CUDA

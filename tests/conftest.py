@@ -27,13 +27,16 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture(params=["avx512-gather", "avx512", "portable"])
+@pytest.fixture(params=["avx512-gather-vbmi", "avx512", "portable"])
 def cpu_kernels(request):
-    """Runs a test with the CPU's AVX-512 kernels (where it has them), with both of their state
-    encoders (gather and scalar table; normally a timing picks one), and with the portable loops."""
+    """Runs a test with the CPU's AVX-512 kernels (where it has them) in both variants of the 8-bit
+    state coders (gather encoder and VBMI decoder, normally chosen by timing and CPU features; scalar
+    table encoder and permute decoder), and with the portable loops."""
     avx512 = request.param.startswith("avx512")
     has_avx512 = lowbit._C._set_cpu_avx512(avx512)
-    lowbit._C._set_cpu_gather_encode(1 if request.param == "avx512-gather" else 0)
+    fast = request.param == "avx512-gather-vbmi"
+    lowbit._C._set_cpu_gather_encode(1 if fast else 0)
+    lowbit._C._set_cpu_vbmi_decode(fast)
     try:
         if avx512 and not has_avx512:
             pytest.skip("this CPU has no AVX-512F: only the portable loops run")
@@ -41,6 +44,7 @@ def cpu_kernels(request):
     finally:
         lowbit._C._set_cpu_avx512(True)
         lowbit._C._set_cpu_gather_encode(-1)
+        lowbit._C._set_cpu_vbmi_decode(True)
 
 
 def sample(dist: str, n: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <vector>
 
 #include "encode.h"
@@ -23,11 +24,14 @@ namespace {
 
 #ifdef LB_AVX512
 const bool kHasAvx512 = __builtin_cpu_supports("avx512f");
+const bool kHasVbmi = kHasAvx512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi");
 #else
 const bool kHasAvx512 = false;
+const bool kHasVbmi = false;
 #endif
 
 std::atomic<bool> g_enabled{true};
+std::atomic<bool> g_vbmi{true};
 std::atomic<int> g_gather{-1};  // -1: not yet calibrated
 
 bool calibrate_gather();
@@ -49,6 +53,21 @@ bool gather_encode_active() {
     g_gather.store(v, std::memory_order_relaxed);
   }
   return v == 1;
+}
+
+BytePlanes::BytePlanes(const float* map) {
+  for (int i = 0; i < 256; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, map + i, 4);
+    for (int k = 0; k < 4; ++k) p[k][i] = static_cast<uint8_t>(bits >> (8 * k));
+  }
+}
+
+bool vbmi_decode_active() { return kHasVbmi && avx512_active() && g_vbmi.load(std::memory_order_relaxed); }
+
+bool set_vbmi_decode(bool enabled) {
+  g_vbmi.store(enabled, std::memory_order_relaxed);
+  return kHasVbmi;
 }
 
 void set_gather_encode(int mode) { g_gather.store(mode < 0 ? -1 : (mode > 0 ? 1 : 0), std::memory_order_relaxed); }
@@ -84,6 +103,43 @@ LB_TARGET void decode_u8_avx512(const float* map, const uint8_t* codes, int cnt,
     _mm512_storeu_ps(out + i, _mm512_mul_ps(lookup256(r, c), s));
   }
   for (; i < cnt; ++i) out[i] = map[codes[i]] * scale;
+}
+
+// Element order of the byte planes such that the lane-wise unpacks of decode_u8_vbmi produce floats
+// in order: plane position 16 L + 4 m + j holds element 16 m + 4 L + j.
+alignas(64) constexpr uint8_t kPlaneOrder[64] = {
+    0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4,  5,  6,  7,  20, 21,
+    22, 23, 36, 37, 38, 39, 52, 53, 54, 55, 8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43,
+    56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+
+// The planes in four registers each: two-table byte permutes look up 64 codes per plane at once, and
+// the unpacks reassemble the floats, exactly.
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void decode_u8_vbmi(const BytePlanes& planes, const float* map,
+                                                                           const uint8_t* codes, int cnt, float scale,
+                                                                           float* out) {
+  __m512i t[4][4];
+  for (int k = 0; k < 4; ++k) {
+    for (int q = 0; q < 4; ++q) t[k][q] = _mm512_load_si512(planes.p[k] + 64 * q);
+  }
+  const __m512i order = _mm512_load_si512(kPlaneOrder);
+  const __m512 s = _mm512_set1_ps(scale);
+  int i = 0;
+  for (; i + 64 <= cnt; i += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i p[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i lo = _mm512_permutex2var_epi8(t[k][0], c, t[k][1]);
+      const __m512i hi = _mm512_permutex2var_epi8(t[k][2], c, t[k][3]);
+      p[k] = _mm512_mask_blend_epi8(high, lo, hi);
+    }
+    const __m512i b01_lo = _mm512_unpacklo_epi8(p[0], p[1]), b01_hi = _mm512_unpackhi_epi8(p[0], p[1]);
+    const __m512i b23_lo = _mm512_unpacklo_epi8(p[2], p[3]), b23_hi = _mm512_unpackhi_epi8(p[2], p[3]);
+    const __m512i f[4] = {_mm512_unpacklo_epi16(b01_lo, b23_lo), _mm512_unpackhi_epi16(b01_lo, b23_lo),
+                          _mm512_unpacklo_epi16(b01_hi, b23_hi), _mm512_unpackhi_epi16(b01_hi, b23_hi)};
+    for (int m = 0; m < 4; ++m) _mm512_storeu_ps(out + i + 16 * m, _mm512_mul_ps(_mm512_castsi512_ps(f[m]), s));
+  }
+  if (i < cnt) decode_u8_avx512(map, codes + i, cnt - i, scale, out + i);
 }
 
 LB_TARGET void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out) {
@@ -160,6 +216,7 @@ bool calibrate_gather() {
 #else
 
 void decode_u8_avx512(const float*, const uint8_t*, int, float, float*) {}
+void decode_u8_vbmi(const BytePlanes&, const float*, const uint8_t*, int, float, float*) {}
 void nearest_codes_u8_avx512(const MapIndex&, const float*, int, float, uint8_t*) {}
 
 namespace {

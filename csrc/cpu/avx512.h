@@ -25,6 +25,23 @@ class MapIndex;
 // nearest_codes_u8 (encode.h) with the step word of 16 elements fetched by one gather; same codes.
 void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out);
 
+// Whether 8-bit states decode with decode_u8_vbmi: AVX-512 is active, the CPU has AVX512-VBMI and
+// set_vbmi_decode has not turned it off.
+bool vbmi_decode_active();
+
+// Turns the VBMI decoder on or off (tests compare it with lookup256); returns whether the CPU has it.
+bool set_vbmi_decode(bool enabled);
+
+// A 256-entry map as four byte planes: p[k][i] is byte k of map[i].
+struct BytePlanes {
+  alignas(64) uint8_t p[4][256];
+  explicit BytePlanes(const float* map);
+};
+
+// decode_u8_avx512 by byte-plane table permutes, 64 codes at a time (AVX512-VBMI); same results.
+void decode_u8_vbmi(const BytePlanes& planes, const float* map, const uint8_t* codes, int cnt, float scale,
+                    float* out);
+
 // out[i] = map[codes[i]] * scale for a 256-entry map.
 void decode_u8_avx512(const float* map, const uint8_t* codes, int cnt, float scale, float* out);
 

@@ -49,9 +49,11 @@ TensorView view(const OptimArgs& a, int64_t t) {
 }
 
 // Decodes 8-bit state k of a block into out.
-void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, const float* map, float* out) {
+void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, const float* map,
+                const BytePlanes* planes, float* out) {
   const uint8_t* codes = static_cast<const uint8_t*>(t.state[k]) + lo;
   const float amax = t.absmax[k][block];
+  if (planes != nullptr) return decode_u8_vbmi(*planes, map, codes, cnt, amax, out);
   if (avx512_active()) return decode_u8_avx512(map, codes, cnt, amax, out);
   for (int i = 0; i < cnt; ++i) out[i] = map[codes[i]] * amax;
 }
@@ -79,12 +81,12 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
 // `decoded` (copying 32-bit states through a buffer instead costs as much as the whole update).
 template <int kStates>
 void block_states(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
-                  float (&decoded)[2][kMaxBlock], float* (&s)[2]) {
+                  const BytePlanes* const* planes, float (&decoded)[2][kMaxBlock], float* (&s)[2]) {
   for (int k = 0; k < 2; ++k) {
     s[k] = decoded[k];
     if (k >= kStates) continue;
     if (t.eight_bit) {
-      load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, s[k]);
+      load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, planes[k], s[k]);
     } else {
       s[k] = static_cast<float*>(t.state[k]) + lo;
     }
@@ -148,13 +150,21 @@ __attribute__((target("avx512f"))) void update_avx512(const StepHyper& h, const 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
+// How the 8-bit states of a call are encoded and decoded: map indexes, the VBMI decoder's byte planes
+// (null where it is not used) and the choice of encoder, all fixed before the parallel loop.
+struct StateCoders {
+  const MapIndex* index[2] = {nullptr, nullptr};
+  const BytePlanes* planes[2] = {nullptr, nullptr};
+  bool gather = false;
+};
+
 template <Rule kRule, int kStates, typename T>
-void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const MapIndex* const* index, bool gather) {
+void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders) {
   const int64_t lo = block * a.block_size;
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
   float decoded[2][kMaxBlock];
   float* s[2];
-  block_states<kStates>(a, t, block, lo, cnt, decoded, s);
+  block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   uint32_t max_bits[2];
@@ -170,21 +180,21 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const Ma
   update_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
 #endif
   if (t.eight_bit) {
-    for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], index[k], gather, s[k]);
+    for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], coders.index[k], coders.gather, s[k]);
   }
 }
 
 // Pre-pass of the norm modes: sums of p^2 (before the step) and u^2 over one block, computed from
 // copies of the states so that nothing is written.
 template <Rule kRule, int kStates, typename T>
-void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, double* sums) {
+void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders, double* sums) {
   const int64_t lo = block * a.block_size;
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
   const StepHyper h = a.hyper;
   const StepScalars sc = t.scalars;
   float decoded[2][kMaxBlock];
   float* s[2];
-  block_states<kStates>(a, t, block, lo, cnt, decoded, s);
+  block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   const T* param = static_cast<const T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   double pp = 0.0;
@@ -225,14 +235,21 @@ void step_all(const OptimArgs& a, int threads) {
     elements += tensors.back().n;
   }
   std::shared_ptr<const MapIndex> owned[2];
-  const MapIndex* index[2] = {nullptr, nullptr};
+  std::unique_ptr<BytePlanes> planes[2];
+  StateCoders coders;
+  // Decided (and on first use timed) here, outside the parallel region.
+  coders.gather = any_eight_bit && gather_encode_active();
+  const bool vbmi = any_eight_bit && vbmi_decode_active();
   for (int k = 0; k < a.n_states && any_eight_bit; ++k) {
-    owned[k] = map_index(k == 0 ? a.map1 : a.map2, 256);
-    index[k] = owned[k].get();
+    const float* map = k == 0 ? a.map1 : a.map2;
+    owned[k] = map_index(map, 256);
+    coders.index[k] = owned[k].get();
+    if (vbmi) {
+      planes[k] = std::make_unique<BytePlanes>(map);
+      coders.planes[k] = planes[k].get();
+    }
   }
   const bool par = threads > 1 && elements >= (1 << 15);
-  // Decided (and on first use timed) here, outside the parallel region.
-  const bool gather = any_eight_bit && gather_encode_active();
   if (a.hyper.norm_mode != kNormNone) {
     // Per-block partial sums, then per-tensor sums in block order: deterministic for any thread count.
     std::vector<double> sums(2 * a.total_blocks);
@@ -242,7 +259,7 @@ void step_all(const OptimArgs& a, int threads) {
       const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
       with_states(a.n_states, [&](auto states) {
         LB_DISPATCH_DTYPE(tensors[t].dtype,
-                          norm_block<kRule, decltype(states)::value, scalar_t>(a, tensors[t], block, &sums[2 * b]));
+                          norm_block<kRule, decltype(states)::value, scalar_t>(a, tensors[t], block, coders, &sums[2 * b]));
       });
     }
     for (int64_t t = 0; t < a.count; ++t) {
@@ -263,7 +280,7 @@ void step_all(const OptimArgs& a, int threads) {
     const TensorView& tv = tensors[t];
     const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
     with_states(a.n_states, [&](auto states) {
-      LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, decltype(states)::value, scalar_t>(a, tv, block, index, gather));
+      LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, decltype(states)::value, scalar_t>(a, tv, block, coders));
     });
   }
 }
