@@ -71,10 +71,13 @@ def _expand(per_block: Tensor, n: int, blocksize: int) -> Tensor:
 
 
 def _normalise(x: Tensor, amax_e: Tensor) -> Tensor:
-    """blockwise.h's normalise: x * (1 / absmax), exactly +-1 at +-absmax, clamped to [-1, 1]."""
+    """blockwise.h's normalise: x * (1 / absmax) (x / absmax where the reciprocal overflows), exactly
+    +-1 at +-absmax, clamped to [-1, 1]."""
     pos = amax_e > 0
-    inv = torch.where(pos, 1 / torch.where(pos, amax_e, torch.ones_like(amax_e)), torch.zeros_like(amax_e))
-    q = (x * inv).clamp(-1, 1)
+    safe = torch.where(pos, amax_e, torch.ones_like(amax_e))
+    inv = 1 / safe
+    inv = torch.where(pos & torch.isfinite(inv), inv, torch.zeros_like(inv))
+    q = torch.where(inv != 0, x * inv, x / safe).clamp(-1, 1)
     q = torch.where(x == amax_e, torch.ones_like(q), torch.where(x == -amax_e, -torch.ones_like(q), q))
     return torch.where(pos, q, torch.zeros_like(x))
 

@@ -266,3 +266,16 @@ def test_property_matches_reference_and_oracle(data, blocksize, bits, signed, st
         xn = _normalised(x, state)
         chosen = (code[_unpacked(packed, state)] - xn).abs()
         assert torch.equal(chosen, R.nearest_oracle(xn, code))
+
+
+def test_subnormal_absmax_normalises_by_division(device):
+    # 1 / absmax overflows for absmax below 2^-128: the kernels divide instead (blockwise.h), so zeros
+    # stay zero and +-absmax stay exact.
+    x = torch.tensor([1e-45, 0.0, -1e-45, 2e-39, 0.0, -1.5e-39, 1e-39, 5e-40], device=device)
+    for signed in (True, False):
+        xs = x if signed else x.abs()
+        codes, state = F.quantize_blockwise(xs, code=F.create_dynamic_map(signed=signed), blocksize=64)
+        ref_codes, _ = R.quantize_blockwise(xs.cpu(), state.code.cpu(), 8, 64, False, 0, 0)
+        assert torch.equal(codes.cpu().reshape(-1), ref_codes)
+        back = F.dequantize_blockwise(codes, state).cpu()
+        assert back[1] == 0 and back[4] == 0 and back[3] == xs[3].cpu()

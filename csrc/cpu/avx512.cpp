@@ -142,7 +142,12 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void decode_u8_vbmi(const
   if (i < cnt) decode_u8_avx512(map, codes + i, cnt - i, scale, out + i);
 }
 
-LB_TARGET void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out) {
+namespace {
+
+// kExactUnit: apply normalise()'s exact +-1 at +-absmax; without it the codes are the same for maps
+// whose index is unit_stable().
+template <bool kExactUnit>
+LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out) {
   // The steps of map_index.h, 16 lanes at a time: normalise() of blockwise.h (0 for non-positive and
   // NaN absmax), order_key (with -0 keyed as +0), the bucket's step word by a gather, step_code.
   const int* table = reinterpret_cast<const int*>(index.nearest_steps()) - kFirstBucket;
@@ -161,8 +166,10 @@ LB_TARGET void nearest_codes_u8_avx512(const MapIndex& index, const float* x, in
     if (scale) {
       const __m512 v = _mm512_loadu_ps(x + j);
       xn = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, inv), minus1), plus1);
-      xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, am, _CMP_EQ_OQ), xn, plus1);
-      xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, neg_am, _CMP_EQ_OQ), xn, minus1);
+      if (kExactUnit) {
+        xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, am, _CMP_EQ_OQ), xn, plus1);
+        xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, neg_am, _CMP_EQ_OQ), xn, minus1);
+      }
     }
     const __m512i b = _mm512_castps_si512(_mm512_add_ps(xn, _mm512_setzero_ps()));
     const __m512i neg = _mm512_srai_epi32(b, 31);
@@ -174,6 +181,15 @@ LB_TARGET void nearest_codes_u8_avx512(const MapIndex& index, const float* x, in
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(code));
   }
   if (j < cnt) nearest_codes_u8(index, x + j, cnt - j, absmax, out + j);
+}
+
+}  // namespace
+
+void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out) {
+  // A subnormal absmax (no finite reciprocal) is rare enough for the scalar path.
+  if (absmax > 0.f && block_inverse(absmax) == 0.f) return nearest_codes_u8(index, x, cnt, absmax, out);
+  if (index.unit_stable()) return gather_codes<false>(index, x, cnt, absmax, out);
+  gather_codes<true>(index, x, cnt, absmax, out);
 }
 
 namespace {

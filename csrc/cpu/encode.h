@@ -33,12 +33,14 @@ void nearest_codes_u8(const MapIndex& index, const float* x, int cnt, float absm
 // xn = normalise(x, absmax) and the buckets of xn, for fp32 input (encode.cpp; an AVX2 clone).
 void normalise_buckets(const float* x, int cnt, float absmax, float* xn, uint32_t* bucket);
 
-// Element-wise normalise() with the block's division and its branch hoisted.
+// Element-wise normalise() with the block's division and its branches hoisted.
 template <typename T>
 void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
-  if (absmax > 0.f) {
-    const float inv = block_inverse(absmax);
+  const float inv = block_inverse(absmax);
+  if (inv != 0.f) {
     for (int j = 0; j < cnt; ++j) xn[j] = normalise(to_float(x[j]), absmax, inv);
+  } else if (absmax > 0.f) {
+    for (int j = 0; j < cnt; ++j) xn[j] = normalise(to_float(x[j]), absmax, 0.f);
   } else {
     std::fill(xn, xn + cnt, 0.f);
   }

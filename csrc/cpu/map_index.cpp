@@ -47,6 +47,7 @@ MapIndex::MapIndex(const float* map, uint32_t n)
     : n_(n),
       steps_(0),
       nearest_direct_(true),
+      unit_stable_(false),
       padded_(map, map + n),
       start_(kLastBucket - kFirstBucket + 1),
       floor_steps_(kLastBucket - kFirstBucket + 1),
@@ -85,6 +86,9 @@ MapIndex::MapIndex(const float* map, uint32_t n)
     nearest_steps_[b - kFirstBucket] = base << kStepBits | jump;
     nearest_direct_ = nearest_direct_ && jumps <= 1;
   }
+  const float below_one = std::nextafter(1.f, 0.f);
+  unit_stable_ = map_encode_nearest(map, n, below_one) == map_encode_nearest(map, n, 1.f) &&
+                 map_encode_nearest(map, n, -below_one) == map_encode_nearest(map, n, -1.f);
 }
 
 bool MapIndex::matches(const float* map, uint32_t n) const {

@@ -72,6 +72,9 @@ class MapIndex {
 
   // True when no bucket holds more than one step of the nearest code.
   bool nearest_direct() const { return nearest_direct_; }
+  // True when the nearest codes of +-1 and of +-(1 - 2^-24) agree. x * (1 / absmax) at x = +-absmax
+  // is one of these, so an encoder may then skip normalise()'s exact +-1 select (blockwise.h).
+  bool unit_stable() const { return unit_stable_; }
   // Refinement steps the densest bucket needs; above kMaxRefine use map_floor_index instead.
   int steps() const { return steps_; }
   // The map followed by +inf, so that padded()[floor + 1] is always readable.
@@ -86,6 +89,7 @@ class MapIndex {
   uint32_t n_;
   int steps_;
   bool nearest_direct_;
+  bool unit_stable_;
   std::vector<float> padded_;
   std::vector<float> low_gap_;
   std::vector<uint8_t> start_;  // floor index at each bucket's first x; bytes keep it cache-resident

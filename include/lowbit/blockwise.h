@@ -25,16 +25,20 @@ LB_HD uint32_t abs_bits(float v) { return float_to_bits(v) & 0x7FFFFFFFu; }
 
 LB_HD float absmax_from_bits(uint32_t m) { return bits_to_float(m >= kNonFiniteBits ? kQuietNaNBits : m); }
 
-// 1 / absmax, the one division per block (0 for all-zero and poisoned blocks).
-LB_HD float block_inverse(float absmax) { return absmax > 0.f ? 1.f / absmax : 0.f; }
+// 1 / absmax, the one division per block. 0 for all-zero and poisoned blocks, and also for a subnormal
+// absmax below 2^-128, whose reciprocal overflows: normalise() then divides instead.
+LB_HD float block_inverse(float absmax) {
+  const float r = 1.f / absmax;
+  return absmax > 0.f && r <= 3.40282347e38f ? r : 0.f;
+}
 
 // Normalised input of one element, v * (1 / absmax) with inv = block_inverse(absmax): a multiply per
-// element instead of a division, as bitsandbytes normalises. The absmax element maps to exactly +-1
-// (so it is reconstructed exactly), and the product, which can land one ulp beyond 1, is clamped to
-// [-1, 1]; 0 for all-zero and poisoned (NaN absmax) blocks. Selects rather than branches, so the
-// CPU loops vectorise; v is finite wherever absmax > 0.
+// element instead of a division, as bitsandbytes normalises (v / absmax when inv is 0). The absmax
+// element maps to exactly +-1 (so it is reconstructed exactly), and the product, which can land one
+// ulp beyond 1, is clamped to [-1, 1]; 0 for all-zero and poisoned (NaN absmax) blocks. Selects
+// rather than branches, so the CPU loops vectorise; v is finite wherever absmax > 0.
 LB_HD float normalise(float v, float absmax, float inv) {
-  const float q = v * inv;
+  const float q = inv != 0.f ? v * inv : v / absmax;
   const float c = q < -1.f ? -1.f : (q < 1.f ? q : 1.f);
   const float r = v == absmax ? 1.f : (v == -absmax ? -1.f : c);
   return absmax > 0.f ? r : 0.f;
