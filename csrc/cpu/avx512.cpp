@@ -144,8 +144,10 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void decode_u8_vbmi(const
 
 namespace {
 
-// kExactUnit: apply normalise()'s exact +-1 at +-absmax; without it the codes are the same for maps
-// whose index is unit_stable().
+// kExactUnit: normalise() as written, with its clamp and its exact +-1 at +-absmax. For maps whose
+// index is unit_stable() the plain product gives the same codes: it lies within one ulp of [-1, 1],
+// in the index's first or last bucket, where the code is that of +-1 (no map value lies beyond +-1),
+// and at +-absmax it is +-1 or +-(1 - 2^-24), which unit_stable() says code alike.
 template <bool kExactUnit>
 LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out) {
   // The steps of map_index.h, 16 lanes at a time: normalise() of blockwise.h (0 for non-positive and
@@ -165,8 +167,9 @@ LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, floa
     __m512 xn = _mm512_setzero_ps();
     if (scale) {
       const __m512 v = _mm512_loadu_ps(x + j);
-      xn = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, inv), minus1), plus1);
+      xn = _mm512_mul_ps(v, inv);
       if (kExactUnit) {
+        xn = _mm512_min_ps(_mm512_max_ps(xn, minus1), plus1);
         xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, am, _CMP_EQ_OQ), xn, plus1);
         xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, neg_am, _CMP_EQ_OQ), xn, minus1);
       }
