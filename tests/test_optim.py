@@ -451,3 +451,15 @@ def test_changed_optim_bits_and_block_size_are_honoured_for_existing_state():
     opt2._relayout(q, opt2.state[q], opt2._config(opt2.param_groups[0], q))
     after = opt2.dequantized_state(q)
     assert _relative(after["exp_avg"], before["exp_avg"]) < 0.01
+
+
+def test_step_bumps_version_counters_of_written_tensors():
+    # The eager step bypasses the dispatcher; it must still mark params and states as modified in place.
+    p = torch.nn.Parameter(torch.randn(5000))
+    p.grad = torch.randn(5000)
+    opt = O.Adam8bit([p])
+    opt.step()
+    before = (p._version, opt.state[p]["state1"]._version, opt.state[p]["absmax2"]._version)
+    opt.step()
+    after = (p._version, opt.state[p]["state1"]._version, opt.state[p]["absmax2"]._version)
+    assert all(a > b for a, b in zip(after, before, strict=True))

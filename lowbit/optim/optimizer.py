@@ -295,7 +295,9 @@ class LowbitOptimizer(torch.optim.Optimizer):
             raise ValueError("lowbit: parameters must be contiguous")
         device = params[0].device
         grads, grad_scales = self._adjust_grads(config, params, grads, self._grad_scales(config, params, grads))
-        _ops.optimizer_step_(
+        # Eager steps skip the dispatcher's per-tensor bookkeeping; traced ones go through the op.
+        step_op = _ops.optimizer_step_ if torch.compiler.is_compiling() else _ops.optimizer_step_eager
+        step_op(
             params,
             grads,
             states[0],
