@@ -93,6 +93,26 @@ void block_states(const OptimArgs& a, const TensorView& t, int64_t block, int64_
   }
 }
 
+// SGD with momentum over one block, its first-step and Nesterov options fixed: SGD has more
+// loop-invariant options than GCC's loop unswitching resolves, and GCC does not vectorise a select on
+// one that is left. The step is apply_rule's for SGD (which never decays decoupled).
+template <bool kFirst, bool kNesterov, typename T>
+__attribute__((always_inline)) inline void sgd_body(const StepHyper& h, const StepScalars& sc, T* __restrict param,
+                                                    const T* __restrict grad, float* __restrict s1, int cnt,
+                                                    uint32_t* max_bits) {
+  uint32_t max1 = 0;
+  for (int i = 0; i < cnt; ++i) {
+    float p = to_float(param[i]);
+    float buf = s1[i];
+    const float u = sgd_momentum_step<kFirst, kNesterov>(h, p, effective_grad(h, sc, to_float(grad[i])), buf);
+    param[i] = from_float<T>(p - sc.update_scale * u);
+    s1[i] = buf;
+    max1 = std::max(max1, abs_bits(buf));
+  }
+  max_bits[0] = max1;
+  max_bits[1] = 0;
+}
+
 // The update of one block: everything it reads is in locals and restrict pointers so that it
 // vectorises. Always inlined into the entry points below, so each is compiled for its target;
 // the rules it calls are inlined too, and any out-of-line copy stays baseline code.
@@ -103,6 +123,17 @@ __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, c
                                                        uint32_t* max_bits) {
   const StepHyper h = hyper;
   const StepScalars sc = scalars;
+  if constexpr (kRule == Rule::SGD && kStates == 1) {
+    if (h.beta1 != 0.f && !(h.flags & kDecoupled)) {
+      const bool nesterov = (h.flags & kNesterov) != 0;
+      if (sc.first) {
+        return nesterov ? sgd_body<true, true>(h, sc, param, grad, s1, cnt, max_bits)
+                        : sgd_body<true, false>(h, sc, param, grad, s1, cnt, max_bits);
+      }
+      return nesterov ? sgd_body<false, true>(h, sc, param, grad, s1, cnt, max_bits)
+                      : sgd_body<false, false>(h, sc, param, grad, s1, cnt, max_bits);
+    }
+  }
   uint32_t max1 = 0;
   uint32_t max2 = 0;
   for (int i = 0; i < cnt; ++i) {

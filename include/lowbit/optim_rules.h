@@ -73,14 +73,25 @@ LB_HD float lamb_step(const StepHyper& h, const StepScalars& s, float p, float g
   return h.lr * r;
 }
 
-// torch.optim.SGD with momentum: s1 = momentum_buffer (initialised to the first gradient).
-LB_HD float sgd_step(const StepHyper& h, const StepScalars& s, float p, float g, float& buf) {
+// torch.optim.SGD with momentum > 0, the first-step and Nesterov options as template arguments (the
+// CPU loop instantiates them: GCC does not vectorise selects on loop-invariant flags).
+template <bool kFirst, bool kNesterov>
+LB_HD float sgd_momentum_step(const StepHyper& h, float p, float g, float& buf) {
   if (h.weight_decay != 0.f) g = g + h.weight_decay * p;
-  if (h.beta1 != 0.f) {
-    buf = s.first ? g : buf * h.beta1 + h.one_minus_beta1 * g;
-    g = (h.flags & kNesterov) ? g + h.beta1 * buf : buf;
+  buf = kFirst ? g : buf * h.beta1 + h.one_minus_beta1 * g;
+  return h.lr * (kNesterov ? g + h.beta1 * buf : buf);
+}
+
+// torch.optim.SGD: s1 = momentum_buffer (initialised to the first gradient) when momentum > 0.
+LB_HD float sgd_step(const StepHyper& h, const StepScalars& s, float p, float g, float& buf) {
+  if (h.beta1 == 0.f) {
+    if (h.weight_decay != 0.f) g = g + h.weight_decay * p;
+    return h.lr * g;
   }
-  return h.lr * g;
+  if (h.flags & kNesterov) {
+    return s.first ? sgd_momentum_step<true, true>(h, p, g, buf) : sgd_momentum_step<false, true>(h, p, g, buf);
+  }
+  return s.first ? sgd_momentum_step<true, false>(h, p, g, buf) : sgd_momentum_step<false, false>(h, p, g, buf);
 }
 
 // Lion (Chen et al. 2023): sign of the interpolated momentum, then the EMA; decay is decoupled.
