@@ -215,31 +215,110 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   }
 }
 
-// Pre-pass of the norm modes: sums of p^2 (before the step) and u^2 over one block, computed from
-// copies of the states so that nothing is written.
+// p and the step u of the rule for one block, from copies of the states (the norm pre-pass writes
+// nothing). Inlined into per-target entry points like update_body.
+template <bool kFirst, bool kNesterov, typename T>
+__attribute__((always_inline)) inline void sgd_norm_terms(const StepHyper& h, const StepScalars& sc,
+                                                          const T* __restrict param, const T* __restrict grad,
+                                                          const float* __restrict s1, int cnt, float* __restrict p_out,
+                                                          float* __restrict u_out) {
+  for (int i = 0; i < cnt; ++i) {
+    const float p = to_float(param[i]);
+    float buf = s1[i];
+    p_out[i] = p;
+    u_out[i] = sgd_momentum_step<kFirst, kNesterov>(h, p, effective_grad(h, sc, to_float(grad[i])), buf);
+  }
+}
+
+template <Rule kRule, int kStates, typename T>
+__attribute__((always_inline)) inline void norm_terms_body(const StepHyper& hyper, const StepScalars& scalars,
+                                                           const T* __restrict param, const T* __restrict grad,
+                                                           const float* __restrict s1, const float* __restrict s2,
+                                                           int cnt, float* __restrict p_out, float* __restrict u_out) {
+  const StepHyper h = hyper;
+  const StepScalars sc = scalars;
+  if constexpr (kRule == Rule::SGD && kStates == 1) {
+    if (h.beta1 != 0.f) {  // as in update_body: SGD's options as template arguments
+      const bool nesterov = (h.flags & kNesterov) != 0;
+      if (sc.first) {
+        return nesterov ? sgd_norm_terms<true, true>(h, sc, param, grad, s1, cnt, p_out, u_out)
+                        : sgd_norm_terms<true, false>(h, sc, param, grad, s1, cnt, p_out, u_out);
+      }
+      return nesterov ? sgd_norm_terms<false, true>(h, sc, param, grad, s1, cnt, p_out, u_out)
+                      : sgd_norm_terms<false, false>(h, sc, param, grad, s1, cnt, p_out, u_out);
+    }
+  }
+  for (int i = 0; i < cnt; ++i) {
+    const float p = to_float(param[i]);
+    float v1 = kStates > 0 ? s1[i] : 0.f;
+    float v2 = kStates > 1 ? s2[i] : 0.f;
+    p_out[i] = p;
+    u_out[i] = rule_step(kRule, h, sc, p, effective_grad(h, sc, to_float(grad[i])), v1, v2);
+  }
+}
+
+template <Rule kRule, int kStates, typename T>
+void norm_terms_baseline(const StepHyper& h, const StepScalars& sc, const T* param, const T* grad, const float* s1,
+                         const float* s2, int cnt, float* p_out, float* u_out) {
+  norm_terms_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+template <Rule kRule, int kStates, typename T>
+__attribute__((target("avx2"))) void norm_terms_avx2(const StepHyper& h, const StepScalars& sc, const T* param,
+                                                     const T* grad, const float* s1, const float* s2, int cnt,
+                                                     float* p_out, float* u_out) {
+  norm_terms_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
+}
+
+template <Rule kRule, int kStates, typename T>
+__attribute__((target("avx512f"))) void norm_terms_avx512(const StepHyper& h, const StepScalars& sc, const T* param,
+                                                          const T* grad, const float* s1, const float* s2, int cnt,
+                                                          float* p_out, float* u_out) {
+  norm_terms_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
+}
+#endif
+
+// sum of v^2 in double over 8 interleaved lanes added in lane order: a fixed order (so the result
+// does not depend on the thread count) that the compiler can vectorise, unlike one running sum.
+double sum_squares(const float* v, int cnt) {
+  constexpr int kLanes = 8;
+  double lane[kLanes] = {};
+  int i = 0;
+  for (; i + kLanes <= cnt; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) lane[l] += static_cast<double>(v[i + l]) * v[i + l];
+  }
+  for (int l = 0; i < cnt; ++i, ++l) lane[l] += static_cast<double>(v[i]) * v[i];
+  double total = 0.0;
+  for (int l = 0; l < kLanes; ++l) total += lane[l];
+  return total;
+}
+
+// Pre-pass of the norm modes: sums of p^2 (before the step) and u^2 over one block.
 template <Rule kRule, int kStates, typename T>
 void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders, double* sums) {
   const int64_t lo = block * a.block_size;
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
-  const StepHyper h = a.hyper;
-  const StepScalars sc = t.scalars;
   float decoded[2][kMaxBlock];
   float* s[2];
   block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   const T* param = static_cast<const T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
-  double pp = 0.0;
-  double uu = 0.0;
-  for (int i = 0; i < cnt; ++i) {
-    const float p = to_float(param[i]);
-    float v1 = kStates > 0 ? s[0][i] : 0.f;
-    float v2 = kStates > 1 ? s[1][i] : 0.f;
-    const float u = rule_step(kRule, h, sc, p, effective_grad(h, sc, to_float(grad[i])), v1, v2);
-    pp += static_cast<double>(p) * p;
-    uu += static_cast<double>(u) * u;
+  float p_val[kMaxBlock];
+  float u_val[kMaxBlock];
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx512_active()) {
+    norm_terms_avx512<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+  } else if (kHasAvx2) {
+    norm_terms_avx2<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+  } else {
+    norm_terms_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
   }
-  sums[0] = pp;
-  sums[1] = uu;
+#else
+  norm_terms_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+#endif
+  sums[0] = sum_squares(p_val, cnt);
+  sums[1] = sum_squares(u_val, cnt);
 }
 
 // Calls fn(std::integral_constant<int, K>{}) for K = n_states (0, 1 or 2), so loops see it as a constant.
