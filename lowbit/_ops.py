@@ -636,7 +636,15 @@ def _optimizer_step_impl(
     n_states: int,
     block_size: int,
 ) -> None:
-    """The body of :func:`optimizer_step_` (validation and the native call), callable without the dispatcher."""
+    """One fused optimizer step over all tensors of a parameter group, updating params and states.
+
+    ``scalars`` holds 3 floats per tensor (step size, sqrt of Adam's second bias correction, 1.0 on
+    the first step); ``grad_scales`` (optional, fp32, one per tensor, on the params' device) multiplies
+    each gradient; ``hyper`` holds lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay,
+    1 - lr * weight_decay, max_unorm; ``norm_mode`` selects LAMB's trust ratio (1) or max_unorm
+    clipping (2). A state is either uint8 codes into ``map1``/``map2`` with one fp32 absmax per block
+    of ``block_size`` elements, or an fp32 tensor (then its absmax entry is unused).
+    """
     _check(0 <= n_states <= 2, f"n_states must be 0, 1 or 2, got {n_states}")
     _check(norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {norm_mode}")
     _check_blocksize(block_size)
@@ -687,56 +695,13 @@ def _optimizer_step_impl(
     )
 
 
-@torch.library.custom_op("lowbit::optimizer_step_", mutates_args=("params", "state1", "state2", "absmax1", "absmax2"))
-def optimizer_step_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    state1: list[Tensor],
-    state2: list[Tensor],
-    absmax1: list[Tensor],
-    absmax2: list[Tensor],
-    scalars: list[float],
-    grad_scales: Optional[Tensor],
-    map1: Tensor,
-    map2: Tensor,
-    rule: int,
-    hyper: list[float],
-    flags: int,
-    norm_mode: int,
-    n_states: int,
-    block_size: int,
-) -> None:
-    """One fused optimizer step over all tensors of a parameter group, updating params and states.
-
-    ``scalars`` holds 3 floats per tensor (step size, sqrt of Adam's second bias correction, 1.0 on
-    the first step); ``grad_scales`` (optional, fp32, one per tensor, on the params' device) multiplies
-    each gradient; ``hyper`` holds lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay,
-    1 - lr * weight_decay, max_unorm; ``norm_mode`` selects LAMB's trust ratio (1) or max_unorm
-    clipping (2). A state is either uint8 codes into ``map1``/``map2`` with one fp32 absmax per block
-    of ``block_size`` elements, or an fp32 tensor (then its absmax entry is unused).
-    """
-    _optimizer_step_impl(
-        params,
-        grads,
-        state1,
-        state2,
-        absmax1,
-        absmax2,
-        scalars,
-        grad_scales,
-        map1,
-        map2,
-        rule,
-        hyper,
-        flags,
-        norm_mode,
-        n_states,
-        block_size,
-    )
+optimizer_step_ = torch.library.custom_op(
+    "lowbit::optimizer_step_", _optimizer_step_impl, mutates_args=("params", "state1", "state2", "absmax1", "absmax2")
+)
 
 
 def optimizer_step_eager(*args: Any) -> None:
-    """:func:`optimizer_step_` without the dispatcher, for eager optimizer steps over many tensors.
+    """``lowbit::optimizer_step_`` without the dispatcher, for eager optimizer steps over many tensors.
 
     The custom op's per-tensor bookkeeping (alias checks, list conversions) costs about 15 us per
     tensor, as much as stepping 100k parameters; outside tracing the optimizers call this instead. It

@@ -95,8 +95,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     text = render(generate(log=True))
     print(f"all tables: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    path = resources.files("lowbit.nn").joinpath(fewbit.TABLE_FILE)
-    if args.check:
+    return write_or_check(fewbit.TABLE_FILE, text, args.check)
+
+
+def write_or_check(name: str, text: str, check: bool) -> int:
+    """Writes ``text`` to the package file ``name`` of lowbit.nn, or with ``check`` only compares them;
+    returns the exit status (1 when checking finds a difference).
+
+    Args:
+        name: file name inside the ``lowbit.nn`` package.
+        text: the generated contents.
+        check: compare instead of writing.
+    """
+    path = resources.files("lowbit.nn").joinpath(name)
+    if check:
         same = path.is_file() and path.read_text(encoding="utf-8") == text
         print(f"{path}: {'up to date' if same else 'differs'}", file=sys.stderr)
         return 0 if same else 1

@@ -11,12 +11,12 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from importlib import resources
 from typing import Optional
 
 import torch
 
 from lowbit.nn import invact
+from lowbit.nn._fewbit_gen import write_or_check
 
 
 def render(tables: Sequence[invact.InvActTable]) -> str:
@@ -49,15 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     text = render([invact.fit(n) for n in invact.ACTIVATIONS])
-    path = resources.files("lowbit.nn").joinpath(invact.TABLE_FILE)
-    if args.check:
-        same = path.is_file() and path.read_text(encoding="utf-8") == text
-        print(f"{path}: {'up to date' if same else 'differs'}", file=sys.stderr)
-        return 0 if same else 1
-    with open(str(path), "w", encoding="utf-8") as fh:
-        fh.write(text)
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return write_or_check(invact.TABLE_FILE, text, args.check)
 
 
 if __name__ == "__main__":
