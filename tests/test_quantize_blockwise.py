@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+import lowbit
 from lowbit import _ops
 from lowbit import _reference as R
 from lowbit import functional as F
@@ -42,7 +43,7 @@ def _unpacked(codes: torch.Tensor, state: F.QuantState) -> torch.Tensor:
 @pytest.mark.parametrize("dist", DISTS)
 @pytest.mark.parametrize("blocksize", BLOCKSIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nearest_is_true_argmin_and_matches_reference(device, dist, blocksize, dtype):
+def test_nearest_is_true_argmin_and_matches_reference(device, dist, blocksize, dtype, cpu_kernels):
     x = sample(dist, 10007, seed=1, dtype=dtype, device=device)
     codes, state = F.quantize_blockwise(x, blocksize=blocksize)
     assert codes.shape == x.shape and codes.dtype == torch.uint8
@@ -59,7 +60,7 @@ def test_nearest_is_true_argmin_and_matches_reference(device, dist, blocksize, d
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_low_bit_maps_pack_exactly_and_match_reference(device, bits, n, rounding):
+def test_low_bit_maps_pack_exactly_and_match_reference(device, bits, n, rounding, cpu_kernels):
     x = sample("heavy", n, seed=bits, device=device)
     code = (F.create_dynamic_map(total_bits=bits) if bits > 1 else torch.tensor([-1.0, 1.0])).to(device)
     g = torch.Generator(device=device).manual_seed(11) if rounding == "stochastic" else None
@@ -257,9 +258,14 @@ def test_property_matches_reference_and_oracle(data, blocksize, bits, signed, st
     x = torch.from_numpy(data)
     code = F.create_dynamic_map(signed=signed, total_bits=bits)
     bs = blocksize or 0
-    packed, absmax = _ops.quantize_blockwise(x, code, bits, bs, stochastic, seed, 0)
     ref_packed, ref_absmax = R.quantize_blockwise(x, code, bits, bs, stochastic, seed, 0)
-    assert torch.equal(packed, ref_packed)
+    for gather in (0, 1):  # both state coders where the CPU has AVX-512 (see the cpu_kernels fixture)
+        lowbit._C._set_cpu_gather_encode(gather)
+        try:
+            packed, absmax = _ops.quantize_blockwise(x, code, bits, bs, stochastic, seed, 0)
+        finally:
+            lowbit._C._set_cpu_gather_encode(-1)
+        assert torch.equal(packed, ref_packed)
     _exact(absmax, ref_absmax)
     if not stochastic:
         state = F.QuantState(absmax, code, blocksize, x.shape, x.dtype, bits)

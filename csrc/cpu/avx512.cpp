@@ -197,6 +197,56 @@ void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, flo
 
 namespace {
 
+// order_key (map_index.h) of 16 floats.
+LB_TARGET inline __m512i order_keys(__m512 x) {
+  const __m512i b = _mm512_castps_si512(_mm512_add_ps(x, _mm512_setzero_ps()));
+  const __m512i neg = _mm512_srai_epi32(b, 31);
+  return _mm512_xor_si512(_mm512_xor_si512(b, _mm512_srli_epi32(neg, 1)), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+}
+
+// step_code (map_index.h) of 16 elements: the step words of their buckets by one gather.
+LB_TARGET inline __m512i step_codes16(const int* table, const float* xn, const uint32_t* b) {
+  const __m512i key = order_keys(_mm512_loadu_ps(xn));
+  const __m512i bucket = _mm512_loadu_si512(b);
+  const __m512i word = _mm512_i32gather_epi32(bucket, table, 4);
+  const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, _mm512_set1_epi32(0xFFFF)),
+                                               _mm512_and_si512(word, _mm512_set1_epi32(static_cast<int>(kStepMask))));
+  const __m512i code = _mm512_srli_epi32(word, kStepBits);
+  return _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+}
+
+}  // namespace
+
+LB_TARGET void nearest_tile_avx512(const MapIndex& index, const float* xn, const uint32_t* b, int cnt, uint32_t* codes) {
+  const int* table = reinterpret_cast<const int*>(index.nearest_steps()) - kFirstBucket;
+  int j = 0;
+  for (; j + 16 <= cnt; j += 16) _mm512_storeu_si512(codes + j, step_codes16(table, xn + j, b + j));
+  if (j < cnt) nearest_tile(index, xn + j, b + j, cnt - j, codes + j);
+}
+
+LB_TARGET void stochastic_tile_avx512(const MapIndex& index, const float* xn, const uint32_t* b, RngKey key,
+                                      uint64_t counter0, int cnt, uint32_t* codes) {
+  // stochastic_tile's steps: the floor code from its bucket's step word, then up by one when
+  // u * gap < xn - map[floor], with map[floor] and the gap fetched by gathers.
+  const int* table = reinterpret_cast<const int*>(index.floor_steps()) - kFirstBucket;
+  const float* low_gap = index.low_gap();
+  float u[kTile];
+  const int vec = cnt - cnt % 16;
+  uniform_tile(key, counter0, vec, u);
+  for (int j = 0; j < vec; j += 16) {
+    const __m512i floor = step_codes16(table, xn + j, b + j);
+    const __m512i pair = _mm512_slli_epi32(floor, 1);
+    const __m512 value = _mm512_i32gather_ps(pair, low_gap, 4);
+    const __m512 gap = _mm512_i32gather_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(1)), low_gap, 4);
+    const __m512 lhs = _mm512_mul_ps(_mm512_loadu_ps(u + j), gap);
+    const __mmask16 up = _mm512_cmp_ps_mask(lhs, _mm512_sub_ps(_mm512_loadu_ps(xn + j), value), _CMP_LT_OQ);
+    _mm512_storeu_si512(codes + j, _mm512_mask_add_epi32(floor, up, floor, _mm512_set1_epi32(1)));
+  }
+  if (vec < cnt) stochastic_tile(index, xn + vec, b + vec, key, counter0 + vec, cnt - vec, codes + vec);
+}
+
+namespace {
+
 // Whether the gather encoder beats the scalar-table one on this CPU: gathers are fast on some
 // x86 cores and slow on others (microcode mitigations, AMD's split gathers), and only timing tells.
 // Both return the same codes, so the choice affects speed only. Best of several alternated runs on
@@ -237,6 +287,8 @@ bool calibrate_gather() {
 void decode_u8_avx512(const float*, const uint8_t*, int, float, float*) {}
 void decode_u8_vbmi(const BytePlanes&, const float*, const uint8_t*, int, float, float*) {}
 void nearest_codes_u8_avx512(const MapIndex&, const float*, int, float, uint8_t*) {}
+void nearest_tile_avx512(const MapIndex&, const float*, const uint32_t*, int, uint32_t*) {}
+void stochastic_tile_avx512(const MapIndex&, const float*, const uint32_t*, RngKey, uint64_t, int, uint32_t*) {}
 
 namespace {
 bool calibrate_gather() { return false; }

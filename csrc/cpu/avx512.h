@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "lowbit/rounding.h"
+
 namespace lowbit::cpu {
 
 // True when the CPU has AVX-512F and set_avx512_enabled has not turned the kernels off.
@@ -24,6 +26,12 @@ class MapIndex;
 
 // nearest_codes_u8 (encode.h) with the step word of 16 elements fetched by one gather; same codes.
 void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out);
+
+// nearest_tile and stochastic_tile (encode.h) with gathers for the table loads; same codes. The
+// quantizers use them where gather_encode_active().
+void nearest_tile_avx512(const MapIndex& index, const float* xn, const uint32_t* b, int cnt, uint32_t* codes);
+void stochastic_tile_avx512(const MapIndex& index, const float* xn, const uint32_t* b, RngKey key, uint64_t counter0,
+                            int cnt, uint32_t* codes);
 
 // Whether 8-bit states decode with decode_u8_vbmi: AVX-512 is active, the CPU has AVX512-VBMI and
 // set_vbmi_decode has not turned it off.

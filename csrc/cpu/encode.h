@@ -8,6 +8,7 @@
 #include "lowbit/blockwise.h"
 #include "lowbit/qmap.h"
 #include "lowbit/rounding.h"
+#include "avx512.h"
 #include "map_index.h"
 
 namespace lowbit::cpu {
@@ -54,14 +55,21 @@ void normalise_buckets(const T* x, int cnt, float absmax, float* xn, uint32_t* b
 
 struct MapSpan {
   const MapIndex& index;
+  bool gather = false;  // the AVX-512 gather tiles (avx512.h), where gather_encode_active()
 
   template <bool kSR, typename T>
   void encode(const T* x, int cnt, float absmax, RngKey key, uint64_t counter, uint32_t* codes) const {
     float xn[kTile];
     uint32_t bucket[kTile];
     normalise_buckets(x, cnt, absmax, xn, bucket);
-    if (!kSR && index.nearest_direct()) return nearest_tile(index, xn, bucket, cnt, codes);
-    if (kSR && index.steps() <= 1) return stochastic_tile(index, xn, bucket, key, counter, cnt, codes);
+    if (!kSR && index.nearest_direct()) {
+      if (gather) return nearest_tile_avx512(index, xn, bucket, cnt, codes);
+      return nearest_tile(index, xn, bucket, cnt, codes);
+    }
+    if (kSR && index.steps() <= 1) {
+      if (gather) return stochastic_tile_avx512(index, xn, bucket, key, counter, cnt, codes);
+      return stochastic_tile(index, xn, bucket, key, counter, cnt, codes);
+    }
     // The step count is a template argument so the common one-step search is fully unrolled.
     switch (index.steps()) {
       case 0:

@@ -11,6 +11,7 @@
 #include "lowbit/pack.h"
 #include "lowbit/qmap.h"
 #include "lowbit/rounding.h"
+#include "avx512.h"
 #include "encode.h"
 #include "map_index.h"
 
@@ -142,7 +143,8 @@ template <typename Fn>
 void with_span(const float* map, int64_t map_n, int bits, Fn&& fn) {
   if (map_n > 0) {
     const auto index = map_index(map, static_cast<uint32_t>(map_n));
-    fn(MapSpan{*index});
+    // Decided (and on first use timed) here, outside the parallel loops.
+    fn(MapSpan{*index, gather_encode_active()});
   } else {
     fn(LinearSpan{static_cast<float>((1 << (bits - 1)) - 1)});
   }
