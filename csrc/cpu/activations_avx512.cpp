@@ -1,4 +1,5 @@
-// AVX-512 kernels of the activation layers for fp32: few-bit codes of 1-4 bits (fewbit.cpp keeps the
+// AVX-512 kernels of the activation layers for fp32 and bf16 (fp16 and other cases keep the portable
+// loops): few-bit codes of 1-4 bits (fewbit.cpp keeps the
 // portable loops and the other cases) and the inverted-activation slope (invact.cpp).
 //
 // Few-bit. Encoding counts the boundaries below 16 inputs at once and merges each 8-code group
@@ -36,8 +37,26 @@ LB_TARGET inline __m512i group_shifts() {
                            2 * kBits, 3 * kBits, 4 * kBits, 5 * kBits, 6 * kBits, 7 * kBits);
 }
 
-template <int kBits>
-LB_TARGET void encode_f32(const float* x, int cnt, const float* bounds, uint8_t* out) {
+// 16 inputs as fp32 (bf16 widens exactly) and 16 fp32 results stored as the element type (bf16 rounds
+// to nearest even with NaN as 0x7FC0, as from_float does).
+LB_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+LB_TARGET inline __m512 load16(const BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+LB_TARGET inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+LB_TARGET inline void store16(BFloat16* p, __m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+template <int kBits, typename E>
+LB_TARGET void encode_tile(const E* x, int cnt, const float* bounds, uint8_t* out) {
   static_assert(kBits >= 1 && kBits <= 4, "8 codes must fit one 32-bit lane");
   constexpr int kBounds = (1 << kBits) - 1;
   constexpr int kGroupBytes = kBits;  // 8 codes of kBits bits
@@ -46,7 +65,7 @@ LB_TARGET void encode_f32(const float* x, int cnt, const float* bounds, uint8_t*
   const __m512i one = _mm512_set1_epi32(1);
   const __m512i shifts = group_shifts<kBits>();
   for (int i = 0; i + 16 <= cnt; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512 v = load16(x + i);
     __m512i c = _mm512_setzero_si512();
     // x > b is false for NaN, as in the portable count: NaN gets code 0.
     for (int k = 0; k < kBounds; ++k) c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(v, b[k], _CMP_GT_OQ), c, one);
@@ -61,8 +80,8 @@ LB_TARGET void encode_f32(const float* x, int cnt, const float* bounds, uint8_t*
   }
 }
 
-template <int kBits>
-LB_TARGET void grad_f32(const float* grad, const uint8_t* in, const float* levels, int cnt, float* out) {
+template <int kBits, typename E>
+LB_TARGET void grad_tile(const E* grad, const uint8_t* in, const float* levels, int cnt, E* out) {
   static_assert(kBits >= 1 && kBits <= 4, "8 codes must fit one 32-bit lane");
   constexpr int kGroupBytes = kBits;
   constexpr uint32_t kWordMask = kBits == 4 ? 0xFFFFFFFFu : (1u << (8 * kBits)) - 1u;
@@ -76,12 +95,13 @@ LB_TARGET void grad_f32(const float* grad, const uint8_t* in, const float* level
                                                   _mm512_set1_epi32(static_cast<int>(both & kWordMask)),
                                                   _mm512_set1_epi32(static_cast<int>(both >> (8 * kGroupBytes))));
     const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(words, shifts), mask);
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(grad + i), _mm512_permutexvar_ps(codes, lv)));
+    store16(out + i, _mm512_mul_ps(load16(grad + i), _mm512_permutexvar_ps(codes, lv)));
   }
 }
 
-LB_TARGET void invact_f32(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
-                          const float* params, int cnt, float* out) {
+template <typename E>
+LB_TARGET void invact_tile(const E* grad, const E* y, const uint8_t* bits, const float* coeffs, const float* params,
+                           int cnt, E* out) {
   constexpr int kPowers = kInvactDegree + 1;
   static_assert(kInvactPieces == 16, "one register per branch and power");
   __m512 left[kPowers], right[kPowers];
@@ -99,7 +119,7 @@ LB_TARGET void invact_f32(const float* grad, const float* y, const uint8_t* bits
     std::memcpy(&m16, bits + i / 8, 2);
     const __mmask16 r = m16;
     // max(0, d) returns d when d is NaN, as 0 > d ? 0 : d does.
-    const __m512 d = _mm512_max_ps(_mm512_setzero_ps(), _mm512_sub_ps(_mm512_loadu_ps(y + i), y0));
+    const __m512 d = _mm512_max_ps(_mm512_setzero_ps(), _mm512_sub_ps(load16(y + i), y0));
     const __m512 u = _mm512_mul_ps(_mm512_sqrt_ps(d), _mm512_mask_blend_ps(r, scale_l, scale_r));
     // For u in [0, 16) truncation is the scalar cast; other lanes (the tail, NaN) are replaced below
     // or turn NaN through z, whatever piece they read.
@@ -112,48 +132,76 @@ LB_TARGET void invact_f32(const float* grad, const float* y, const uint8_t* bits
     }
     const __mmask16 tail = _mm512_cmp_ps_mask(u, pieces, _CMP_GE_OQ);
     p = _mm512_mask_blend_ps(tail, p, _mm512_mask_blend_ps(r, tail_l, tail_r));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(grad + i), p));
+    store16(out + i, _mm512_mul_ps(load16(grad + i), p));
+  }
+}
+
+template <typename E>
+void invact_grad_any(const E* grad, const E* y, const uint8_t* bits, const float* coeffs, const float* params, int cnt,
+                     E* out) {
+  invact_tile(grad, y, bits, coeffs, params, cnt, out);
+}
+
+template <typename E>
+void fewbit_encode_any(int bits, const E* x, int cnt, const float* bounds, uint8_t* out) {
+  switch (bits) {
+    case 1:
+      return encode_tile<1>(x, cnt, bounds, out);
+    case 2:
+      return encode_tile<2>(x, cnt, bounds, out);
+    case 3:
+      return encode_tile<3>(x, cnt, bounds, out);
+    default:
+      return encode_tile<4>(x, cnt, bounds, out);
+  }
+}
+
+template <typename E>
+void fewbit_grad_any(int bits, const E* grad, const uint8_t* in, const float* levels, int cnt, E* out) {
+  switch (bits) {
+    case 1:
+      return grad_tile<1>(grad, in, levels, cnt, out);
+    case 2:
+      return grad_tile<2>(grad, in, levels, cnt, out);
+    case 3:
+      return grad_tile<3>(grad, in, levels, cnt, out);
+    default:
+      return grad_tile<4>(grad, in, levels, cnt, out);
   }
 }
 
 }  // namespace
 
-void invact_grad_f32_avx512(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
-                            const float* params, int cnt, float* out) {
-  invact_f32(grad, y, bits, coeffs, params, cnt, out);
+void invact_grad_avx512(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
+                        const float* params, int cnt, float* out) {
+  invact_grad_any(grad, y, bits, coeffs, params, cnt, out);
 }
-
-void fewbit_encode_f32_avx512(int bits, const float* x, int cnt, const float* bounds, uint8_t* out) {
-  switch (bits) {
-    case 1:
-      return encode_f32<1>(x, cnt, bounds, out);
-    case 2:
-      return encode_f32<2>(x, cnt, bounds, out);
-    case 3:
-      return encode_f32<3>(x, cnt, bounds, out);
-    default:
-      return encode_f32<4>(x, cnt, bounds, out);
-  }
+void invact_grad_avx512(const BFloat16* grad, const BFloat16* y, const uint8_t* bits, const float* coeffs,
+                        const float* params, int cnt, BFloat16* out) {
+  invact_grad_any(grad, y, bits, coeffs, params, cnt, out);
 }
-
-void fewbit_grad_f32_avx512(int bits, const float* grad, const uint8_t* in, const float* levels, int cnt, float* out) {
-  switch (bits) {
-    case 1:
-      return grad_f32<1>(grad, in, levels, cnt, out);
-    case 2:
-      return grad_f32<2>(grad, in, levels, cnt, out);
-    case 3:
-      return grad_f32<3>(grad, in, levels, cnt, out);
-    default:
-      return grad_f32<4>(grad, in, levels, cnt, out);
-  }
+void fewbit_encode_avx512(int bits, const float* x, int cnt, const float* bounds, uint8_t* out) {
+  fewbit_encode_any(bits, x, cnt, bounds, out);
+}
+void fewbit_encode_avx512(int bits, const BFloat16* x, int cnt, const float* bounds, uint8_t* out) {
+  fewbit_encode_any(bits, x, cnt, bounds, out);
+}
+void fewbit_grad_avx512(int bits, const float* grad, const uint8_t* in, const float* levels, int cnt, float* out) {
+  fewbit_grad_any(bits, grad, in, levels, cnt, out);
+}
+void fewbit_grad_avx512(int bits, const BFloat16* grad, const uint8_t* in, const float* levels, int cnt,
+                        BFloat16* out) {
+  fewbit_grad_any(bits, grad, in, levels, cnt, out);
 }
 
 #else
 
-void invact_grad_f32_avx512(const float*, const float*, const uint8_t*, const float*, const float*, int, float*) {}
-void fewbit_encode_f32_avx512(int, const float*, int, const float*, uint8_t*) {}
-void fewbit_grad_f32_avx512(int, const float*, const uint8_t*, const float*, int, float*) {}
+void invact_grad_avx512(const float*, const float*, const uint8_t*, const float*, const float*, int, float*) {}
+void invact_grad_avx512(const BFloat16*, const BFloat16*, const uint8_t*, const float*, const float*, int, BFloat16*) {}
+void fewbit_encode_avx512(int, const float*, int, const float*, uint8_t*) {}
+void fewbit_encode_avx512(int, const BFloat16*, int, const float*, uint8_t*) {}
+void fewbit_grad_avx512(int, const float*, const uint8_t*, const float*, int, float*) {}
+void fewbit_grad_avx512(int, const BFloat16*, const uint8_t*, const float*, int, BFloat16*) {}
 
 #endif
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "lowbit/dispatch.h"
 #include "lowbit/rounding.h"
 
 namespace lowbit::cpu {
@@ -53,15 +54,20 @@ void decode_u8_vbmi(const BytePlanes& planes, const float* map, const uint8_t* c
 // out[i] = map[codes[i]] * scale for a 256-entry map.
 void decode_u8_avx512(const float* map, const uint8_t* codes, int cnt, float scale, float* out);
 
-// Few-bit codes (fewbit.h) of bits = 1..4 bits of fp32 x, packed to out, for the first cnt - cnt % 16
-// elements (activations_avx512.cpp); the caller does the rest.
-void fewbit_encode_f32_avx512(int bits, const float* x, int cnt, const float* bounds, uint8_t* out);
+// Few-bit codes (fewbit.h) of bits = 1..4 bits of fp32 or bf16 x, packed to out, for the first
+// cnt - cnt % 16 elements (activations_avx512.cpp); the caller does the rest.
+void fewbit_encode_avx512(int bits, const float* x, int cnt, const float* bounds, uint8_t* out);
+void fewbit_encode_avx512(int bits, const BFloat16* x, int cnt, const float* bounds, uint8_t* out);
 
 // out = grad * levels[code] for bits = 1..4, for the first cnt - cnt % 16 elements.
-void fewbit_grad_f32_avx512(int bits, const float* grad, const uint8_t* in, const float* levels, int cnt, float* out);
+void fewbit_grad_avx512(int bits, const float* grad, const uint8_t* in, const float* levels, int cnt, float* out);
+void fewbit_grad_avx512(int bits, const BFloat16* grad, const uint8_t* in, const float* levels, int cnt,
+                        BFloat16* out);
 
 // out = grad * invact_slope(y, bit) (lowbit/invact.h) for the first cnt - cnt % 16 elements.
-void invact_grad_f32_avx512(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
-                            const float* params, int cnt, float* out);
+void invact_grad_avx512(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
+                        const float* params, int cnt, float* out);
+void invact_grad_avx512(const BFloat16* grad, const BFloat16* y, const uint8_t* bits, const float* coeffs,
+                        const float* params, int cnt, BFloat16* out);
 
 }  // namespace lowbit::cpu

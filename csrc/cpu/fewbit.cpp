@@ -102,10 +102,10 @@ void encode_impl(const FewbitEncodeArgs& a, int threads) {
     const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
     uint8_t* out = a.packed + lo / kGroup * kBits;
     int done = 0;
-    if constexpr (kBits <= 4 && std::is_same_v<T, float>) {
+    if constexpr (kBits <= 4 && (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>)) {
       if (avx512_active()) {
         done = cnt - cnt % 16;
-        fewbit_encode_f32_avx512(kBits, x + lo, done, a.bounds, out);
+        fewbit_encode_avx512(kBits, x + lo, done, a.bounds, out);
       }
     }
     uint32_t codes[kChunk];
@@ -125,10 +125,10 @@ void grad_impl(const FewbitGradArgs& a, int threads) {
     const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
     const uint8_t* in = a.packed + lo / kGroup * kBits;
     int done = 0;
-    if constexpr (kBits <= 4 && std::is_same_v<T, float>) {
+    if constexpr (kBits <= 4 && (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>)) {
       if (avx512_active()) {
         done = cnt - cnt % 16;
-        fewbit_grad_f32_avx512(kBits, grad + lo, in, a.levels, done, out + lo);
+        fewbit_grad_avx512(kBits, grad + lo, in, a.levels, done, out + lo);
       }
     }
     scale_chunk<kBits>(grad + lo + done, in + done / kGroup * kBits, a.levels, cnt - done, out + lo + done);

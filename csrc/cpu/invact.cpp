@@ -35,10 +35,10 @@ void invact_impl(const InvactGradArgs& a, int threads) {
     const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
     const uint8_t* bits = a.bits + lo / 8;
     int done = 0;
-    if constexpr (std::is_same_v<T, float>) {
+    if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
       if (avx512_active()) {
         done = cnt - cnt % 16;
-        invact_grad_f32_avx512(grad + lo, y + lo, bits, a.coeffs, a.params, done, out + lo);
+        invact_grad_avx512(grad + lo, y + lo, bits, a.coeffs, a.params, done, out + lo);
       }
     }
     invact_chunk(grad + lo + done, y + lo + done, bits + done / 8, a.coeffs, a.params, cnt - done, out + lo + done);
