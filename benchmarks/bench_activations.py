@@ -5,8 +5,9 @@ Run from the repository root::
     python benchmarks/bench_activations.py
     python benchmarks/bench_activations.py --numel 1000000 --repeats 3 --threads 2
 
-Options: ``--numel`` (fp32 elements per layer call, default 16 * 2**20), ``--repeats`` (timed runs,
-alternated between the layers, default 10), ``--threads`` (``torch.set_num_threads``), ``--bits`` (3).
+Options: ``--numel`` (elements per layer call, default 16 * 2**20), ``--repeats`` (timed runs,
+alternated between the layers, default 10), ``--threads`` (``torch.set_num_threads``), ``--bits`` (3),
+``--dtype`` (of the timed layers' input, float32 or bfloat16; the byte counts and errors are fp32).
 
 Time: one forward and one backward pass of each layer on the same randn input and output gradient,
 median of the alternated runs; the ratio to torch's layer from the same run is the number to read on
@@ -105,6 +106,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--bits", type=int, default=3)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = p.parse_args(argv)
     if args.numel < 1 or args.repeats < 1:
         p.error("--numel and --repeats must be positive")
@@ -121,8 +123,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         f"{torch.get_num_threads()} threads, python {sys.version.split()[0]}"
     )
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(args.numel, generator=gen).requires_grad_()
-    g = torch.randn(args.numel, generator=gen)
+    dtype = getattr(torch, args.dtype)
+    x = torch.randn(args.numel, generator=gen).to(dtype).requires_grad_()
+    g = torch.randn(args.numel, generator=gen).to(dtype)
     layers = {
         "torch GELU": nn.GELU(),
         f"FewBitGELU({args.bits})": FewBitGELU(args.bits),
@@ -132,7 +135,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "InvSiLU": InvSiLU(),
     }
     times = time_alternated({k: fwd_bwd(m, x, g) for k, m in layers.items()}, args.repeats)
-    print(f"\nforward+backward, {args.numel} fp32 elements, median of {args.repeats} alternated runs")
+    print(f"\nforward+backward, {args.numel} {args.dtype} elements, median of {args.repeats} alternated runs")
     print(f"{'layer':<16} {'ms':>8} {'x torch':>8}")
     for k, t in times.items():
         base = times["torch GELU"] if "GELU" in k else times["torch SiLU"]
