@@ -13,6 +13,16 @@
 #include "lowbit/fewbit.h"
 #include "lowbit/pack.h"
 
+// Compiled for baseline x86-64 with AVX2 and AVX-512 clones chosen at load time, as encode.cpp's loops;
+// all clones give identical results (the same IEEE operations, no contraction).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define LB_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define LB_INLINE __attribute__((always_inline))
+#else
+#define LB_CLONES
+#define LB_INLINE
+#endif
+
 namespace lowbit::cpu {
 namespace {
 
@@ -30,7 +40,7 @@ struct Grid {
 
 // Calls fn(offset, length, channel) for the runs of one channel in elements [lo, lo + cnt).
 template <typename Fn>
-void for_runs(int64_t lo, int cnt, int64_t channels, int64_t inner, Fn&& fn) {
+LB_INLINE inline void for_runs(int64_t lo, int cnt, int64_t channels, int64_t inner, Fn&& fn) {
   int64_t c = (lo / inner) % channels;
   int64_t s = lo % inner;
   for (int j = 0; j < cnt;) {
@@ -66,7 +76,7 @@ void pack_chunk(const uint32_t* codes, int cnt, int bits, uint8_t* out) {
 int64_t chunks_of(int64_t n) { return (n + kChunk - 1) / kChunk; }
 
 template <typename T>
-void encode_impl(const BlpaArgs& a, int threads) {
+LB_CLONES void encode_impl(const BlpaArgs& a, int threads) {
   const T* x = static_cast<const T*>(a.x);
   const T* a2 = static_cast<const T*>(a.a2);
   const Grid g(a);
@@ -75,7 +85,7 @@ void encode_impl(const BlpaArgs& a, int threads) {
     const int64_t lo = ch * kChunk;
     const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
     uint32_t codes[kChunk];
-    for_runs(lo, cnt, a.channels, a.inner, [&](int j0, int len, int64_t c) {
+    for_runs(lo, cnt, a.channels, a.inner, [&](int j0, int len, int64_t c) LB_INLINE {
       const float mean = a.mean[c], invstd = a.invstd[c], t = g.t[c], o = g.o[c], h = g.h[c], side = g.side[c];
       const T* xs = x + lo + j0;
       const T* ps = a2 + lo + j0;
@@ -89,7 +99,7 @@ void encode_impl(const BlpaArgs& a, int threads) {
 }
 
 template <typename T>
-void decode_impl(const BlpaArgs& a, int threads) {
+LB_CLONES void decode_impl(const BlpaArgs& a, int threads) {
   T* out = static_cast<T*>(a.out);
   const Grid g(a);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
@@ -98,7 +108,7 @@ void decode_impl(const BlpaArgs& a, int threads) {
     const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
     uint32_t codes[kChunk];
     unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
-    for_runs(lo, cnt, a.channels, a.inner, [&](int j0, int len, int64_t c) {
+    for_runs(lo, cnt, a.channels, a.inner, [&](int j0, int len, int64_t c) LB_INLINE {
       const float t = g.t[c], o = g.o[c], h = g.h[c], side = g.side[c], gm = a.gamma[c], b = a.beta[c];
       T* os = out + lo + j0;
       const uint32_t* cs = codes + j0;
@@ -108,7 +118,7 @@ void decode_impl(const BlpaArgs& a, int threads) {
 }
 
 template <typename T>
-void backward_impl(const BlpaArgs& a, int threads) {
+LB_CLONES void backward_impl(const BlpaArgs& a, int threads) {
   const T* grad = static_cast<const T*>(a.grad);
   T* out = static_cast<T*>(a.out);
   const Grid g(a);
@@ -123,7 +133,7 @@ void backward_impl(const BlpaArgs& a, int threads) {
     uint32_t codes[kChunk];
     unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
     double* p = partial.data() + ch * channels * 2;
-    for_runs(lo, cnt, channels, a.inner, [&](int j0, int len, int64_t c) {
+    for_runs(lo, cnt, channels, a.inner, [&](int j0, int len, int64_t c) LB_INLINE {
       const float t = g.t[c], o = g.o[c], h = g.h[c], side = g.side[c], b = a.beta[c];
       double s1 = 0.0, s2 = 0.0;
       for (int j = j0; j < j0 + len; ++j) {
@@ -158,7 +168,7 @@ void backward_impl(const BlpaArgs& a, int threads) {
     const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
     uint32_t codes[kChunk];
     unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
-    for_runs(lo, cnt, channels, a.inner, [&](int j0, int len, int64_t c) {
+    for_runs(lo, cnt, channels, a.inner, [&](int j0, int len, int64_t c) LB_INLINE {
       const float t = g.t[c], o = g.o[c], h = g.h[c], side = g.side[c], b = a.beta[c], gm = a.gamma[c];
       const float inv = a.invstd[c], c1 = k1[c], c2 = k2[c];
       const T* gs = grad + lo + j0;
