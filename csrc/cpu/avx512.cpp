@@ -144,6 +144,28 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void decode_u8_vbmi(const
 
 namespace {
 
+// order_key (map_index.h) of 16 floats.
+LB_TARGET inline __m512i order_keys(__m512 x) {
+  const __m512i b = _mm512_castps_si512(_mm512_add_ps(x, _mm512_setzero_ps()));
+  const __m512i neg = _mm512_srai_epi32(b, 31);
+  return _mm512_xor_si512(_mm512_xor_si512(b, _mm512_srli_epi32(neg, 1)), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+}
+
+// step_code (map_index.h) of 16 elements with order keys `key` in buckets `bucket`: the step words by
+// one gather.
+LB_TARGET inline __m512i step_codes16(const int* table, __m512i key, __m512i bucket) {
+  const __m512i word = _mm512_i32gather_epi32(bucket, table, 4);
+  const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, _mm512_set1_epi32(0xFFFF)),
+                                               _mm512_and_si512(word, _mm512_set1_epi32(static_cast<int>(kStepMask))));
+  const __m512i code = _mm512_srli_epi32(word, kStepBits);
+  return _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+}
+
+// The same for normalised xn whose buckets b are already known.
+LB_TARGET inline __m512i step_codes16(const int* table, const float* xn, const uint32_t* b) {
+  return step_codes16(table, order_keys(_mm512_loadu_ps(xn)), _mm512_loadu_si512(b));
+}
+
 // kExactUnit: normalise() as written, with its clamp and its exact +-1 at +-absmax. For maps whose
 // index is unit_stable() the plain product gives the same codes: it lies within one ulp of [-1, 1],
 // in the index's first or last bucket, where the code is that of +-1 (no map value lies beyond +-1),
@@ -158,10 +180,6 @@ LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, floa
   const __m512 neg_am = _mm512_set1_ps(-absmax);
   const __m512 inv = _mm512_set1_ps(block_inverse(absmax));
   const __m512 plus1 = _mm512_set1_ps(1.f), minus1 = _mm512_set1_ps(-1.f);
-  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
-  const __m512i step_mask = _mm512_set1_epi32(static_cast<int>(kStepMask));
-  const __m512i one = _mm512_set1_epi32(1);
   int j = 0;
   for (; j + 16 <= cnt; j += 16) {
     __m512 xn = _mm512_setzero_ps();
@@ -174,13 +192,8 @@ LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, floa
         xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, neg_am, _CMP_EQ_OQ), xn, minus1);
       }
     }
-    const __m512i b = _mm512_castps_si512(_mm512_add_ps(xn, _mm512_setzero_ps()));
-    const __m512i neg = _mm512_srai_epi32(b, 31);
-    const __m512i key = _mm512_xor_si512(_mm512_xor_si512(b, _mm512_srli_epi32(neg, 1)), sign);
-    const __m512i word = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), table, 4);
-    const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, low16), _mm512_and_si512(word, step_mask));
-    __m512i code = _mm512_srli_epi32(word, kStepBits);
-    code = _mm512_mask_add_epi32(code, up, code, one);
+    const __m512i key = order_keys(xn);
+    const __m512i code = step_codes16(table, key, _mm512_srli_epi32(key, 16));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(code));
   }
   if (j < cnt) nearest_codes_u8(index, x + j, cnt - j, absmax, out + j);
@@ -194,28 +207,6 @@ void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, flo
   if (index.unit_stable()) return gather_codes<false>(index, x, cnt, absmax, out);
   gather_codes<true>(index, x, cnt, absmax, out);
 }
-
-namespace {
-
-// order_key (map_index.h) of 16 floats.
-LB_TARGET inline __m512i order_keys(__m512 x) {
-  const __m512i b = _mm512_castps_si512(_mm512_add_ps(x, _mm512_setzero_ps()));
-  const __m512i neg = _mm512_srai_epi32(b, 31);
-  return _mm512_xor_si512(_mm512_xor_si512(b, _mm512_srli_epi32(neg, 1)), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-}
-
-// step_code (map_index.h) of 16 elements: the step words of their buckets by one gather.
-LB_TARGET inline __m512i step_codes16(const int* table, const float* xn, const uint32_t* b) {
-  const __m512i key = order_keys(_mm512_loadu_ps(xn));
-  const __m512i bucket = _mm512_loadu_si512(b);
-  const __m512i word = _mm512_i32gather_epi32(bucket, table, 4);
-  const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, _mm512_set1_epi32(0xFFFF)),
-                                               _mm512_and_si512(word, _mm512_set1_epi32(static_cast<int>(kStepMask))));
-  const __m512i code = _mm512_srli_epi32(word, kStepBits);
-  return _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
-}
-
-}  // namespace
 
 LB_TARGET void nearest_tile_avx512(const MapIndex& index, const float* xn, const uint32_t* b, int cnt, uint32_t* codes) {
   const int* table = reinterpret_cast<const int*>(index.nearest_steps()) - kFirstBucket;

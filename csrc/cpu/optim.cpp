@@ -93,6 +93,21 @@ void block_states(const OptimArgs& a, const TensorView& t, int64_t block, int64_
   }
 }
 
+#define LB_ALWAYS_INLINE __attribute__((always_inline))
+
+// Calls fn(std::bool_constant<first>{}, std::bool_constant<nesterov>{}) for SGD's first-step and
+// Nesterov options, so that the loops fn runs see them as constants.
+template <typename Fn>
+LB_ALWAYS_INLINE inline void with_sgd_options(const StepHyper& h, const StepScalars& sc, Fn&& fn) {
+  const bool nesterov = (h.flags & kNesterov) != 0;
+  if (sc.first) {
+    if (nesterov) return fn(std::true_type{}, std::true_type{});
+    return fn(std::true_type{}, std::false_type{});
+  }
+  if (nesterov) return fn(std::false_type{}, std::true_type{});
+  fn(std::false_type{}, std::false_type{});
+}
+
 // SGD with momentum over one block, its first-step and Nesterov options fixed: SGD has more
 // loop-invariant options than GCC's loop unswitching resolves, and GCC does not vectorise a select on
 // one that is left. The step is apply_rule's for SGD (which never decays decoupled).
@@ -125,13 +140,9 @@ __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, c
   const StepScalars sc = scalars;
   if constexpr (kRule == Rule::SGD && kStates == 1) {
     if (h.beta1 != 0.f && !(h.flags & kDecoupled)) {
-      const bool nesterov = (h.flags & kNesterov) != 0;
-      if (sc.first) {
-        return nesterov ? sgd_body<true, true>(h, sc, param, grad, s1, cnt, max_bits)
-                        : sgd_body<true, false>(h, sc, param, grad, s1, cnt, max_bits);
-      }
-      return nesterov ? sgd_body<false, true>(h, sc, param, grad, s1, cnt, max_bits)
-                      : sgd_body<false, false>(h, sc, param, grad, s1, cnt, max_bits);
+      return with_sgd_options(h, sc, [&](auto first, auto nesterov) LB_ALWAYS_INLINE {
+        sgd_body<decltype(first)::value, decltype(nesterov)::value>(h, sc, param, grad, s1, cnt, max_bits);
+      });
     }
   }
   uint32_t max1 = 0;
@@ -239,13 +250,9 @@ __attribute__((always_inline)) inline void norm_terms_body(const StepHyper& hype
   const StepScalars sc = scalars;
   if constexpr (kRule == Rule::SGD && kStates == 1) {
     if (h.beta1 != 0.f) {  // as in update_body: SGD's options as template arguments
-      const bool nesterov = (h.flags & kNesterov) != 0;
-      if (sc.first) {
-        return nesterov ? sgd_norm_terms<true, true>(h, sc, param, grad, s1, cnt, p_out, u_out)
-                        : sgd_norm_terms<true, false>(h, sc, param, grad, s1, cnt, p_out, u_out);
-      }
-      return nesterov ? sgd_norm_terms<false, true>(h, sc, param, grad, s1, cnt, p_out, u_out)
-                      : sgd_norm_terms<false, false>(h, sc, param, grad, s1, cnt, p_out, u_out);
+      return with_sgd_options(h, sc, [&](auto first, auto nesterov) LB_ALWAYS_INLINE {
+        sgd_norm_terms<decltype(first)::value, decltype(nesterov)::value>(h, sc, param, grad, s1, cnt, p_out, u_out);
+      });
     }
   }
   for (int i = 0; i < cnt; ++i) {
