@@ -82,6 +82,17 @@ def few_bit(x: Tensor, name: str, bits: int = 3, weight: str = "normal") -> Tens
     return _FewBitFunction.apply(x, name, boundaries, levels, bits)
 
 
+def _check_layer_input(layer: nn.Module, x: object, table: Tensor) -> None:
+    """x must be a tensor on the device of the layer's tables."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.device != table.device:
+        raise ValueError(
+            f"lowbit: x is on {x.device} but {type(layer).__name__}'s tables are on {table.device}; "
+            "move the module with .to(device)"
+        )
+
+
 class FewBitActivation(nn.Module):
     """Activation ``name`` whose backward pass saves ``bits`` bits per element.
 
@@ -104,13 +115,7 @@ class FewBitActivation(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """The activation of ``x``; the tables follow the module's device."""
-        if not isinstance(x, Tensor):
-            raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
-        if x.device != self.levels.device:
-            raise ValueError(
-                f"lowbit: x is on {x.device} but {type(self).__name__}'s tables are on {self.levels.device}; "
-                "move the module with .to(device)"
-            )
+        _check_layer_input(self, x, self.levels)
         return _FewBitFunction.apply(x, self.name, self.boundaries, self.levels, self.bits)
 
     def extra_repr(self) -> str:
@@ -262,13 +267,7 @@ class InvActivation(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """The activation of ``x``; the tables follow the module's device."""
-        if not isinstance(x, Tensor):
-            raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
-        if x.device != self.coeffs.device:
-            raise ValueError(
-                f"lowbit: x is on {x.device} but {type(self).__name__}'s tables are on {self.coeffs.device}; "
-                "move the module with .to(device)"
-            )
+        _check_layer_input(self, x, self.coeffs)
         return _InvActFunction.apply(x, self.name, self.threshold, self.coeffs, self.params)
 
     def extra_repr(self) -> str:
