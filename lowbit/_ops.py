@@ -700,7 +700,15 @@ optimizer_step_ = torch.library.custom_op(
 )
 
 
-def optimizer_step_eager(*args: Any) -> None:
+def optimizer_step_eager(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    *rest: Any,
+) -> None:
     """``lowbit::optimizer_step_`` without the dispatcher, for eager optimizer steps over many tensors.
 
     The custom op's per-tensor bookkeeping (alias checks, list conversions) costs about 15 us per
@@ -708,8 +716,8 @@ def optimizer_step_eager(*args: Any) -> None:
     bumps the version counters of the tensors it writes, as the op does, so autograd still sees the
     in-place update.
     """
-    _optimizer_step_impl(*args)
-    torch.autograd.graph.increment_version([t for group in args[:1] + args[2:6] for t in group])
+    _optimizer_step_impl(params, grads, state1, state2, absmax1, absmax2, *rest)
+    torch.autograd.graph.increment_version([*params, *state1, *state2, *absmax1, *absmax2])
 
 
 @optimizer_step_.register_fake
