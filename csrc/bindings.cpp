@@ -96,6 +96,30 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
       total_blocks};
 }
 
+// hyper as for optim_args; bits: param, grad, state; stochastic: param, state.
+lowbit::LpmmArgs lpmm_args(int rule, const std::vector<float>& hyper, int flags, int n_states, int64_t group_size,
+                           const std::vector<int>& bits, uintptr_t map1, uintptr_t map2,
+                           const std::vector<bool>& stochastic, uint64_t seed, uintptr_t meta, uintptr_t scalars,
+                           int64_t count, int64_t total_groups) {
+  if (rule != static_cast<int>(lowbit::Rule::Adam) && rule != static_cast<int>(lowbit::Rule::SGD)) {
+    throw std::invalid_argument("lowbit: LPMM steps only the Adam and SGD rules, got rule " + std::to_string(rule));
+  }
+  if (bits.size() != 3 || stochastic.size() != 2) {
+    throw std::invalid_argument("lowbit: lpmm_step takes 3 bit widths and 2 rounding flags");
+  }
+  const auto o = optim_args(rule, hyper, flags, lowbit::kNormNone, n_states, group_size, map1, map2, 0, 0, 0, 0, 0);
+  return lowbit::LpmmArgs{o.rule,   o.hyper,     n_states,      group_size,    bits[0],
+                          bits[1],  bits[2],     o.map1,        o.map2,        stochastic[0],
+                          stochastic[1], seed,   ptr<const int64_t>(meta), ptr<const float>(scalars), count,
+                          total_groups};
+}
+
+lowbit::LpmmAccumArgs lpmm_accum_args(uintptr_t grad, int dtype, int64_t n, uintptr_t codes, uintptr_t absmax,
+                                      int bits, int64_t group_size, bool stochastic, uint64_t seed) {
+  return lowbit::LpmmAccumArgs{ptr<const void>(grad), dtype,      n,          ptr<uint8_t>(codes), ptr<float>(absmax),
+                               bits,                  group_size, stochastic, seed};
+}
+
 py::dict build_info() {
   py::dict info;
   info["version"] = LOWBIT_VERSION;
@@ -213,6 +237,25 @@ PYBIND11_MODULE(_C, m) {
       },
       nogil);
 
+  m.def(
+      "lpmm_accumulate_cpu",
+      [](uintptr_t grad, int dtype, int64_t n, uintptr_t codes, uintptr_t absmax, int bits, int64_t group_size,
+         bool stochastic, uint64_t seed, int threads) {
+        lowbit::cpu::lpmm_accumulate(lpmm_accum_args(grad, dtype, n, codes, absmax, bits, group_size, stochastic, seed),
+                                     threads);
+      },
+      nogil);
+  m.def(
+      "lpmm_step_cpu",
+      [](int rule, const std::vector<float>& hyper, int flags, int n_states, int64_t group_size,
+         const std::vector<int>& bits, uintptr_t map1, uintptr_t map2, const std::vector<bool>& stochastic,
+         uint64_t seed, uintptr_t meta, uintptr_t scalars, int64_t count, int64_t total_groups, int threads) {
+        lowbit::cpu::lpmm_step(lpmm_args(rule, hyper, flags, n_states, group_size, bits, map1, map2, stochastic, seed,
+                                         meta, scalars, count, total_groups),
+                               threads);
+      },
+      nogil);
+
 #ifdef LOWBIT_WITH_CUDA
   m.def(
       "quantize_cuda",
@@ -290,6 +333,25 @@ PYBIND11_MODULE(_C, m) {
       "unpack_bits_cuda",
       [](uintptr_t in, uintptr_t out, int64_t n, int bits, int device, uintptr_t stream) {
         lowbit::cuda::unpack_bits(PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits}, device, stream);
+      },
+      nogil);
+  m.def(
+      "lpmm_accumulate_cuda",
+      [](uintptr_t grad, int dtype, int64_t n, uintptr_t codes, uintptr_t absmax, int bits, int64_t group_size,
+         bool stochastic, uint64_t seed, int device, uintptr_t stream) {
+        lowbit::cuda::lpmm_accumulate(
+            lpmm_accum_args(grad, dtype, n, codes, absmax, bits, group_size, stochastic, seed), device, stream);
+      },
+      nogil);
+  m.def(
+      "lpmm_step_cuda",
+      [](int rule, const std::vector<float>& hyper, int flags, int n_states, int64_t group_size,
+         const std::vector<int>& bits, uintptr_t map1, uintptr_t map2, const std::vector<bool>& stochastic,
+         uint64_t seed, uintptr_t meta, uintptr_t scalars, int64_t count, int64_t total_groups, int device,
+         uintptr_t stream) {
+        lowbit::cuda::lpmm_step(lpmm_args(rule, hyper, flags, n_states, group_size, bits, map1, map2, stochastic, seed,
+                                          meta, scalars, count, total_groups),
+                                device, stream);
       },
       nogil);
 #endif

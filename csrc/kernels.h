@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "lowbit/optim_rules.h"
+#include "lowbit/rounding.h"
 
 namespace lowbit {
 
@@ -153,8 +154,84 @@ LB_HD int64_t tensor_of_block(const OptimArgs& a, int64_t b) {
   return lo;
 }
 
+// LPMM (lpmm.txt Algorithm 1). Parameters and gradient accumulators are bit-packed linear absmax
+// codes (blockwise.h: LinearCoder) and optimizer states bit-packed codes into map1/map2, all with one
+// fp32 absmax per group of group_size elements (section 5.1), recomputed at every write (5.2).
+//
+// Accumulate (line 5): g <- Q(g + grad) for one tensor of n elements; an absmax of 0 reads as g = 0.
+struct LpmmAccumArgs {
+  const void* grad;
+  int dtype;
+  int64_t n;
+  uint8_t* codes;
+  float* absmax;
+  int bits;
+  int64_t group_size;
+  bool stochastic;
+  uint64_t seed;
+};
+
+// Step (lines 7-8) over a list of tensors: decode p, g and the states of a group, apply the rule of
+// optim_rules.h in fp32, re-encode p and the states against fresh group absmaxes, and clear g (its
+// absmax becomes 0). Row t of `meta` (int64, kLpCols columns) describes tensor t; row t of `scalars`
+// holds its StepScalars columns (ScalarCol). Random draws: element i of tensor t uses counter
+// meta[kLpOffset] + i under the key lpmm_key(seed, stream) of its stream (parameter, state 1, 2).
+enum LpmmCol : int {
+  kLpParam,
+  kLpParamAbsmax,
+  kLpGrad,
+  kLpGradAbsmax,
+  kLpState1,
+  kLpState2,
+  kLpAbsmax1,
+  kLpAbsmax2,
+  kLpNumel,
+  kLpFirstGroup,
+  kLpOffset,
+  kLpCols
+};
+
+struct LpmmArgs {
+  Rule rule;
+  StepHyper hyper;
+  int n_states;
+  int64_t group_size;
+  int param_bits;
+  int grad_bits;
+  int state_bits;
+  const float* map1;  // 2^state_bits sorted entries each
+  const float* map2;
+  bool stochastic_param;
+  bool stochastic_state;
+  uint64_t seed;
+  const int64_t* meta;
+  const float* scalars;
+  int64_t count;
+  int64_t total_groups;
+};
+
+enum LpmmStream : int { kStreamParam = 0, kStreamState1 = 1, kStreamState2 = 2 };
+
+LB_HD RngKey lpmm_key(uint64_t seed, int stream) { return rng_key(mix64(seed + static_cast<uint64_t>(stream))); }
+
+LB_HD int64_t lpmm_tensor_of_group(const LpmmArgs& a, int64_t b) {
+  int64_t lo = 0;
+  int64_t hi = a.count - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (a.meta[mid * kLpCols + kLpFirstGroup] <= b) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 namespace cpu {
 void optimizer_step(const OptimArgs& a, int threads);
+void lpmm_accumulate(const LpmmAccumArgs& a, int threads);
+void lpmm_step(const LpmmArgs& a, int threads);
 void quantize(const QuantizeArgs& a, int threads);
 void dequantize(const DequantizeArgs& a, int threads);
 void pack_bits(const PackArgs& a, int threads);
@@ -176,6 +253,8 @@ bool set_vbmi_decode(bool enabled);
 #ifdef LOWBIT_WITH_CUDA
 namespace cuda {
 void optimizer_step(const OptimArgs& a, int device, uintptr_t stream);
+void lpmm_accumulate(const LpmmAccumArgs& a, int device, uintptr_t stream);
+void lpmm_step(const LpmmArgs& a, int device, uintptr_t stream);
 void quantize(const QuantizeArgs& a, int device, uintptr_t stream);
 void dequantize(const DequantizeArgs& a, int device, uintptr_t stream);
 void pack_bits(const PackArgs& a, int device, uintptr_t stream);

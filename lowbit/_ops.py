@@ -740,3 +740,226 @@ def _(
     block_size: int,
 ) -> None:
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# LPMM: low-precision parameters and gradient accumulators (lpmm.txt Algorithm 1)
+# ---------------------------------------------------------------------------------------------
+
+# Column layout of the per-tensor table (csrc/kernels.h: LpmmCol).
+_LP_COLS = 11
+MIN_LPMM_BITS = 2
+
+
+def _check_lpmm_bits(name: str, bits: int, low: int, high: int) -> None:
+    _check(
+        isinstance(bits, int) and not isinstance(bits, bool) and low <= bits <= high,
+        f"{name} must be an int in {low}..{high}, got {bits!r}",
+    )
+
+
+def _check_lpmm_tensor(
+    name: str, codes: Tensor, absmax: Tensor, numel: int, bits: int, group_size: int, device: torch.device
+) -> None:
+    """Packed codes and group absmaxes of one quantized tensor (``name`` names it in errors)."""
+    _check_codes(f"{name} codes", codes, numel, bits)
+    _check_input(f"{name} absmax", absmax, (torch.float32,))
+    groups = num_blocks(numel, group_size)
+    _check(absmax.numel() == groups, f"{name} absmax has {absmax.numel()} entries but {numel} elements need {groups}")
+    _check(codes.device == device and absmax.device == device, f"{name} codes and absmax must be on {device}")
+
+
+@torch.library.custom_op("lowbit::lpmm_accumulate_", mutates_args=("codes", "absmax"))
+def lpmm_accumulate_(
+    grad: Tensor, codes: Tensor, absmax: Tensor, bits: int, group_size: int, stochastic: bool, seed: int
+) -> None:
+    """Gradient accumulation into a quantized accumulator, ``g <- Q(g + grad)`` (lpmm.txt Algorithm 1, line 5).
+
+    ``codes``/``absmax`` hold ``grad.numel()`` bit-packed linear codes of ``bits`` bits with one fp32
+    absmax per group of ``group_size`` elements (an absmax of 0 reads as an all-zero group). Each group is
+    decoded, ``grad`` added in fp32, and the sum re-encoded against its new absmax, with stochastic
+    rounding (draws keyed by ``seed``) or round-to-nearest.
+    """
+    _check_input("grad", grad, FLOAT_DTYPES)
+    _check_lpmm_bits("bits", bits, MIN_LPMM_BITS, MAX_LINEAR_BITS)
+    _check_blocksize(group_size)
+    _check(group_size > 0, "group_size must be positive")
+    _check_rng(seed, 0)
+    _check_lpmm_tensor("accumulator", codes, absmax, grad.numel(), bits, group_size, grad.device)
+    if grad.numel() == 0:
+        return
+    _launch("lpmm_accumulate", grad.device)(
+        grad.data_ptr(),
+        _DTYPE_CODES[grad.dtype],
+        grad.numel(),
+        codes.data_ptr(),
+        absmax.data_ptr(),
+        bits,
+        group_size,
+        stochastic,
+        seed,
+    )
+
+
+@lpmm_accumulate_.register_fake
+def _(grad: Tensor, codes: Tensor, absmax: Tensor, bits: int, group_size: int, stochastic: bool, seed: int) -> None:
+    return None
+
+
+def _lpmm_step_impl(
+    params: list[Tensor],
+    param_absmax: list[Tensor],
+    grads: list[Tensor],
+    grad_absmax: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    numels: list[int],
+    scalars: list[float],
+    map1: Tensor,
+    map2: Tensor,
+    rule: int,
+    hyper: list[float],
+    flags: int,
+    n_states: int,
+    group_size: int,
+    param_bits: int,
+    grad_bits: int,
+    state_bits: int,
+    stochastic_param: bool,
+    stochastic_state: bool,
+    seed: int,
+) -> None:
+    """One fused LPMM step (lpmm.txt Algorithm 1, lines 7-8) over quantized tensors; clears the accumulators.
+
+    Tensor i has ``numels[i]`` elements: bit-packed linear parameter codes ``params[i]`` (``param_bits``)
+    and accumulator codes ``grads[i]`` (``grad_bits``), optimizer states ``state1[i]``/``state2[i]``
+    bit-packed at ``state_bits`` into ``map1``/``map2`` (``2**state_bits`` entries each), and one fp32
+    absmax per group of ``group_size`` elements for each. ``rule`` is Adam (0) or SGD (1); ``hyper``,
+    ``flags`` and ``scalars`` are laid out as for ``lowbit::optimizer_step_``. Parameters and states are
+    re-encoded against fresh group absmaxes with stochastic rounding where asked (draws keyed by
+    ``seed``); every accumulator absmax is set to 0.
+    """
+    count = len(params)
+    _check(rule in (0, 1), f"rule must be 0 (Adam) or 1 (SGD), got {rule}")
+    _check(0 <= n_states <= 2, f"n_states must be 0, 1 or 2, got {n_states}")
+    _check_blocksize(group_size)
+    _check(group_size > 0, "group_size must be positive")
+    _check_lpmm_bits("param_bits", param_bits, MIN_LPMM_BITS, MAX_LINEAR_BITS)
+    _check_lpmm_bits("grad_bits", grad_bits, MIN_LPMM_BITS, MAX_LINEAR_BITS)
+    _check_lpmm_bits("state_bits", state_bits, 1, MAX_MAP_BITS)
+    _check_rng(seed, 0)
+    _check(len(hyper) == 9, f"hyper must hold 9 values, got {len(hyper)}")
+    _check(len(scalars) == _SCALAR_COLS * count, "scalars must hold 3 values per tensor")
+    lists = {"param_absmax": param_absmax, "grads": grads, "grad_absmax": grad_absmax, "numels": numels}
+    for k, (s, a) in enumerate(((state1, absmax1), (state2, absmax2))[:n_states]):
+        lists[f"state{k + 1}"], lists[f"absmax{k + 1}"] = s, a
+    for name, lst in lists.items():
+        _check(len(lst) == count, f"{name} has {len(lst)} entries but params has {count}")
+    if count == 0:
+        return
+    device = params[0].device
+    _check_map(map1, state_bits)
+    _check_map(map2, state_bits)
+    _check_same_device("params[0]", params[0], map1=map1, map2=map2)
+    rows = []
+    first_group = 0
+    offset = 0
+    for i in range(count):
+        n = numels[i]
+        _check(isinstance(n, int) and n >= 0, f"numels[{i}] must be a non-negative int, got {n!r}")
+        _check_lpmm_tensor(f"params[{i}]", params[i], param_absmax[i], n, param_bits, group_size, device)
+        _check_lpmm_tensor(f"grads[{i}]", grads[i], grad_absmax[i], n, grad_bits, group_size, device)
+        states = [(s[i], a[i]) for s, a in ((state1, absmax1), (state2, absmax2))[:n_states]]
+        for k, (s, a) in enumerate(states):
+            _check_lpmm_tensor(f"state{k + 1}[{i}]", s, a, n, state_bits, group_size, device)
+        ptrs = [s.data_ptr() for s, _ in states] + [0] * (2 - n_states)
+        amax = [a.data_ptr() for _, a in states] + [0] * (2 - n_states)
+        rows.append(
+            [
+                params[i].data_ptr(),
+                param_absmax[i].data_ptr(),
+                grads[i].data_ptr(),
+                grad_absmax[i].data_ptr(),
+                *ptrs,
+                *amax,
+                n,
+                first_group,
+                offset,
+            ]
+        )
+        first_group += num_blocks(n, group_size)
+        offset += n
+    meta = torch.tensor(rows, dtype=torch.int64).reshape(count, _LP_COLS)
+    scal = torch.tensor(scalars, dtype=torch.float32)
+    if device.type != "cpu":
+        meta, scal = (t.pin_memory().to(device, non_blocking=True) for t in (meta, scal))
+    _launch("lpmm_step", device)(
+        rule,
+        hyper,
+        flags,
+        n_states,
+        group_size,
+        [param_bits, grad_bits, state_bits],
+        map1.data_ptr(),
+        map2.data_ptr(),
+        [stochastic_param, stochastic_state],
+        seed,
+        meta.data_ptr(),
+        scal.data_ptr(),
+        count,
+        first_group,
+    )
+
+
+lpmm_step_ = torch.library.custom_op(
+    "lowbit::lpmm_step_",
+    _lpmm_step_impl,
+    mutates_args=("params", "param_absmax", "grad_absmax", "state1", "state2", "absmax1", "absmax2"),
+)
+
+
+def lpmm_step_eager(
+    params: list[Tensor],
+    param_absmax: list[Tensor],
+    grads: list[Tensor],
+    grad_absmax: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    *rest: Any,
+) -> None:
+    """``lowbit::lpmm_step_`` without the dispatcher's per-tensor bookkeeping (see :func:`optimizer_step_eager`)."""
+    _lpmm_step_impl(params, param_absmax, grads, grad_absmax, state1, state2, absmax1, absmax2, *rest)
+    torch.autograd.graph.increment_version([*params, *param_absmax, *grad_absmax, *state1, *state2, *absmax1, *absmax2])
+
+
+@lpmm_step_.register_fake
+def _(
+    params: list[Tensor],
+    param_absmax: list[Tensor],
+    grads: list[Tensor],
+    grad_absmax: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    numels: list[int],
+    scalars: list[float],
+    map1: Tensor,
+    map2: Tensor,
+    rule: int,
+    hyper: list[float],
+    flags: int,
+    n_states: int,
+    group_size: int,
+    param_bits: int,
+    grad_bits: int,
+    state_bits: int,
+    stochastic_param: bool,
+    stochastic_state: bool,
+    seed: int,
+) -> None:
+    return None

@@ -381,3 +381,75 @@ def optimizer_step_(
                 absmaxes[k][i].copy_(amax)
             else:
                 states[k][i].copy_(value.reshape(states[k][i].shape))
+
+
+def lpmm_accumulate_(
+    grad: Tensor, codes: Tensor, absmax: Tensor, bits: int, group_size: int, stochastic: bool, seed: int
+) -> None:
+    """Twin of ``lowbit::lpmm_accumulate_``: ``g <- Q(g + grad)`` in place."""
+    n = grad.numel()
+    total = dequantize_linear(codes, absmax, bits, group_size, n, torch.float32) + grad.reshape(-1).float()
+    new_codes, new_absmax = quantize_linear(total, bits, group_size, stochastic, seed, 0)
+    codes.copy_(new_codes)
+    absmax.copy_(new_absmax)
+
+
+def _lpmm_stream_seed(seed: int, stream: int) -> int:
+    """The seed whose uniform01 draws are those of kernels.h: lpmm_key(seed, stream)."""
+    return _mix64_int(seed + stream)
+
+
+def lpmm_step_(
+    params: list[Tensor],
+    param_absmax: list[Tensor],
+    grads: list[Tensor],
+    grad_absmax: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    numels: list[int],
+    scalars: list[float],
+    map1: Tensor,
+    map2: Tensor,
+    rule: int,
+    hyper: list[float],
+    flags: int,
+    n_states: int,
+    group_size: int,
+    param_bits: int,
+    grad_bits: int,
+    state_bits: int,
+    stochastic_param: bool,
+    stochastic_state: bool,
+    seed: int,
+) -> None:
+    """Twin of ``lowbit::lpmm_step_`` (same arguments, same in-place updates)."""
+    f32 = torch.float32
+    states, absmaxes, maps = [state1, state2], [absmax1, absmax2], [map1, map2]
+    offset = 0
+    for i, n in enumerate(numels):
+        p = dequantize_linear(params[i], param_absmax[i], param_bits, group_size, n, f32)
+        g = dequantize_linear(grads[i], grad_absmax[i], grad_bits, group_size, n, f32)
+        values = [
+            dequantize_blockwise(states[k][i], absmaxes[k][i], maps[k], state_bits, group_size, n, f32)
+            if k < n_states
+            else torch.zeros(n, dtype=f32)
+            for k in range(2)
+        ]
+        sc = torch.tensor(scalars[3 * i : 3 * i + 3], dtype=f32)
+        u, s1, s2 = _rule_step(rule, hyper, flags, sc, p, g, values[0], values[1])
+        if float(hyper[6]) != 0 and flags & _DECOUPLED:
+            p = p * torch.tensor(float(hyper[7]), dtype=f32)
+        p = p - u
+        codes, amax = quantize_linear(p, param_bits, group_size, stochastic_param, _lpmm_stream_seed(seed, 0), offset)
+        params[i].copy_(codes)
+        param_absmax[i].copy_(amax)
+        for k, value in enumerate((s1, s2)[:n_states]):
+            codes, amax = quantize_blockwise(
+                value, maps[k], state_bits, group_size, stochastic_state, _lpmm_stream_seed(seed, 1 + k), offset
+            )
+            states[k][i].copy_(codes)
+            absmaxes[k][i].copy_(amax)
+        grad_absmax[i].zero_()
+        offset += n

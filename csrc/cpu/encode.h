@@ -1,11 +1,13 @@
-// Tile-wise encoding against a map on the CPU, shared by the quantizers and the optimizer step: a
-// vectorisable pass normalises a tile, then a scalar pass finds codes with the O(1) map index.
+// Tile-wise encoding on the CPU, shared by the quantizers, the optimizer step and LPMM: a
+// vectorisable pass normalises a tile, then a scalar pass finds codes (the O(1) map index, or the
+// linear quantizer) and bit-packs them.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
 #include "lowbit/blockwise.h"
+#include "lowbit/pack.h"
 #include "lowbit/qmap.h"
 #include "lowbit/rounding.h"
 #include "avx512.h"
@@ -97,6 +99,45 @@ struct MapSpan {
       const uint32_t lo = floor(j);
       const bool up = kSR ? stochastic_up(xn[j], m[lo], m[lo + 1], u[j]) : nearest_up(xn[j], m[lo], m[lo + 1]);
       codes[j] = lo + static_cast<uint32_t>(up);
+    }
+  }
+};
+
+// Stores cnt codes of the tile starting at element t (a multiple of kGroup).
+inline void store_codes(const uint32_t* codes, int cnt, int bits, int64_t t, uint8_t* out) {
+  if (bits == 8) {
+    for (int j = 0; j < cnt; ++j) out[t + j] = static_cast<uint8_t>(codes[j]);
+    return;
+  }
+  for (int j = 0; j < cnt; j += kGroup) {
+    pack_group(codes + j, std::min(kGroup, cnt - j), bits, out + ((t + j) / kGroup) * bits);
+  }
+}
+
+inline void load_codes(const uint8_t* in, int cnt, int bits, int64_t t, uint32_t* codes) {
+  if (bits == 8) {
+    for (int j = 0; j < cnt; ++j) codes[j] = in[t + j];
+    return;
+  }
+  for (int j = 0; j < cnt; j += kGroup) {
+    unpack_group(in + ((t + j) / kGroup) * bits, std::min(kGroup, cnt - j), bits, codes + j);
+  }
+}
+
+struct LinearSpan {
+  float qmax;
+
+  template <bool kSR, typename T>
+  void encode(const T* x, int cnt, float absmax, RngKey key, uint64_t counter, uint32_t* codes) const {
+    float y[kTile];
+    normalise_tile(x, cnt, absmax, y);
+    for (int j = 0; j < cnt; ++j) y[j] = linear_clamp(y[j] * qmax, qmax);
+    if (kSR) {
+      float u[kTile];
+      uniform_tile(key, counter, cnt, u);
+      for (int j = 0; j < cnt; ++j) codes[j] = linear_code_stochastic(y[j], qmax, u[j]);
+    } else {
+      for (int j = 0; j < cnt; ++j) codes[j] = linear_code_nearest(y[j], qmax);
     }
   }
 };

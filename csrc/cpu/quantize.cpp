@@ -29,45 +29,6 @@ uint32_t absmax_bits(const T* x, int64_t n) {
   return m;
 }
 
-// Stores cnt codes of the tile starting at element t (a multiple of kGroup).
-void store_codes(const uint32_t* codes, int cnt, int bits, int64_t t, uint8_t* out) {
-  if (bits == 8) {
-    for (int j = 0; j < cnt; ++j) out[t + j] = static_cast<uint8_t>(codes[j]);
-    return;
-  }
-  for (int j = 0; j < cnt; j += kGroup) {
-    pack_group(codes + j, std::min(kGroup, cnt - j), bits, out + ((t + j) / kGroup) * bits);
-  }
-}
-
-void load_codes(const uint8_t* in, int cnt, int bits, int64_t t, uint32_t* codes) {
-  if (bits == 8) {
-    for (int j = 0; j < cnt; ++j) codes[j] = in[t + j];
-    return;
-  }
-  for (int j = 0; j < cnt; j += kGroup) {
-    unpack_group(in + ((t + j) / kGroup) * bits, std::min(kGroup, cnt - j), bits, codes + j);
-  }
-}
-
-struct LinearSpan {
-  float qmax;
-
-  template <bool kSR, typename T>
-  void encode(const T* x, int cnt, float absmax, RngKey key, uint64_t counter, uint32_t* codes) const {
-    float y[kTile];
-    normalise_tile(x, cnt, absmax, y);
-    for (int j = 0; j < cnt; ++j) y[j] = linear_clamp(y[j] * qmax, qmax);
-    if (kSR) {
-      float u[kTile];
-      uniform_tile(key, counter, cnt, u);
-      for (int j = 0; j < cnt; ++j) codes[j] = linear_code_stochastic(y[j], qmax, u[j]);
-    } else {
-      for (int j = 0; j < cnt; ++j) codes[j] = linear_code_nearest(y[j], qmax);
-    }
-  }
-};
-
 // Encodes x[begin, end) of one block; begin is a multiple of kGroup.
 template <bool kSR, typename T, typename Span>
 void encode_range(const T* x, int64_t begin, int64_t end, float absmax, const Span& span, int bits, RngKey key,

@@ -1,6 +1,7 @@
 """Optimizers with 8-bit block-wise or fp32 states, fused into one native call per param group."""
 
 from lowbit.optim.config import clear_override, get_override, override
+from lowbit.optim.lpmm import LPMMSGD, LPMMAdamW, LPMMOptimizer
 from lowbit.optim.optimizer import LowbitOptimizer
 from lowbit.optim.optimizers import (
     LAMB,
@@ -46,6 +47,9 @@ __all__ = [
     "LAMB32bit",
     "LARS8bit",
     "LARS32bit",
+    "LPMMSGD",
+    "LPMMAdamW",
+    "LPMMOptimizer",
     "Lion",
     "Lion8bit",
     "Lion32bit",

@@ -320,16 +320,8 @@ class LowbitOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict; 8-bit codes and fp32 states keep their dtype whatever the param dtype."""
-        saved = state_dict["state"]
-        ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
         super().load_state_dict(state_dict)
-        # torch.optim casts floating-point state to the parameter's dtype; lowbit states are fp32
-        # whatever the parameter, so restore them from the saved tensors.
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(ids, params, strict=True):
-            for key, value in saved.get(pid, {}).items():
-                if isinstance(value, Tensor) and key != "step":
-                    self.state[p][key] = value.detach().to(p.device, copy=True)
+        restore_state_dtypes(self, state_dict)
 
     def dequantized_state(self, p: Tensor) -> dict[str, Tensor]:
         """The state of ``p`` in torch.optim's layout and names, dequantized to fp32."""
@@ -360,6 +352,21 @@ def _stored_block_size(numel: int, blocks: int) -> int:
         if _ops.num_blocks(numel, 1 << shift) == blocks:
             return 1 << shift
     raise ValueError(f"lowbit: an 8-bit state of {numel} elements cannot have {blocks} blocks")
+
+
+def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Undo torch.optim's cast of loaded floating-point state to the parameter dtype.
+
+    lowbit states keep their own dtypes (fp32 states and absmaxes, uint8 codes) whatever the
+    parameter's, so after ``torch.optim.Optimizer.load_state_dict`` they are restored from the saved
+    tensors, on the parameter's device.
+    """
+    ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for pid, p in zip(ids, params, strict=True):
+        for key, value in state_dict["state"].get(pid, {}).items():
+            if isinstance(value, Tensor) and key != "step":
+                optimizer.state[p][key] = value.detach().to(p.device, copy=True)
 
 
 def decay_factor(lr: float, weight_decay: float) -> float:

@@ -1,0 +1,204 @@
+// LPMM on the CPU (lpmm.txt Algorithm 1): OpenMP over quantization groups. A group is decoded into
+// L1-resident fp32 buffers, updated, and re-encoded with stochastic rounding against its fresh absmax
+// (section 5.2, dynamic quantization), so no full-precision copy of a tensor ever exists.
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "encode.h"
+#include "kernels.h"
+#include "lowbit/blockwise.h"
+#include "lowbit/dispatch.h"
+#include "lowbit/optim_rules.h"
+#include "lowbit/rounding.h"
+#include "map_index.h"
+
+namespace lowbit::cpu {
+namespace {
+
+constexpr int kMaxGroup = 4096;
+constexpr int64_t kParallelMin = 1 << 15;
+
+float linear_qmax(int bits) { return static_cast<float>((1 << (bits - 1)) - 1); }
+
+// Decodes the cnt codes starting at element lo (a multiple of kGroup) into out.
+template <typename Decode>
+void decode_group(const uint8_t* codes, int64_t lo, int cnt, int bits, Decode&& decode, float* out) {
+  uint32_t tile[kTile];
+  for (int j = 0; j < cnt; j += kTile) {
+    const int m = std::min(kTile, cnt - j);
+    load_codes(codes, m, bits, lo + j, tile);
+    for (int i = 0; i < m; ++i) out[j + i] = decode(tile[i]);
+  }
+}
+
+void decode_linear(const uint8_t* codes, int64_t lo, int cnt, int bits, float absmax, float* out) {
+  const LinearCoder coder{linear_qmax(bits)};
+  decode_group(codes, lo, cnt, bits, [&](uint32_t c) { return coder.decode(c, absmax); }, out);
+}
+
+void decode_map(const uint8_t* codes, int64_t lo, int cnt, int bits, const float* map, float absmax, float* out) {
+  decode_group(codes, lo, cnt, bits, [&](uint32_t c) { return map[c] * absmax; }, out);
+}
+
+// Encodes the cnt values `in` of the group starting at element lo; draws use counters counter0 + lo + j.
+template <bool kSR, typename Span>
+void encode_group(const Span& span, const float* in, int64_t lo, int cnt, int bits, float absmax, RngKey key,
+                  uint64_t counter0, uint8_t* codes) {
+  uint32_t tile[kTile];
+  for (int j = 0; j < cnt; j += kTile) {
+    const int m = std::min(kTile, cnt - j);
+    span.template encode<kSR>(in + j, m, absmax, key, counter0 + static_cast<uint64_t>(lo + j), tile);
+    store_codes(tile, m, bits, lo + j, codes);
+  }
+}
+
+template <typename Span>
+void encode_group(bool stochastic, const Span& span, const float* in, int64_t lo, int cnt, int bits, float absmax,
+                  RngKey key, uint64_t counter0, uint8_t* codes) {
+  if (stochastic) return encode_group<true>(span, in, lo, cnt, bits, absmax, key, counter0, codes);
+  encode_group<false>(span, in, lo, cnt, bits, absmax, key, counter0, codes);
+}
+
+template <typename T>
+void accumulate_group(const LpmmAccumArgs& a, int64_t g, RngKey key) {
+  const int64_t lo = g * a.group_size;
+  const int cnt = static_cast<int>(std::min(a.n - lo, a.group_size));
+  float v[kMaxGroup];
+  decode_linear(a.codes, lo, cnt, a.bits, a.absmax[g], v);
+  const T* x = static_cast<const T*>(a.grad) + lo;
+  uint32_t m = 0;
+  for (int i = 0; i < cnt; ++i) {
+    v[i] = v[i] + to_float(x[i]);
+    m = std::max(m, abs_bits(v[i]));
+  }
+  const float amax = absmax_from_bits(m);
+  a.absmax[g] = amax;
+  encode_group(a.stochastic, LinearSpan{linear_qmax(a.bits)}, v, lo, cnt, a.bits, amax, key, 0, a.codes);
+}
+
+template <typename T>
+void accumulate_all(const LpmmAccumArgs& a, int threads) {
+  const int64_t groups = (a.n + a.group_size - 1) / a.group_size;
+  const RngKey key = rng_key(a.seed);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+  for (int64_t g = 0; g < groups; ++g) accumulate_group<T>(a, g, key);
+}
+
+struct LpTensor {
+  uint8_t* param;
+  float* param_absmax;
+  const uint8_t* grad;
+  float* grad_absmax;
+  uint8_t* state[2];
+  float* absmax[2];
+  int64_t n;
+  uint64_t offset;
+  StepScalars scalars;
+};
+
+LpTensor lp_tensor(const LpmmArgs& a, int64_t t) {
+  const int64_t* m = a.meta + t * kLpCols;
+  const float* s = a.scalars + t * kScalarCols;
+  auto ptr = [](int64_t v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); };
+  return LpTensor{static_cast<uint8_t*>(ptr(m[kLpParam])),
+                  static_cast<float*>(ptr(m[kLpParamAbsmax])),
+                  static_cast<const uint8_t*>(ptr(m[kLpGrad])),
+                  static_cast<float*>(ptr(m[kLpGradAbsmax])),
+                  {static_cast<uint8_t*>(ptr(m[kLpState1])), static_cast<uint8_t*>(ptr(m[kLpState2]))},
+                  {static_cast<float*>(ptr(m[kLpAbsmax1])), static_cast<float*>(ptr(m[kLpAbsmax2]))},
+                  m[kLpNumel],
+                  static_cast<uint64_t>(m[kLpOffset]),
+                  StepScalars{s[kStepSize], s[kBias2Sqrt], s[kFirst] != 0.f, 1.f, 1.f}};
+}
+
+// Map indexes of the state maps, built once per call outside the parallel loop.
+struct LpCoders {
+  std::shared_ptr<const MapIndex> index[2];
+  bool gather = false;
+};
+
+template <Rule kRule, int kStates>
+void step_group(const LpmmArgs& a, const LpTensor& t, int64_t g, const LpCoders& coders) {
+  const int64_t lo = g * a.group_size;
+  const int cnt = static_cast<int>(std::min(t.n - lo, a.group_size));
+  float p[kMaxGroup];
+  float grad[kMaxGroup];
+  float s[2][kMaxGroup];
+  decode_linear(t.param, lo, cnt, a.param_bits, t.param_absmax[g], p);
+  decode_linear(t.grad, lo, cnt, a.grad_bits, t.grad_absmax[g], grad);
+  for (int k = 0; k < kStates; ++k) {
+    decode_map(t.state[k], lo, cnt, a.state_bits, k == 0 ? a.map1 : a.map2, t.absmax[k][g], s[k]);
+  }
+  const StepHyper h = a.hyper;
+  uint32_t max_p = 0;
+  uint32_t max_s[2] = {0, 0};
+  for (int i = 0; i < cnt; ++i) {
+    float v1 = kStates > 0 ? s[0][i] : 0.f;
+    float v2 = kStates > 1 ? s[1][i] : 0.f;
+    apply_rule(kRule, h, t.scalars, p[i], grad[i], v1, v2);
+    max_p = std::max(max_p, abs_bits(p[i]));
+    if (kStates > 0) {
+      s[0][i] = v1;
+      max_s[0] = std::max(max_s[0], abs_bits(v1));
+    }
+    if (kStates > 1) {
+      s[1][i] = v2;
+      max_s[1] = std::max(max_s[1], abs_bits(v2));
+    }
+  }
+  const float amax_p = absmax_from_bits(max_p);
+  t.param_absmax[g] = amax_p;
+  encode_group(a.stochastic_param, LinearSpan{linear_qmax(a.param_bits)}, p, lo, cnt, a.param_bits, amax_p,
+               lpmm_key(a.seed, kStreamParam), t.offset, t.param);
+  for (int k = 0; k < kStates; ++k) {
+    const float amax = absmax_from_bits(max_s[k]);
+    t.absmax[k][g] = amax;
+    encode_group(a.stochastic_state, MapSpan{*coders.index[k], coders.gather}, s[k], lo, cnt, a.state_bits, amax,
+                 lpmm_key(a.seed, k == 0 ? kStreamState1 : kStreamState2), t.offset, t.state[k]);
+  }
+  t.grad_absmax[g] = 0.f;
+}
+
+template <Rule kRule>
+void step_all(const LpmmArgs& a, int threads) {
+  std::vector<LpTensor> tensors;
+  int64_t elements = 0;
+  for (int64_t t = 0; t < a.count; ++t) {
+    tensors.push_back(lp_tensor(a, t));
+    elements += tensors.back().n;
+  }
+  LpCoders coders;
+  const uint32_t map_n = 1u << a.state_bits;
+  for (int k = 0; k < a.n_states; ++k) coders.index[k] = map_index(k == 0 ? a.map1 : a.map2, map_n);
+  // Decided (and on first use timed) here, outside the parallel region.
+  coders.gather = a.n_states > 0 && gather_encode_active();
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && elements >= kParallelMin)
+  for (int64_t b = 0; b < a.total_groups; ++b) {
+    const int64_t t = lpmm_tensor_of_group(a, b);
+    const int64_t g = b - a.meta[t * kLpCols + kLpFirstGroup];
+    switch (a.n_states) {
+      case 0:
+        step_group<kRule, 0>(a, tensors[t], g, coders);
+        break;
+      case 1:
+        step_group<kRule, 1>(a, tensors[t], g, coders);
+        break;
+      default:
+        step_group<kRule, 2>(a, tensors[t], g, coders);
+    }
+  }
+}
+
+}  // namespace
+
+void lpmm_accumulate(const LpmmAccumArgs& a, int threads) {
+  LB_DISPATCH_DTYPE(a.dtype, accumulate_all<scalar_t>(a, threads));
+}
+
+void lpmm_step(const LpmmArgs& a, int threads) {
+  dispatch_rule(a.rule, [&](auto rule) { step_all<decltype(rule)::value>(a, threads); });
+}
+
+}  // namespace lowbit::cpu

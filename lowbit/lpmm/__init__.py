@@ -1,0 +1,572 @@
+"""LPMM: training with the whole model memory in low precision (lpmm.txt).
+
+:func:`convert` replaces every parameter of a model with a :class:`LowPrecisionParameter`: k-bit
+group-wise absmax codes (linear map, section 5.1) plus a quantized gradient accumulator. A module's
+parameters are dequantized into temporary full-precision tensors when its forward starts and dropped
+when it ends (section 5.3); tensors that autograd saves for backward are not kept either, they are
+dequantized again when backward needs them. Backward adds each gradient into the accumulator with
+stochastic rounding, ``g <- Q(g + grad)`` (Algorithm 1, line 5), so no fp32 ``.grad`` persists, and
+micro-batching is the usual gradient-accumulation loop. :class:`lowbit.optim.LPMMSGD` and
+:class:`lowbit.optim.LPMMAdamW` then update the quantized parameters and momentum in one fused native
+call (lines 7-8).
+
+Limits: a converted parameter must be read through its module's attribute inside that module's
+forward, or passed to torch functions (``F.linear(x, emb.weight)`` works anywhere); modules that keep
+their own references to parameters (``nn.RNN``/``nn.LSTM``/``nn.GRU``'s flat weights, parametrized
+modules) cannot be converted and raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree
+
+from lowbit import _ops
+
+__all__ = [
+    "LowPrecisionParameter",
+    "MemoryReport",
+    "convert",
+    "draw_seed",
+    "export_float",
+    "low_precision_parameters",
+    "memory_report",
+]
+
+ROUNDING_MODES = ("stochastic", "nearest")
+MIN_BITS = 4
+MAX_BITS = _ops.MAX_LINEAR_BITS
+
+
+def draw_seed(generator: Optional[torch.Generator] = None) -> int:
+    """A seed for the counter-based rounding draws, taken from ``generator`` (torch's default if None)."""
+    return int(torch.randint(0, 2**62, (), generator=generator).item())
+
+
+def _check_bits(name: str, bits: object) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"lowbit.lpmm: {name} must be an int in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
+    return bits
+
+
+def _check_group_size(group_size: object) -> int:
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or not (64 <= group_size <= 4096 and group_size & (group_size - 1) == 0)
+    ):
+        raise ValueError(f"lowbit.lpmm: group_size must be a power of two in 64..4096, got {group_size!r}")
+    return group_size
+
+
+def _check_rounding(rounding: object) -> str:
+    if rounding not in ROUNDING_MODES:
+        raise ValueError(f"lowbit.lpmm: rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+    return str(rounding)
+
+
+class _Materialize(torch.autograd.Function):
+    """The full-precision value of a low-precision parameter; backward feeds its accumulator."""
+
+    @staticmethod
+    def forward(ctx: Any, handle: Tensor, lp: LowPrecisionParameter) -> Tensor:
+        ctx.lp = lp
+        return lp.dequantize()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
+        ctx.lp.accumulate_(grad)
+        return None, None
+
+
+class LowPrecisionParameter(nn.Module):
+    """One parameter stored as bit-packed k-bit linear codes with one fp32 absmax per group.
+
+    Buffers: ``codes`` and ``absmax`` (the value, in the state dict), ``grad_codes`` and
+    ``grad_absmax`` (the gradient accumulator, not saved). ``handle`` is an empty ``nn.Parameter``
+    that stands for this tensor in ``model.parameters()`` and optimizer param groups.
+
+    Args:
+        value: initial value (any float tensor; its dtype becomes the compute dtype).
+        bits: bits per stored element, 4..16.
+        grad_bits: bits per accumulator element, 4..16.
+        group_size: elements per quantization group (a power of two, 64..4096).
+        rounding: ``"stochastic"`` (unbiased, lpmm.txt section 3.3) or ``"nearest"`` for accumulation
+            and updates; the initial value is always rounded to nearest.
+        requires_grad: whether backward accumulates gradients for it.
+        generator: source of rounding seeds (torch's default generator if None).
+    """
+
+    def __init__(
+        self,
+        value: Tensor,
+        *,
+        bits: int = 12,
+        grad_bits: int = 8,
+        group_size: int = 2048,
+        rounding: str = "stochastic",
+        requires_grad: bool = True,
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(value, Tensor) or value.dtype not in _ops.FLOAT_DTYPES:
+            got = value.dtype if isinstance(value, Tensor) else type(value).__name__
+            raise TypeError(f"lowbit.lpmm: value must be a float32, float16 or bfloat16 tensor, got {got}")
+        self.bits = _check_bits("bits", bits)
+        self.grad_bits = _check_bits("grad_bits", grad_bits)
+        self.group_size = _check_group_size(group_size)
+        self.rounding = _check_rounding(rounding)
+        self.shape = torch.Size(value.shape)
+        self.dtype = value.dtype
+        self.generator = generator
+        # Bumped whenever the value changes; a backward pass refuses values saved before a change.
+        self.version = 0
+        self.has_grad = False
+        n = value.numel()
+        codes, absmax = self._encode(value)
+        self.register_buffer("codes", codes)
+        self.register_buffer("absmax", absmax)
+        self.register_buffer(
+            "grad_codes", torch.zeros(_ops.packed_bytes(n, grad_bits), dtype=torch.uint8, device=value.device), False
+        )
+        self.register_buffer(
+            "grad_absmax", torch.zeros(_ops.num_blocks(n, group_size), dtype=torch.float32, device=value.device), False
+        )
+        self.handle = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=requires_grad)
+        self.handle._lpmm = self  # type: ignore[attr-defined]
+
+    # -- values -----------------------------------------------------------------------------------
+
+    def _encode(self, value: Tensor) -> tuple[Tensor, Tensor]:
+        flat = value.detach().reshape(-1).contiguous()
+        return _ops.quantize_linear(flat, self.bits, self.group_size, False, 0, 0)
+
+    def numel(self) -> int:
+        """Number of elements of the stored tensor."""
+        return self.shape.numel()
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the stored codes."""
+        return self.codes.device
+
+    def dequantize(self) -> Tensor:
+        """A new full-precision tensor (compute dtype, original shape) holding the stored value."""
+        flat = _ops.dequantize_linear(self.codes, self.absmax, self.bits, self.group_size, self.numel(), self.dtype)
+        return flat.view(self.shape)
+
+    def materialize(self) -> Tensor:
+        """The value as a temporary tensor whose gradient (if any) flows into the accumulator."""
+        if torch.is_grad_enabled() and self.handle.requires_grad:
+            return _Materialize.apply(self.handle, self)
+        return self.dequantize()
+
+    @torch.no_grad()
+    def set_(self, value: Tensor) -> None:
+        """Store ``value`` (rounded to nearest), as a new parameter value."""
+        if tuple(value.shape) != tuple(self.shape):
+            raise ValueError(f"lowbit.lpmm: value has shape {tuple(value.shape)}, expected {tuple(self.shape)}")
+        codes, absmax = self._encode(value.to(self.device))
+        self.codes.copy_(codes)
+        self.absmax.copy_(absmax)
+        self.version += 1
+
+    # -- gradient accumulator -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def accumulate_(self, grad: Tensor) -> None:
+        """``g <- Q(g + grad)`` (lpmm.txt Algorithm 1, line 5) with this tensor's rounding."""
+        if tuple(grad.shape) != tuple(self.shape):
+            raise ValueError(f"lowbit.lpmm: grad has shape {tuple(grad.shape)}, expected {tuple(self.shape)}")
+        _ops.lpmm_accumulate_(
+            grad.reshape(-1).contiguous(),
+            self.grad_codes,
+            self.grad_absmax,
+            self.grad_bits,
+            self.group_size,
+            self.rounding == "stochastic",
+            draw_seed(self.generator),
+        )
+        self.has_grad = True
+
+    @property
+    def grad(self) -> Optional[Tensor]:
+        """The accumulated gradient dequantized to fp32, or None when nothing was accumulated."""
+        if not self.has_grad:
+            return None
+        flat = _ops.dequantize_linear(
+            self.grad_codes, self.grad_absmax, self.grad_bits, self.group_size, self.numel(), torch.float32
+        )
+        return flat.view(self.shape)
+
+    def zero_grad_(self) -> None:
+        """Empty the accumulator (an absmax of 0 reads as zeros)."""
+        self.grad_absmax.zero_()
+        self.has_grad = False
+
+    # -- nn.Module plumbing -----------------------------------------------------------------------
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> LowPrecisionParameter:
+        # .to()/.cuda()/.half() move the codes and change the compute dtype; codes and absmaxes keep
+        # their own dtypes (uint8, fp32), which a generic _apply would cast.
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.device))
+        if probe.is_floating_point():
+            if probe.dtype not in _ops.FLOAT_DTYPES:
+                raise TypeError(f"lowbit.lpmm: compute dtype must be float32, float16 or bfloat16, got {probe.dtype}")
+            self.dtype = probe.dtype
+        for name in ("codes", "absmax", "grad_codes", "grad_absmax"):
+            self._buffers[name] = self._buffers[name].to(probe.device)
+        self.handle.data = torch.empty(0, dtype=self.dtype, device=probe.device)
+        return self
+
+    def get_extra_state(self) -> dict[str, Any]:
+        """The storage format, checked when a state dict is loaded."""
+        return {"shape": list(self.shape), "bits": self.bits, "group_size": self.group_size}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Checks that a loaded state dict was saved with this storage format."""
+        mine = self.get_extra_state()
+        if state != mine:
+            raise ValueError(f"lowbit.lpmm: the state dict stores {state} but this parameter is {mine}")
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        for name in ("codes", "absmax"):
+            buf = self._buffers[name]
+            destination[prefix + name] = buf if keep_vars else buf.detach()
+        destination[prefix + "_extra_state"] = self.get_extra_state()
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        stored = state_dict.get(prefix + "_extra_state")
+        if stored is not None and stored != self.get_extra_state():
+            error_msgs.append(
+                f"lowbit.lpmm: {prefix[:-1]} was saved as {stored} but this parameter is {self.get_extra_state()}"
+            )
+            return
+        # The handle holds no data and is not saved.
+        state_dict.setdefault(prefix + "handle", self.handle.detach())
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        self.version += 1
+        self.zero_grad_()
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
+        """Torch functions given a low-precision parameter (outside its module's forward) see its value."""
+        temps: list[tuple[LowPrecisionParameter, Tensor]] = []
+
+        def value(x: Any) -> Any:
+            if isinstance(x, LowPrecisionParameter):
+                t = x.materialize()
+                temps.append((x, t))
+                return t
+            return x
+
+        args, kwargs = _pytree.tree_map(value, (args, kwargs or {}))
+        with _RecomputeSaved(temps):
+            return func(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"shape={tuple(self.shape)}, bits={self.bits}, grad_bits={self.grad_bits}, "
+            f"group_size={self.group_size}, rounding={self.rounding!r}, dtype={self.dtype}"
+        )
+
+
+def _top_saved_hooks() -> Optional[tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]]]:
+    """The saved-tensor hooks in force, which ours must pass other tensors to (private torch API)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+@dataclass
+class _Recipe:
+    """A saved view of a temporary parameter value, recomputed from the codes when backward unpacks it."""
+
+    lp: LowPrecisionParameter
+    version: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass
+class _Passed:
+    """A tensor saved by the hooks that were in force before ours (``unpack`` None: saved as is)."""
+
+    value: Any
+    unpack: Optional[Callable[[Any], Tensor]]
+
+
+def _unpack(packed: Any) -> Tensor:
+    # Autograd keeps the unpack hook of every saved tensor until backward; a plain function, so that
+    # it keeps no temporary alive.
+    if isinstance(packed, _Recipe):
+        if packed.lp.version != packed.version:
+            raise RuntimeError(
+                "lowbit.lpmm: a low-precision parameter changed between forward and backward "
+                "(an optimizer step or load ran in between); run backward before stepping"
+            )
+        return packed.lp.dequantize().as_strided(packed.size, packed.stride, packed.offset)
+    return packed.unpack(packed.value) if packed.unpack is not None else packed.value
+
+
+class _RecomputeSaved:
+    """Saved-tensor hooks under which autograd saves the temporaries ``temps`` as recipes.
+
+    Tensors sharing storage with a temporary (the temporary or a view of it) are stored as
+    :class:`_Recipe` and dequantized again in backward (lpmm.txt section 5.3: full-precision copies
+    only while in use). Everything else goes to the hooks that were in force before, if any. The
+    temporaries are alive while the hooks are (the caller holds them), so their storage addresses
+    identify them; only the addresses are kept.
+    """
+
+    def __init__(self, temps: list[tuple[LowPrecisionParameter, Tensor]]) -> None:
+        self.temps = {t.untyped_storage().data_ptr(): (lp, t.dtype, t.device) for lp, t in temps if t.numel() > 0}
+        self.outer = _top_saved_hooks()
+        self.ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+
+    def pack(self, t: Tensor) -> Any:
+        entry = self.temps.get(t.untyped_storage().data_ptr()) if t.numel() > 0 else None
+        if entry is not None and t.dtype == entry[1] and t.device == entry[2]:
+            lp = entry[0]
+            return _Recipe(lp, lp.version, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        if self.outer is None:
+            return _Passed(t, None)
+        return _Passed(self.outer[0](t), self.outer[1])
+
+    def __enter__(self) -> _RecomputeSaved:
+        self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.ctx.__exit__(*exc)
+
+
+def _load_float_entries(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load-state-dict pre-hook of a converted module: float tensors under a converted parameter's
+    own name (an ordinary or exported state dict) become its codes, rounded to nearest."""
+    for name in module._lpmm_names:
+        key = prefix + name
+        value = state_dict.get(key)
+        lp = module._modules[name]
+        if not isinstance(value, Tensor) or not value.is_floating_point() or tuple(value.shape) != tuple(lp.shape):
+            continue  # left for load_state_dict to report (unexpected or missing keys)
+        del state_dict[key]
+        state_dict[key + ".codes"], state_dict[key + ".absmax"] = lp._encode(value.to(lp.device))
+        state_dict[key + "._extra_state"] = lp.get_extra_state()
+
+
+def _enter_forward(module: nn.Module, args: Any) -> None:
+    temps = []
+    for name in module._lpmm_names:
+        lp = module._modules[name]
+        t = lp.materialize()
+        module.__dict__[name] = t
+        temps.append((lp, t))
+    ctx = _RecomputeSaved(temps)
+    ctx.__enter__()
+    module.__dict__.setdefault("_lpmm_active", []).append(ctx)
+
+
+def _leave_forward(module: nn.Module, args: Any, output: Any) -> None:
+    active = module.__dict__.get("_lpmm_active")
+    if not active:
+        return
+    active.pop().__exit__(None, None, None)
+    if not active:
+        for name in module._lpmm_names:
+            module.__dict__.pop(name, None)
+
+
+# Modules that hold references to their parameters beyond attribute access.
+_UNSUPPORTED = (nn.RNNBase,)
+
+
+def convert(
+    model: nn.Module,
+    param_bits: int = 12,
+    grad_bits: int = 8,
+    group_size: int = 2048,
+    rounding: str = "stochastic",
+    *,
+    generator: Optional[torch.Generator] = None,
+) -> nn.Module:
+    """Store every parameter of ``model`` in low precision, in place (lpmm.txt sections 3 and 5).
+
+    Each parameter becomes a :class:`LowPrecisionParameter` submodule under the same name (so
+    ``model.fc.weight`` is its storage outside forward), initialised from the current weights. Shared
+    (tied) parameters share one storage. ``model.parameters()`` then yields the storages' handles,
+    which :class:`lowbit.optim.LPMMSGD`/:class:`lowbit.optim.LPMMAdamW` optimize.
+
+    Args:
+        model: the model; works for any module whose forward reads its parameters as attributes
+            (Linear, Conv, Embedding, norm layers, attention, custom modules).
+        param_bits: bits per parameter element, 4..16 (paper: 12).
+        grad_bits: bits per gradient-accumulator element, 4..16 (paper: 8).
+        group_size: elements per quantization group, a power of two in 64..4096 (paper: 2048).
+        rounding: ``"stochastic"`` (paper) or ``"nearest"`` for the accumulator and parameter updates.
+        generator: source of rounding seeds (torch's default generator if None).
+
+    Returns:
+        ``model``, converted.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"lowbit.lpmm: model must be an nn.Module, got {type(model).__name__}")
+    _check_bits("param_bits", param_bits)
+    _check_bits("grad_bits", grad_bits)
+    _check_group_size(group_size)
+    _check_rounding(rounding)
+    for name, m in model.named_modules():
+        where = f"{name!r} ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
+        if isinstance(m, LowPrecisionParameter):
+            raise ValueError(f"lowbit.lpmm: {where} is already converted")
+        if isinstance(m, _UNSUPPORTED):
+            raise TypeError(
+                f"lowbit.lpmm: cannot convert {where}: it keeps its own references to its parameters "
+                "(flat weights), so they cannot be stored in low precision; convert its sibling modules instead"
+            )
+        if torch.nn.utils.parametrize.is_parametrized(m):
+            raise TypeError(f"lowbit.lpmm: cannot convert {where}: parametrized modules are not supported")
+        for pname, p in m._parameters.items():
+            if p is not None and p.dtype not in _ops.FLOAT_DTYPES:
+                raise TypeError(
+                    f"lowbit.lpmm: parameter {pname!r} of {where} has dtype {p.dtype}; "
+                    "expected float32, float16 or bfloat16"
+                )
+    storages: dict[int, LowPrecisionParameter] = {}
+    for m in list(model.modules()):
+        names = [n for n, p in m._parameters.items() if p is not None]
+        if not names:
+            continue
+        for n in names:
+            p = m._parameters.pop(n)
+            lp = storages.get(id(p))
+            if lp is None:
+                lp = LowPrecisionParameter(
+                    p.detach(),
+                    bits=param_bits,
+                    grad_bits=grad_bits,
+                    group_size=group_size,
+                    rounding=rounding,
+                    requires_grad=p.requires_grad,
+                    generator=generator,
+                )
+                storages[id(p)] = lp
+            m._modules[n] = lp
+        m._lpmm_names = names
+        m.register_forward_pre_hook(_enter_forward)
+        m.register_forward_hook(_leave_forward, always_call=True)
+        m._register_load_state_dict_pre_hook(_load_float_entries, with_module=True)
+    return model
+
+
+def low_precision_parameters(model: nn.Module) -> dict[str, LowPrecisionParameter]:
+    """The distinct low-precision parameters of ``model`` by qualified name (first name of a tied one)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionParameter)}
+
+
+def export_float(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with every low-precision parameter replaced by its dequantized value.
+
+    The result loads into the unconverted model (and into a converted one, which quantizes it).
+    """
+    lps = {name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, LowPrecisionParameter)}
+    out: dict[str, Tensor] = {}
+    for key, value in model.state_dict().items():
+        owner = key.rsplit(".", 1)[0] if "." in key else ""
+        if owner in lps:
+            if owner not in out:
+                out[owner] = lps[owner].dequantize()
+            continue
+        out[key] = value
+    return out
+
+
+@dataclass
+class MemoryReport:
+    """Measured bytes of model memory (lpmm.txt section 3.1): parameters, gradients, optimizer state.
+
+    Attributes:
+        params: bytes of parameter storage (codes and absmaxes, or float tensors).
+        grads: bytes of gradient storage (accumulators, or existing ``.grad`` tensors).
+        optimizer_state: bytes of the optimizer's state tensors for these parameters.
+        num_params: number of parameter elements.
+        per_parameter: the same three byte counts per parameter name.
+    """
+
+    params: int = 0
+    grads: int = 0
+    optimizer_state: int = 0
+    num_params: int = 0
+    per_parameter: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """params + grads + optimizer_state."""
+        return self.params + self.grads + self.optimizer_state
+
+    @property
+    def bytes_per_param(self) -> float:
+        """total / num_params."""
+        return self.total / max(self.num_params, 1)
+
+    def __str__(self) -> str:
+        n = max(self.num_params, 1)
+        rows = [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer_state)]
+        lines = [f"{'':<16}{'bytes':>14}{'bytes/param':>13}"]
+        lines += [f"{label:<16}{b:>14,}{b / n:>13.3f}" for label, b in (*rows, ("total", self.total))]
+        return "\n".join(lines + [f"{self.num_params:,} parameters"])
+
+
+def _nbytes(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> MemoryReport:
+    """Measure the model memory of ``model`` (converted or not) and ``optimizer`` from their storage.
+
+    Gradient bytes count accumulators of low-precision parameters (allocated for their whole life)
+    and the ``.grad`` tensors that ordinary parameters hold at the time of the call.
+    """
+    state = optimizer.state if optimizer is not None else {}
+    report = MemoryReport()
+
+    def add(name: str, key: Tensor, n: int, params: int, grads: int) -> None:
+        st = sum(_nbytes(v) for v in state.get(key, {}).values() if isinstance(v, Tensor))
+        report.per_parameter[name] = {"params": params, "grads": grads, "optimizer_state": st}
+        report.params += params
+        report.grads += grads
+        report.optimizer_state += st
+        report.num_params += n
+
+    handles = set()
+    for name, lp in low_precision_parameters(model).items():
+        handles.add(id(lp.handle))
+        add(
+            name,
+            lp.handle,
+            lp.numel(),
+            _nbytes(lp.codes) + _nbytes(lp.absmax),
+            _nbytes(lp.grad_codes) + _nbytes(lp.grad_absmax),
+        )
+    for name, p in model.named_parameters():
+        if id(p) not in handles:
+            add(name, p, p.numel(), _nbytes(p), _nbytes(p.grad))
+    return report

@@ -1,0 +1,296 @@
+"""LPMM optimizers (lpmm.txt Algorithm 1): quantized parameters, accumulators and momentum, one fused step.
+
+They optimize models converted with :func:`lowbit.lpmm.convert`. Each step reads the quantized
+gradient accumulator, updates the momentum (bit-packed codes into the signed dynamic map, section
+5.1) and the parameter (bit-packed linear codes), re-encodes both against fresh group absmaxes with
+stochastic rounding (section 5.2), and clears the accumulator, in one native call per param group.
+The update rules are torch.optim's (:mod:`lowbit.optim`), computed in fp32 per element.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, ClassVar, Optional
+
+import torch
+from torch import Tensor
+
+from lowbit import _ops
+from lowbit.functional import create_dynamic_map
+from lowbit.lpmm import LowPrecisionParameter, draw_seed
+from lowbit.optim.optimizer import (
+    FLAG_DECOUPLED,
+    FLAG_NESTEROV,
+    RULE_CODES,
+    Params,
+    check_finite_nonneg,
+    decay_factor,
+    restore_state_dtypes,
+)
+from lowbit.optim.optimizers import _check_betas
+
+__all__ = ["LPMMAdamW", "LPMMOptimizer", "LPMMSGD"]
+
+_MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
+
+
+def _state_map(signed: bool, bits: int, device: torch.device) -> Tensor:
+    key = (signed, bits, device)
+    if key not in _MAPS:
+        _MAPS[key] = create_dynamic_map(signed=signed, total_bits=bits).to(device)
+    return _MAPS[key]
+
+
+def storage_of(p: Tensor) -> Optional[LowPrecisionParameter]:
+    """The low-precision storage that the handle ``p`` stands for, or None for an ordinary tensor."""
+    lp = getattr(p, "_lpmm", None)
+    return lp if isinstance(lp, LowPrecisionParameter) else None
+
+
+class LPMMOptimizer(torch.optim.Optimizer):
+    """Base class of the LPMM optimizers; the options below are keyword arguments of both.
+
+    Args:
+        params: handles of low-precision parameters (``model.parameters()`` of a converted model),
+            or param groups of them.
+        defaults: the optimizer's hyperparameters (set by the subclass).
+        momentum_bits: bits per optimizer-state element, 1..8 (dynamic map of that size; paper: 8).
+        rounding: ``"stochastic"`` (paper) or ``"nearest"`` for the optimizer states; parameters use
+            the rounding they were converted with.
+        generator: source of rounding seeds (torch's default generator if None).
+
+    Subclasses set ``_rule`` and ``_state_signed`` and implement :meth:`_hyper` and :meth:`_scalars`.
+    """
+
+    _rule: ClassVar[str]
+    _state_signed: ClassVar[tuple[bool, ...]]
+
+    def __init__(
+        self,
+        params: Params,
+        defaults: dict[str, Any],
+        *,
+        momentum_bits: int = 8,
+        rounding: str = "stochastic",
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if isinstance(momentum_bits, bool) or not isinstance(momentum_bits, int) or not 1 <= momentum_bits <= 8:
+            raise ValueError(f"lowbit: momentum_bits must be an int in 1..8, got {momentum_bits!r}")
+        if rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"lowbit: rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+        check_finite_nonneg("lr", defaults["lr"])
+        check_finite_nonneg("weight_decay", defaults["weight_decay"])
+        self.generator = generator
+        super().__init__(params, dict(defaults, momentum_bits=momentum_bits, rounding=rounding))
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if storage_of(p) is None:
+                    raise TypeError(
+                        f"lowbit: {type(self).__name__} optimizes parameters of a model converted with "
+                        f"lowbit.lpmm.convert; param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)}) "
+                        "is an ordinary tensor"
+                    )
+
+    def _n_states(self, group: dict[str, Any]) -> int:
+        return len(self._state_signed)
+
+    def _hyper(self, group: dict[str, Any]) -> tuple[list[float], int]:
+        """(lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * wd, 0), flags."""
+        raise NotImplementedError
+
+    def _scalars(self, group: dict[str, Any], step: int) -> list[float]:
+        """(step size, sqrt of the second bias correction, 1.0 on the first step)."""
+        raise NotImplementedError
+
+    def _init_state(self, lp: LowPrecisionParameter, group: dict[str, Any]) -> dict[str, Any]:
+        n, bits = lp.numel(), group["momentum_bits"]
+        state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        for k in range(self._n_states(group)):
+            state[f"state{k + 1}"] = torch.zeros(_ops.packed_bytes(n, bits), dtype=torch.uint8, device=lp.device)
+            # An absmax of 0 reads as zeros whatever the codes: states start at 0, as in torch.optim.
+            state[f"absmax{k + 1}"] = torch.zeros(
+                _ops.num_blocks(n, lp.group_size), dtype=torch.float32, device=lp.device
+            )
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """One LPMM step for every parameter with an accumulated gradient; clears the accumulators."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            batches: dict[tuple[Any, ...], list[tuple[LowPrecisionParameter, dict[str, Any]]]] = {}
+            for p in group["params"]:
+                lp = storage_of(p)
+                if lp is None or not lp.has_grad:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(self._init_state(lp, group))
+                key = (lp.bits, lp.grad_bits, lp.group_size, lp.rounding, lp.device)
+                batches.setdefault(key, []).append((lp, state))
+            for items in batches.values():
+                self._fused_step(group, items)
+        return loss
+
+    def _fused_step(self, group: dict[str, Any], items: list[tuple[LowPrecisionParameter, dict[str, Any]]]) -> None:
+        n_states = self._n_states(group)
+        lp0 = items[0][0]
+        hyper, flags = self._hyper(group)
+        scalars: list[float] = []
+        for _, state in items:
+            state["step"] += 1.0
+            scalars += self._scalars(group, int(state["step"].item()))
+        lists: dict[str, list[Tensor]] = {f"{name}{k}": [] for name in ("state", "absmax") for k in (1, 2)}
+        for _, state in items:
+            for k in range(n_states):
+                lists[f"state{k + 1}"].append(state[f"state{k + 1}"])
+                lists[f"absmax{k + 1}"].append(state[f"absmax{k + 1}"])
+        bits = group["momentum_bits"]
+        device = lp0.device
+        step_op = _ops.lpmm_step_ if torch.compiler.is_compiling() else _ops.lpmm_step_eager
+        step_op(
+            [lp.codes for lp, _ in items],
+            [lp.absmax for lp, _ in items],
+            [lp.grad_codes for lp, _ in items],
+            [lp.grad_absmax for lp, _ in items],
+            lists["state1"],
+            lists["state2"],
+            lists["absmax1"],
+            lists["absmax2"],
+            [lp.numel() for lp, _ in items],
+            scalars,
+            _state_map(self._state_signed[0] if n_states else True, bits, device),
+            _state_map(self._state_signed[1] if n_states > 1 else False, bits, device),
+            RULE_CODES[self._rule],
+            [*hyper, 0.0],
+            flags,
+            n_states,
+            lp0.group_size,
+            lp0.bits,
+            lp0.grad_bits,
+            bits,
+            lp0.rounding == "stochastic",
+            group["rounding"] == "stochastic",
+            draw_seed(self.generator),
+        )
+        for lp, _ in items:
+            lp.version += 1
+            lp.has_grad = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Empty the gradient accumulators of all parameters (the step also empties them)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                lp = storage_of(p)
+                if lp is not None:
+                    lp.zero_grad_()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict; codes and absmaxes keep their dtypes whatever the compute dtype."""
+        super().load_state_dict(state_dict)
+        restore_state_dtypes(self, state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if self.state.get(p):
+                    self.state[p]["step"] = self.state[p]["step"].float().cpu()
+
+
+class LPMMSGD(LPMMOptimizer):
+    """LPMM-SGDM (lpmm.txt Algorithm 1): SGD with momentum on low-precision parameters and gradients.
+
+    The update is ``torch.optim.SGD``'s (dampening 0): ``m <- momentum * m + g``, ``p <- p - lr * m``
+    (Nesterov: ``p <- p - lr * (g + momentum * m)``), with L2 ``weight_decay`` added to ``g``; the
+    accumulated gradient ``g`` is the sum over the micro-batches since the last step (section 3.3),
+    so N micro-batches of the same size act as one N times larger step.
+
+    Args:
+        params: handles of a converted model's parameters (``model.parameters()``) or param groups.
+        lr: learning rate.
+        momentum: momentum factor; 0 keeps no state.
+        weight_decay: L2 penalty.
+        nesterov: Nesterov momentum (needs momentum > 0).
+        momentum_bits: bits per momentum element (1..8; paper: 8).
+        rounding: ``"stochastic"`` or ``"nearest"`` for the momentum.
+        generator: source of rounding seeds.
+    """
+
+    _rule = "sgd"
+    _state_signed = (True,)
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-2,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        momentum_bits: int = 8,
+        rounding: str = "stochastic",
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"lowbit: momentum must be in [0, 1), got {momentum!r}")
+        if nesterov and momentum <= 0:
+            raise ValueError("lowbit: Nesterov momentum requires momentum > 0")
+        defaults = dict(lr=lr, momentum=float(momentum), weight_decay=weight_decay, nesterov=bool(nesterov))
+        super().__init__(params, defaults, momentum_bits=momentum_bits, rounding=rounding, generator=generator)
+
+    def _n_states(self, group: dict[str, Any]) -> int:
+        return 1 if group["momentum"] > 0 else 0
+
+    def _hyper(self, group: dict[str, Any]) -> tuple[list[float], int]:
+        hyper = [group["lr"], group["momentum"], 0.0, 1.0, 0.0, 0.0, group["weight_decay"], 1.0]
+        return hyper, FLAG_NESTEROV if group["nesterov"] else 0
+
+    def _scalars(self, group: dict[str, Any], step: int) -> list[float]:
+        return [group["lr"], 1.0, float(step == 1)]
+
+
+class LPMMAdamW(LPMMOptimizer):
+    """LPMM-AdamW (lpmm.txt Appendix B): AdamW on low-precision parameters and gradients.
+
+    The update is ``torch.optim.AdamW``'s; both moments are stored at ``momentum_bits`` in dynamic
+    maps (signed for the first, unsigned for the second), as in the paper's LPMM-Adam.
+
+    Args:
+        params: handles of a converted model's parameters (``model.parameters()``) or param groups.
+        lr: learning rate.
+        betas: decay rates of the first and second moments.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay.
+        momentum_bits: bits per moment element (1..8; paper: 8).
+        rounding: ``"stochastic"`` or ``"nearest"`` for the moments.
+        generator: source of rounding seeds.
+    """
+
+    _rule = "adam"
+    _state_signed = (True, False)
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        momentum_bits: int = 8,
+        rounding: str = "stochastic",
+        generator: Optional[torch.Generator] = None,
+    ) -> None:
+        check_finite_nonneg("eps", eps)
+        defaults = dict(lr=lr, betas=_check_betas(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, momentum_bits=momentum_bits, rounding=rounding, generator=generator)
+
+    def _hyper(self, group: dict[str, Any]) -> tuple[list[float], int]:
+        lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+        return [lr, b1, b2, 1.0 - b1, 1.0 - b2, group["eps"], wd, decay_factor(lr, wd)], FLAG_DECOUPLED
+
+    def _scalars(self, group: dict[str, Any], step: int) -> list[float]:
+        b1, b2 = group["betas"]
+        return [group["lr"] / (1.0 - b1**step), math.sqrt(1.0 - b2**step), float(step == 1)]
