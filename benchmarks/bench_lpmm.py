@@ -35,7 +35,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from common import cpu_model
 from torch import nn
 

@@ -232,6 +232,10 @@ namespace cpu {
 void optimizer_step(const OptimArgs& a, int threads);
 void lpmm_accumulate(const LpmmAccumArgs& a, int threads);
 void lpmm_step(const LpmmArgs& a, int threads);
+// The rule's update of cnt fp32 elements in place (the fused step's inner loop, vectorised per CPU);
+// max_bits receives the absmax bit patterns of the states (cpu/optim.cpp).
+void update_fp32(Rule rule, int n_states, const StepHyper& h, const StepScalars& sc, float* param, const float* grad,
+                 float* s1, float* s2, int cnt, uint32_t* max_bits);
 void quantize(const QuantizeArgs& a, int threads);
 void dequantize(const DequantizeArgs& a, int threads);
 void pack_bits(const PackArgs& a, int threads);

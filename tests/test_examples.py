@@ -41,3 +41,13 @@ def test_train_lm_8bit_matches_torch_adam():
     # have fallen from ln(256) = 5.55 by then.
     assert abs(low_train / fp32_train - 1) < 0.01, out
     assert low_train < 3.0 and fp32_train < 3.0, out
+
+
+def test_lpmm_digits_prints_both_tables():
+    out = run("lpmm_digits.py", "--seeds", "1", "--epochs", "4")
+    rows = re.findall(r"^((?:fp32|LPMM) [^\n]*?)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    assert len(rows) == 11, out
+    bytes_per_param = {name.strip(): float(b) for name, _, _, _, b in rows}
+    assert bytes_per_param["fp32 SGDM"] == 12.0
+    assert bytes_per_param["LPMM 12/8/8 stochastic"] < 3.6
+    assert all(math.isfinite(float(v)) for row in rows for v in row[1:]), out

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib.util
 import io
 import math
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from torch import nn
 import lowbit.lpmm as lpmm
 from lowbit import _ops
 from lowbit.optim import LPMMSGD, LPMMAdamW
+
 
 def _mlp(seed: int = 0, width: int = 64) -> nn.Module:
     torch.manual_seed(seed)
@@ -418,67 +421,41 @@ def test_storage_round_trips_within_half_a_step(shape, bits, group):
 # -- convergence (scikit-learn digits) ------------------------------------------------------------
 
 
-def _digits() -> tuple[torch.Tensor, ...]:
-    # scikit-learn is in the test extra; CI installs it.
-    d = pytest.importorskip("sklearn.datasets").load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    return x[perm[:1437]], y[perm[:1437]], x[perm[1437:]], y[perm[1437:]]
-
-
-def _fit_digits(
-    make, bits: tuple[int, int, str] | None, *, lr: float, epochs: int, seed: int, micro: int = 1, bs: int = 32
-) -> tuple[float, float]:
-    """(test accuracy, training loss) after SGDM (momentum 0.9, cosine schedule); bits=None is fp32."""
-    xtr, ytr, xte, yte = _digits()
-    torch.manual_seed(seed)
-    model = make()
-    if bits is None:
-        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    else:
-        pb, gb, rounding = bits
-        lpmm.convert(model, param_bits=pb, grad_bits=gb, group_size=2048, rounding=rounding)
-        opt = LPMMSGD(model.parameters(), lr=lr, momentum=0.9, momentum_bits=8, rounding=rounding)
-    order = torch.Generator().manual_seed(seed + 1)
-    per_epoch = len(xtr) // (bs * micro)
-    total, t = epochs * per_epoch, 0
-    for _ in range(epochs):
-        perm = torch.randperm(len(xtr), generator=order)
-        for s in range(per_epoch):
-            for group in opt.param_groups:
-                group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * t / total))
-            for m in range(micro):  # Algorithm 1, lines 3-6: N micro-batches into one accumulator
-                idx = perm[(s * micro + m) * bs : (s * micro + m + 1) * bs]
-                F.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            opt.step()
-            opt.zero_grad()
-            t += 1
-    with torch.no_grad():
-        return float((model(xte).argmax(1) == yte).float().mean()), float(F.cross_entropy(model(xtr), ytr))
+def _digits_example():
+    """examples/lpmm_digits.py, whose training loop these tests run (scikit-learn: in the test extra)."""
+    pytest.importorskip("sklearn")
+    path = Path(__file__).resolve().parent.parent / "examples" / "lpmm_digits.py"
+    spec = importlib.util.spec_from_file_location("lpmm_digits", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_digits_mlp_at_12_8_8_matches_fp32_sgdm():
-    make = lambda: nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))  # noqa: E731
+    ex = _digits_example()
     for seed in range(2):
-        fp32 = _fit_digits(make, None, lr=0.05, epochs=20, seed=seed)
-        low = _fit_digits(make, (12, 8, "stochastic"), lr=0.05, epochs=20, seed=seed)
+        fp32 = ex.fit(ex.mlp, None, lr=0.05, epochs=20, seed=seed)
+        low = ex.fit(ex.mlp, (12, 8, "stochastic"), lr=0.05, epochs=20, seed=seed)
         assert fp32[0] > 0.95
+        # The issue's bound: within 1 percentage point (measured: equal accuracy on seeds 0-2).
         assert abs(low[0] - fp32[0]) <= 0.01, (seed, low, fp32)
+        assert low[2] < 3.6 and fp32[2] == 12.0
 
 
 def test_digits_8bit_parameters_stochastic_rounding_and_micro_batching_close_the_underflow_gap():
     # Logistic regression (convex, lpmm.txt section 4) with a small learning rate: at 8-bit
     # parameters round-to-nearest loses most updates (section 3.2); N = 8 micro-batches make the
     # updates 8x larger and recover most of the loss (section 3.3); stochastic rounding tracks fp32.
-    make = lambda: nn.Linear(64, 10)  # noqa: E731
-    kw = dict(lr=0.002, epochs=10, seed=0, bs=16)
-    fp32 = _fit_digits(make, None, **kw)[1]
-    nearest_1 = _fit_digits(make, (8, 8, "nearest"), **kw)[1]
-    nearest_8 = _fit_digits(make, (8, 8, "nearest"), micro=8, **kw)[1]
-    stochastic_1 = _fit_digits(make, (8, 8, "stochastic"), **kw)[1]
-    stochastic_8 = _fit_digits(make, (8, 8, "stochastic"), micro=8, **kw)[1]
-    fp32_8 = _fit_digits(make, None, micro=8, **kw)[1]
+    # Measured (seed 0, training loss): fp32 1.2007, nearest 1.6436, nearest N=8 1.3073, stochastic
+    # 1.2044, stochastic N=8 1.2712 against fp32 N=8 1.2720.
+    ex = _digits_example()
+
+    def loss(bits, micro=1):
+        return ex.fit(ex.logistic, bits, lr=0.002, epochs=10, seed=0, micro=micro, batch=16)[1]
+
+    fp32, fp32_8 = loss(None), loss(None, 8)
+    nearest_1, nearest_8 = loss((8, 8, "nearest")), loss((8, 8, "nearest"), 8)
+    stochastic_1, stochastic_8 = loss((8, 8, "stochastic")), loss((8, 8, "stochastic"), 8)
     assert nearest_1 > fp32 * 1.25  # stalled
     assert nearest_8 < nearest_1 - 0.5 * (nearest_1 - fp32)  # micro-batching closes most of the gap
     assert abs(stochastic_1 - fp32) < 0.02 * fp32

@@ -23,6 +23,27 @@ LB_CLONES void uniform_tile(RngKey key, uint64_t counter0, int cnt, float* u) {
   }
 }
 
+LB_CLONES void linear_codes(const float* x, int cnt, float absmax, float qmax, bool stochastic, RngKey key,
+                            uint64_t counter0, uint32_t* codes) {
+  float y[kTile];
+  normalise_tile(x, cnt, absmax, y);
+  for (int j = 0; j < cnt; ++j) y[j] = linear_clamp(y[j] * qmax, qmax);
+  if (!stochastic) {
+    for (int j = 0; j < cnt; ++j) codes[j] = linear_code_nearest(y[j], qmax);
+    return;
+  }
+  const uint32_t lo0 = static_cast<uint32_t>(counter0);
+  const uint32_t hi0 = static_cast<uint32_t>(counter0 >> 32);
+  for (int j = 0; j < cnt; ++j) {
+    const uint32_t lo = lo0 + static_cast<uint32_t>(j);
+    codes[j] = linear_code_stochastic(y[j], qmax, uniform01(key, lo, hi0 + static_cast<uint32_t>(lo < lo0)));
+  }
+}
+
+LB_CLONES void linear_values(const uint32_t* codes, int cnt, float absmax, float qmax, float* out) {
+  for (int j = 0; j < cnt; ++j) out[j] = linear_decode(codes[j], absmax, qmax);
+}
+
 LB_CLONES void normalise_buckets(const float* x, int cnt, float absmax, float* xn, uint32_t* bucket) {
   normalise_tile(x, cnt, absmax, xn);
   for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "lowbit/blockwise.h"
 #include "lowbit/pack.h"
@@ -20,6 +21,12 @@ constexpr int kTile = 512;
 
 // Draws for counters counter0 .. counter0 + cnt - 1 (encode.cpp).
 void uniform_tile(RngKey key, uint64_t counter0, int cnt, float* u);
+
+// Linear codes (blockwise.h: LinearCoder) of fp32 x against absmax, nearest or stochastic with the
+// draws of counters counter0 .. (encode.cpp), and their inverse.
+void linear_codes(const float* x, int cnt, float absmax, float qmax, bool stochastic, RngKey key, uint64_t counter0,
+                  uint32_t* codes);
+void linear_values(const uint32_t* codes, int cnt, float absmax, float qmax, float* out);
 
 // Nearest codes of normalised xn with buckets b, for a map index with nearest_direct() (encode.cpp).
 void nearest_tile(const MapIndex& index, const float* xn, const uint32_t* b, int cnt, uint32_t* codes);
@@ -103,25 +110,78 @@ struct MapSpan {
   }
 };
 
-// Stores cnt codes of the tile starting at element t (a multiple of kGroup).
+// Stores cnt codes of the tile starting at element t (a multiple of kGroup), in pack.h's layout.
+// Widths 4, 8, 12 and 16 have byte-aligned loops that vectorise; the others pack 8 codes at a time.
 inline void store_codes(const uint32_t* codes, int cnt, int bits, int64_t t, uint8_t* out) {
-  if (bits == 8) {
-    for (int j = 0; j < cnt; ++j) out[t + j] = static_cast<uint8_t>(codes[j]);
-    return;
+  uint8_t* o = out + (t / kGroup) * bits;
+  switch (bits) {
+    case 8:
+      for (int j = 0; j < cnt; ++j) o[j] = static_cast<uint8_t>(codes[j]);
+      return;
+    case 16:
+      for (int j = 0; j < cnt; ++j) {
+        o[2 * j] = static_cast<uint8_t>(codes[j]);
+        o[2 * j + 1] = static_cast<uint8_t>(codes[j] >> 8);
+      }
+      return;
+    case 12:
+      if (cnt % 2 == 0) {
+        for (int j = 0; j < cnt / 2; ++j) {
+          const uint32_t a = codes[2 * j];
+          const uint32_t b = codes[2 * j + 1];
+          o[3 * j] = static_cast<uint8_t>(a);
+          o[3 * j + 1] = static_cast<uint8_t>((a >> 8) | (b << 4));
+          o[3 * j + 2] = static_cast<uint8_t>(b >> 4);
+        }
+        return;
+      }
+      break;
+    case 4:
+      if (cnt % 2 == 0) {
+        for (int j = 0; j < cnt / 2; ++j) o[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
+        return;
+      }
+      break;
+    default:
+      break;
   }
-  for (int j = 0; j < cnt; j += kGroup) {
-    pack_group(codes + j, std::min(kGroup, cnt - j), bits, out + ((t + j) / kGroup) * bits);
-  }
+  for (int j = 0; j < cnt; j += kGroup) pack_group(codes + j, std::min(kGroup, cnt - j), bits, o + (j / kGroup) * bits);
 }
 
 inline void load_codes(const uint8_t* in, int cnt, int bits, int64_t t, uint32_t* codes) {
-  if (bits == 8) {
-    for (int j = 0; j < cnt; ++j) codes[j] = in[t + j];
-    return;
+  const uint8_t* s = in + (t / kGroup) * bits;
+  switch (bits) {
+    case 8:
+      for (int j = 0; j < cnt; ++j) codes[j] = s[j];
+      return;
+    case 16:
+      for (int j = 0; j < cnt; ++j) codes[j] = s[2 * j] | (static_cast<uint32_t>(s[2 * j + 1]) << 8);
+      return;
+    case 12:
+      if (cnt % 2 == 0) {
+        for (int j = 0; j < cnt / 2; ++j) {
+          const uint32_t b0 = s[3 * j];
+          const uint32_t b1 = s[3 * j + 1];
+          const uint32_t b2 = s[3 * j + 2];
+          codes[2 * j] = b0 | ((b1 & 0xFu) << 8);
+          codes[2 * j + 1] = (b1 >> 4) | (b2 << 4);
+        }
+        return;
+      }
+      break;
+    case 4:
+      if (cnt % 2 == 0) {
+        for (int j = 0; j < cnt / 2; ++j) {
+          codes[2 * j] = s[j] & 0xFu;
+          codes[2 * j + 1] = s[j] >> 4;
+        }
+        return;
+      }
+      break;
+    default:
+      break;
   }
-  for (int j = 0; j < cnt; j += kGroup) {
-    unpack_group(in + ((t + j) / kGroup) * bits, std::min(kGroup, cnt - j), bits, codes + j);
-  }
+  for (int j = 0; j < cnt; j += kGroup) unpack_group(s + (j / kGroup) * bits, std::min(kGroup, cnt - j), bits, codes + j);
 }
 
 struct LinearSpan {
@@ -129,15 +189,12 @@ struct LinearSpan {
 
   template <bool kSR, typename T>
   void encode(const T* x, int cnt, float absmax, RngKey key, uint64_t counter, uint32_t* codes) const {
-    float y[kTile];
-    normalise_tile(x, cnt, absmax, y);
-    for (int j = 0; j < cnt; ++j) y[j] = linear_clamp(y[j] * qmax, qmax);
-    if (kSR) {
-      float u[kTile];
-      uniform_tile(key, counter, cnt, u);
-      for (int j = 0; j < cnt; ++j) codes[j] = linear_code_stochastic(y[j], qmax, u[j]);
+    if constexpr (std::is_same_v<T, float>) {
+      linear_codes(x, cnt, absmax, qmax, kSR, key, counter, codes);
     } else {
-      for (int j = 0; j < cnt; ++j) codes[j] = linear_code_nearest(y[j], qmax);
+      float v[kTile];
+      for (int j = 0; j < cnt; ++j) v[j] = to_float(x[j]);
+      linear_codes(v, cnt, absmax, qmax, kSR, key, counter, codes);
     }
   }
 };

@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "avx512.h"
 #include "encode.h"
 #include "kernels.h"
 #include "lowbit/blockwise.h"
@@ -34,11 +35,17 @@ void decode_group(const uint8_t* codes, int64_t lo, int cnt, int bits, Decode&& 
 }
 
 void decode_linear(const uint8_t* codes, int64_t lo, int cnt, int bits, float absmax, float* out) {
-  const LinearCoder coder{linear_qmax(bits)};
-  decode_group(codes, lo, cnt, bits, [&](uint32_t c) { return coder.decode(c, absmax); }, out);
+  const float qmax = linear_qmax(bits);
+  uint32_t tile[kTile];
+  for (int j = 0; j < cnt; j += kTile) {
+    const int m = std::min(kTile, cnt - j);
+    load_codes(codes, m, bits, lo + j, tile);
+    linear_values(tile, m, absmax, qmax, out + j);
+  }
 }
 
 void decode_map(const uint8_t* codes, int64_t lo, int cnt, int bits, const float* map, float absmax, float* out) {
+  if (bits == 8 && avx512_active()) return decode_u8_avx512(map, codes + lo, cnt, absmax, out);
   decode_group(codes, lo, cnt, bits, [&](uint32_t c) { return map[c] * absmax; }, out);
 }
 
@@ -66,12 +73,19 @@ void accumulate_group(const LpmmAccumArgs& a, int64_t g, RngKey key) {
   const int64_t lo = g * a.group_size;
   const int cnt = static_cast<int>(std::min(a.n - lo, a.group_size));
   float v[kMaxGroup];
-  decode_linear(a.codes, lo, cnt, a.bits, a.absmax[g], v);
   const T* x = static_cast<const T*>(a.grad) + lo;
   uint32_t m = 0;
-  for (int i = 0; i < cnt; ++i) {
-    v[i] = v[i] + to_float(x[i]);
-    m = std::max(m, abs_bits(v[i]));
+  if (a.absmax[g] == 0.f) {  // an empty accumulator (the first micro-batch): g + x = x exactly
+    for (int i = 0; i < cnt; ++i) {
+      v[i] = to_float(x[i]);
+      m = std::max(m, abs_bits(v[i]));
+    }
+  } else {
+    decode_linear(a.codes, lo, cnt, a.bits, a.absmax[g], v);
+    for (int i = 0; i < cnt; ++i) {
+      v[i] = v[i] + to_float(x[i]);
+      m = std::max(m, abs_bits(v[i]));
+    }
   }
   const float amax = absmax_from_bits(m);
   a.absmax[g] = amax;
@@ -131,23 +145,10 @@ void step_group(const LpmmArgs& a, const LpTensor& t, int64_t g, const LpCoders&
   for (int k = 0; k < kStates; ++k) {
     decode_map(t.state[k], lo, cnt, a.state_bits, k == 0 ? a.map1 : a.map2, t.absmax[k][g], s[k]);
   }
-  const StepHyper h = a.hyper;
+  uint32_t max_s[2];
+  update_fp32(kRule, kStates, a.hyper, t.scalars, p, grad, s[0], s[1], cnt, max_s);
   uint32_t max_p = 0;
-  uint32_t max_s[2] = {0, 0};
-  for (int i = 0; i < cnt; ++i) {
-    float v1 = kStates > 0 ? s[0][i] : 0.f;
-    float v2 = kStates > 1 ? s[1][i] : 0.f;
-    apply_rule(kRule, h, t.scalars, p[i], grad[i], v1, v2);
-    max_p = std::max(max_p, abs_bits(p[i]));
-    if (kStates > 0) {
-      s[0][i] = v1;
-      max_s[0] = std::max(max_s[0], abs_bits(v1));
-    }
-    if (kStates > 1) {
-      s[1][i] = v2;
-      max_s[1] = std::max(max_s[1], abs_bits(v2));
-    }
-  }
+  for (int i = 0; i < cnt; ++i) max_p = std::max(max_p, abs_bits(p[i]));
   const float amax_p = absmax_from_bits(max_p);
   t.param_absmax[g] = amax_p;
   encode_group(a.stochastic_param, LinearSpan{linear_qmax(a.param_bits)}, p, lo, cnt, a.param_bits, amax_p,

@@ -192,6 +192,17 @@ __attribute__((target("avx512f"))) void update_avx512(const StepHyper& h, const 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
+// The update of one block, compiled for the widest vector unit in use.
+template <Rule kRule, int kStates, typename T>
+void update(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, float* s1, float* s2, int cnt,
+            uint32_t* max_bits) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx512_active()) return update_avx512<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  if (kHasAvx2) return update_avx2<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+#endif
+  update_baseline<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+}
+
 // How the 8-bit states of a call are encoded and decoded: map indexes, the VBMI decoder's byte planes
 // (null where it is not used) and the choice of encoder, all fixed before the parallel loop.
 struct StateCoders {
@@ -210,17 +221,7 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   uint32_t max_bits[2];
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (avx512_active()) {
-    update_avx512<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
-  } else if (kHasAvx2) {
-    update_avx2<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
-  } else {
-    update_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
-  }
-#else
-  update_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
-#endif
+  update<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
   if (t.eight_bit) {
     for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], coders.index[k], coders.gather, s[k]);
   }
@@ -403,6 +404,15 @@ void step_all(const OptimArgs& a, int threads) {
 }
 
 }  // namespace
+
+void update_fp32(Rule rule, int n_states, const StepHyper& h, const StepScalars& sc, float* param, const float* grad,
+                 float* s1, float* s2, int cnt, uint32_t* max_bits) {
+  dispatch_rule(rule, [&](auto r) {
+    with_states(n_states, [&](auto states) {
+      update<decltype(r)::value, decltype(states)::value>(h, sc, param, grad, s1, s2, cnt, max_bits);
+    });
+  });
+}
 
 void optimizer_step(const OptimArgs& a, int threads) {
   dispatch_rule(a.rule, [&](auto rule) { step_all<decltype(rule)::value>(a, threads); });

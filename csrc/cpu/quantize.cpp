@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 
 #include "kernels.h"
 #include "lowbit/blockwise.h"
@@ -47,7 +48,18 @@ void decode_range(const uint8_t* in, int64_t begin, int64_t end, float absmax, c
   for (int64_t t = begin; t < end; t += kTile) {
     const int cnt = static_cast<int>(std::min<int64_t>(kTile, end - t));
     load_codes(in, cnt, bits, t, codes);
-    for (int j = 0; j < cnt; ++j) out[t + j] = from_float<T>(coder.decode(codes[j], absmax));
+    if constexpr (std::is_same_v<Coder, LinearCoder>) {
+      // The vectorised decoder (encode.cpp), straight into fp32 output or through a tile.
+      if constexpr (std::is_same_v<T, float>) {
+        linear_values(codes, cnt, absmax, coder.qmax, out + t);
+      } else {
+        float v[kTile];
+        linear_values(codes, cnt, absmax, coder.qmax, v);
+        for (int j = 0; j < cnt; ++j) out[t + j] = from_float<T>(v[j]);
+      }
+    } else {
+      for (int j = 0; j < cnt; ++j) out[t + j] = from_float<T>(coder.decode(codes[j], absmax));
+    }
   }
 }
 
