@@ -139,19 +139,24 @@ struct OptimArgs {
   int64_t total_blocks;
 };
 
-// The tensor of global block b: the last row whose kFirstBlock is <= b (binary search).
-LB_HD int64_t tensor_of_block(const OptimArgs& a, int64_t b) {
+// The last row r of an int64 table (count rows of `cols` columns) with table[r][col] <= b: the
+// tensor of global block b, by binary search over the running block counts.
+LB_HD int64_t last_row_at_most(const int64_t* table, int64_t count, int cols, int col, int64_t b) {
   int64_t lo = 0;
-  int64_t hi = a.count - 1;
+  int64_t hi = count - 1;
   while (lo < hi) {
     const int64_t mid = (lo + hi + 1) / 2;
-    if (a.meta[mid * kMetaCols + kFirstBlock] <= b) {
+    if (table[mid * cols + col] <= b) {
       lo = mid;
     } else {
       hi = mid - 1;
     }
   }
   return lo;
+}
+
+LB_HD int64_t tensor_of_block(const OptimArgs& a, int64_t b) {
+  return last_row_at_most(a.meta, a.count, kMetaCols, kFirstBlock, b);
 }
 
 // LPMM (lpmm.txt Algorithm 1). Parameters and gradient accumulators are bit-packed linear absmax
@@ -215,17 +220,7 @@ enum LpmmStream : int { kStreamParam = 0, kStreamState1 = 1, kStreamState2 = 2 }
 LB_HD RngKey lpmm_key(uint64_t seed, int stream) { return rng_key(mix64(seed + static_cast<uint64_t>(stream))); }
 
 LB_HD int64_t lpmm_tensor_of_group(const LpmmArgs& a, int64_t b) {
-  int64_t lo = 0;
-  int64_t hi = a.count - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi + 1) / 2;
-    if (a.meta[mid * kLpCols + kLpFirstGroup] <= b) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
+  return last_row_at_most(a.meta, a.count, kLpCols, kLpFirstGroup, b);
 }
 
 namespace cpu {

@@ -15,6 +15,7 @@
 #include "lowbit/pack.h"
 #include "lowbit/qmap.h"
 #include "lowbit/rounding.h"
+#include "reduce.cuh"
 
 namespace lowbit::cuda {
 namespace {
@@ -23,21 +24,6 @@ constexpr int kMaxWarps = 4096 / kGroup / 32;
 constexpr int64_t kMaxGrid = int64_t{1} << 20;
 
 __device__ float linear_qmax(int bits) { return static_cast<float>((1 << (bits - 1)) - 1); }
-
-// Max over the thread block of one value per thread; every thread gets the result. Groups below 256
-// elements have fewer than 32 threads (a power of two): the shuffles name only those lanes.
-__device__ uint32_t group_max(uint32_t v, uint32_t* scratch) {
-  const unsigned lanes = blockDim.x < 32 ? blockDim.x : 32u;
-  const unsigned mask = lanes == 32 ? 0xFFFFFFFFu : (1u << lanes) - 1u;
-  for (unsigned off = lanes >> 1; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(mask, v, off));
-  const int warps = (blockDim.x + 31) / 32;
-  __syncthreads();  // scratch may still be read by a previous reduction
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  uint32_t m = 0;
-  for (int w = 0; w < warps; ++w) m = max(m, scratch[w]);
-  return m;
-}
 
 // The element count of this thread's 8-element unit starting at e0 (0 past the end).
 __device__ int unit_count(int64_t n, int64_t e0) {
@@ -88,9 +74,9 @@ __global__ void accumulate_kernel(LpmmAccumArgs a, int64_t groups) {
         m = max(m, abs_bits(v[k]));
       }
     }
-    const float amax = absmax_from_bits(group_max(m, scratch));
+    const float amax = absmax_from_bits(block_max(m, scratch));
     if (cnt > 0) encode_unit(coder, a.stochastic, v, e0, cnt, a.bits, amax, key, 0, a.codes);
-    // Every thread has read its absmax before group_max's barriers; the write comes after them.
+    // Every thread has read its absmax before block_max's barriers; the write comes after them.
     if (threadIdx.x == 0) a.absmax[g] = amax;
   }
 }
@@ -151,21 +137,21 @@ __global__ void step_kernel(LpmmArgs a) {
       }
     }
     const uint64_t offset = static_cast<uint64_t>(m[kLpOffset]);
-    const float amax_p = absmax_from_bits(group_max(max_p, scratch));
+    const float amax_p = absmax_from_bits(block_max(max_p, scratch));
     if (cnt > 0) {
       encode_unit(LinearCoder{linear_qmax(a.param_bits)}, a.stochastic_param, p, e0, cnt, a.param_bits, amax_p,
                   lpmm_key(a.seed, kStreamParam), offset, at<uint8_t>(m, kLpParam));
     }
     float amax_s[2] = {0.f, 0.f};
     for (int k = 0; k < a.n_states; ++k) {
-      amax_s[k] = absmax_from_bits(group_max(max_s[k], scratch));
+      amax_s[k] = absmax_from_bits(block_max(max_s[k], scratch));
       if (cnt > 0) {
         encode_unit(MapCoder{smap[k], map_n}, a.stochastic_state, s[k], e0, cnt, a.state_bits, amax_s[k],
                     lpmm_key(a.seed, k == 0 ? kStreamState1 : kStreamState2), offset,
                     at<uint8_t>(m, k == 0 ? kLpState1 : kLpState2));
       }
     }
-    // The absmaxes were read by every thread before the first group_max barrier.
+    // The absmaxes were read by every thread before the first block_max barrier.
     if (threadIdx.x == 0) {
       param_absmax[g] = amax_p;
       for (int k = 0; k < a.n_states; ++k) absmax[k][g] = amax_s[k];

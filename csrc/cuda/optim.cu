@@ -13,6 +13,7 @@
 #include "lowbit/dispatch.h"
 #include "lowbit/optim_rules.h"
 #include "lowbit/qmap.h"
+#include "reduce.cuh"
 
 namespace lowbit::cuda {
 namespace {
@@ -32,18 +33,6 @@ __device__ BlockTask find_block(const OptimArgs& a, int64_t b) {
   const int64_t start = (b - m[kFirstBlock]) * a.block_size;
   const int64_t left = m[kNumel] - start;
   return BlockTask{lo, start, static_cast<int>(left < a.block_size ? left : a.block_size)};
-}
-
-// Max over the thread block of one value per thread.
-__device__ uint32_t block_max(uint32_t v, uint32_t* scratch) {
-  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
-  const int warps = (blockDim.x + 31) / 32;
-  __syncthreads();  // scratch may still be read by a previous reduction
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
-  __syncthreads();
-  uint32_t m = 0;
-  for (int w = 0; w < warps; ++w) m = max(m, scratch[w]);
-  return m;
 }
 
 __device__ StepScalars tensor_scalars(const OptimArgs& a, int64_t t, const float* update_scales) {
