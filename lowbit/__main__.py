@@ -1,4 +1,5 @@
-"""``python -m lowbit``: what this build contains, what it runs on, and whether it computes correctly.
+"""``python -m lowbit``: what this build contains, what it runs on, and whether it computes correctly;
+``python -m lowbit demo``: the end-to-end memory-saving training run of :mod:`lowbit.demo`.
 
 The self-check quantizes a small random tensor through :mod:`lowbit.functional` on every usable
 device and compares codes, absmax and dequantized values bit for bit with the pure-PyTorch twins in
@@ -17,6 +18,7 @@ from torch import Tensor
 
 import lowbit
 from lowbit import _C, _ops, _reference, functional
+from lowbit import demo as _demo
 
 __all__ = ["main"]
 
@@ -209,11 +211,19 @@ def _info(_args: argparse.Namespace) -> int:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lowbit", description="lowbit diagnostics (default command: info)")
+    parser = argparse.ArgumentParser(prog="lowbit", description="lowbit diagnostics and demo (default command: info)")
     parser.set_defaults(handler=_info)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND")
     info = commands.add_parser("info", help="versions, build, devices and a correctness self-check")
     info.set_defaults(handler=_info)
+    demo = commands.add_parser(
+        "demo",
+        help="train a small language model four ways and measure the memory (see lowbit.demo)",
+        description="Train a byte-level GPT with fp32 AdamW, 8-bit AdamW, compressed activations and LPMM, "
+        "and report measured memory, speed and losses.",
+    )
+    _demo.add_arguments(demo)
+    demo.set_defaults(handler=_demo.run)
     return parser
 
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -51,3 +53,31 @@ def test_lpmm_digits_prints_both_tables():
     assert bytes_per_param["fp32 SGDM"] == 12.0
     assert bytes_per_param["LPMM 12/8/8 stochastic"] < 3.6
     assert all(math.isfinite(float(v)) for row in rows for v in row[1:]), out
+
+
+def test_adam8bit_dropin_trains():
+    out = run("adam8bit_dropin.py")
+    loss = float(re.search(r"loss (\S+) after 200 steps", out).group(1))
+    state = int(re.search(r"optimizer state ([\d,]+) bytes", out).group(1).replace(",", ""))
+    assert loss < 0.1, out  # 512 random points, 19k parameters: memorised
+    assert state < 0.4 * 8 * 19_210, out
+
+
+def test_hf_trainer_compressed_keeps_logits_and_trains():
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    out = run("hf_trainer_compressed.py", "--steps", "8")
+    assert "logits unchanged: True" in out, out
+    ratio = float(re.search(r"bytes \((\S+)x\)", out).group(1))
+    assert ratio < 0.95, out
+    first, last = map(float, re.search(r"AdamW8bit: loss (\S+) -> (\S+)", out).groups())
+    assert last < first, out
+
+
+def test_blpa_resnet_digits_saves_less_and_learns():
+    out = run("blpa_resnet_digits.py", "--epochs", "3")
+    rows = re.findall(r"saved for backward\s+([\d,]+) bytes.*?test accuracy (\S+)%", out)
+    assert len(rows) == 2, out
+    (exact_bytes, exact_acc), (approx_bytes, approx_acc) = ((int(b.replace(",", "")), float(a)) for b, a in rows)
+    assert approx_bytes < 0.25 * exact_bytes, out
+    assert approx_acc > 80 and exact_acc > 80, out

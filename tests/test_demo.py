@@ -1,0 +1,79 @@
+"""``python -m lowbit demo``: it trains every configuration, measures memory honestly and writes its report."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lowbit import demo
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        [sys.executable, "-m", "lowbit", "demo", *args], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_demo_writes_table_json_and_figure(tmp_path):
+    proc = _run("--steps", "4", "--out", str(tmp_path))
+    for name in demo.CONFIGS:
+        assert any(line.startswith(name + " ") for line in proc.stdout.splitlines()), proc.stdout
+    assert "4/4" in proc.stderr  # the progress bars
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    r = {row["name"]: row for row in report["results"]}
+    assert list(r) == list(demo.CONFIGS)
+    base = r["fp32"]
+    # Measured storage: the 8-bit optimizer shrinks the optimizer state, inverted activations the
+    # saved activations, LPMM the parameters and gradients as well.
+    assert r["adamw8bit"]["optimizer_state_bytes"] < 0.35 * base["optimizer_state_bytes"]
+    assert r["act"]["saved_activation_bytes"] < 0.85 * base["saved_activation_bytes"]
+    assert r["lpmm"]["param_bytes"] < 0.4 * base["param_bytes"]
+    assert r["lpmm"]["grad_bytes"] < 0.3 * base["grad_bytes"]
+    assert r["lpmm"]["model_bytes"] < 0.3 * base["model_bytes"]
+    assert r["lpmm"]["saved_activation_bytes"] == r["act"]["saved_activation_bytes"]
+    assert base["grad_bytes"] == base["param_bytes"]  # fp32 .grad tensors, measured after the step
+    assert all(len(row["losses"]) == 4 and row["peak_bytes"] is not None for row in r.values())
+
+
+def test_demo_losses_stay_within_two_percent_of_fp32(tmp_path):
+    # The issue's bound, at the default 300 steps. Measured (train / held-out loss vs fp32, seeds
+    # 0/1/2): lpmm -1.55% / -0.21% / +0.73% and -1.61% / -0.08% / -0.99%.
+    _run("--configs", "fp32,lpmm", "--out", str(tmp_path))
+    r = {row["name"]: row for row in json.loads((tmp_path / "report.json").read_text())["results"]}
+    for key in ("train_loss", "heldout_loss"):
+        assert abs(r["lpmm"][key] / r["fp32"][key] - 1) < 0.02, (key, r)
+
+
+def test_demo_reads_a_data_file_and_refuses_bad_arguments(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_bytes(Path(demo.__file__).read_bytes() * 2)
+    _run("--steps", "2", "--configs", "fp32", "--data", str(text), "--out", str(tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["data"] == str(text)
+    bad = subprocess.run(
+        [sys.executable, "-m", "lowbit", "demo", "--configs", "fp32,nope"], capture_output=True, text=True, check=False
+    )
+    assert bad.returncode != 0 and "nope" in bad.stderr
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_bytes(b"x" * 100)
+    small = subprocess.run(
+        [sys.executable, "-m", "lowbit", "demo", "--data", str(tiny), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert small.returncode != 0 and "too little" in small.stderr
+
+
+def test_load_text_defaults_to_the_standard_library():
+    data = demo.load_text(max_bytes=10_000)
+    assert data.dtype == torch.uint8 and data.numel() == 10_000
+    with pytest.raises(FileNotFoundError, match="--data"):
+        demo.load_text(Path("/nonexistent/lowbit"))
