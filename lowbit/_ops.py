@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowbit import _C
 
@@ -63,6 +64,12 @@ def _check(cond: bool, msg: str) -> None:
 def _check_input(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"lowbit: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if is_traceable_wrapper_subclass(t):
+        # A wrapper such as DTensor has no storage of its own (data_ptr() is 0).
+        raise TypeError(
+            f"lowbit: {name} is a {type(t).__name__}, a tensor subclass without storage of its own; lowbit's ops "
+            "take plain tensors (for a DTensor, its .to_local())"
+        )
     if t.dtype not in dtypes:
         expected = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"lowbit: {name} has dtype {t.dtype}; expected one of: {expected}")
@@ -545,6 +552,8 @@ def _step_widths(
         if not (
             isinstance(p, Tensor)
             and isinstance(g, Tensor)
+            and not is_traceable_wrapper_subclass(p)
+            and not is_traceable_wrapper_subclass(g)
             and p.dtype in _DTYPE_CODES
             and g.dtype == p.dtype
             and g.shape == p.shape
@@ -560,6 +569,7 @@ def _step_widths(
             st, a = states[k][i], absmaxes[k][i]
             if not (
                 isinstance(st, Tensor)
+                and not is_traceable_wrapper_subclass(st)
                 and st.dtype == (torch.uint8 if eight else torch.float32)
                 and st.numel() == n
                 and st.device == device

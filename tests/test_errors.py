@@ -84,3 +84,32 @@ def test_cuda_tensor_on_a_cpu_only_build_says_how_to_rebuild(monkeypatch):
     monkeypatch.setattr(_C, "cuda_built", lambda: False)
     with pytest.raises(RuntimeError, match="built without CUDA.*LOWBIT_CUDA=ON pip install"):
         _ops._launch("quantize", torch.device("cuda", 0))
+
+
+def test_dtensor_misuse_raises_instead_of_crashing(tmp_path):
+    # A DTensor has no storage of its own (data_ptr() is 0): passing it to a native loop would crash.
+    # The optimizers step its local shard (tests/test_distributed.py); options they cannot honour on
+    # a shard raise.
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    import lowbit.optim
+    from lowbit import _ops
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(64, 80), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(torch.randn(64, 80), mesh, [Shard(0)])
+        opt = lowbit.optim.LAMB8bit([p])
+        with pytest.raises(NotImplementedError, match="whole-tensor norms"):
+            opt.step()
+        # The eager step bypasses the dispatcher (and DTensor's own refusal of unknown ops).
+        code = F.create_dynamic_map()
+        hyper = [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0]
+        with pytest.raises(TypeError, match=r"params\[0\] is a DTensor"):
+            _ops.optimizer_step_eager(
+                [p.detach()], [p.grad], [], [], [], [], [1e-3, 1.0, 1.0], None, code, code, 1, hyper, 0, 0, 0, 256
+            )
+    finally:
+        dist.destroy_process_group()

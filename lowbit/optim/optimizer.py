@@ -6,6 +6,12 @@ codes shaped like the parameter, indexing the signed dynamic map (first moments)
 Parameters with fewer than ``min_8bit_size`` elements, or with ``optim_bits=32``, keep fp32 states.
 ``step`` is a float32 scalar tensor, as in torch.optim.
 
+FSDP2: DTensor parameters are stepped shard by shard in the same fused call; their states are
+DTensors with the parameter's placements (absmaxes stay local), the 8-bit choice uses the global element
+count, and ``state_dict`` gives their states dequantized so that ``torch.distributed.checkpoint`` can
+reshard them. Options that need whole-tensor norms (LAMB/LARS trust ratios, ``max_unorm``,
+``percentile_clipping``) raise for DTensor parameters.
+
 Non-finite gradients: the update is computed in fp32 exactly as torch.optim computes it, so a
 NaN/Inf gradient makes that parameter element non-finite as it would in torch. An 8-bit state block
 that receives a non-finite value is stored with absmax NaN and reads as NaN in full from the next
@@ -20,6 +26,8 @@ from typing import Any, ClassVar, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowbit import _ops
 from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise, quantize_blockwise
@@ -43,6 +51,19 @@ def _state_map(signed: bool, device: torch.device) -> Tensor:
     if key not in _MAPS:
         _MAPS[key] = create_dynamic_map(signed=signed).to(device)
     return _MAPS[key]
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (FSDP2 parameters, gradients and states), or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like_param(p: Tensor, value: Tensor) -> Tensor:
+    """``value``, a tensor shaped like the local shard of ``p``, as a DTensor with ``p``'s placements when
+    ``p`` is one (the optimizer states of FSDP2 parameters), else unchanged."""
+    if not isinstance(p, DTensor):
+        return value
+    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def _check_block_size(block_size: object) -> None:
@@ -84,6 +105,8 @@ class LowbitOptimizer(torch.optim.Optimizer):
     _state_names: ClassVar[tuple[str, ...]]
     _state_signed: ClassVar[tuple[bool, ...]]
     _norm_mode: ClassVar[int] = NORM_NONE
+    # Rules whose _adjust_grads needs whole-tensor norms (LARS).
+    _global_grad_rule: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -177,14 +200,14 @@ class LowbitOptimizer(torch.optim.Optimizer):
 
     def _unpack(self, k: int, p: Tensor, state: dict[str, Any]) -> Tensor:
         """The fp32 values of state k of ``p``, whatever layout they are stored in."""
-        s = state[f"state{k + 1}"]
+        s = local(state[f"state{k + 1}"])
         if s.dtype != torch.uint8:
             return s
         absmax = state[f"absmax{k + 1}"]
         qs = QuantState(
             absmax,
             _state_map(self._state_signed[k], s.device),
-            _stored_block_size(p.numel(), absmax.numel()),
+            _stored_block_size(s.numel(), absmax.numel()),
             s.shape,
             torch.float32,
             8,
@@ -202,7 +225,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
             s = state.get(f"state{k + 1}")
             if s is None or (s.dtype == torch.uint8) != eight_bit:
                 return False
-            if eight_bit and state[f"absmax{k + 1}"].numel() != _ops.num_blocks(p.numel(), config["block_size"]):
+            if eight_bit and state[f"absmax{k + 1}"].numel() != _ops.num_blocks(local(p).numel(), config["block_size"]):
                 return False
         return True
 
@@ -212,13 +235,15 @@ class LowbitOptimizer(torch.optim.Optimizer):
         This is how a changed ``optim_bits`` or ``block_size`` (param group or override) is honoured
         for a parameter that already has state; missing states start at their initial value.
         """
-        eight_bit = self._eight_bit(config, p)
+        eight_bit = self._eight_bit(config, p)  # by the global element count of an FSDP2 parameter
         for k in range(self._n_states(config)):
             if f"state{k + 1}" in state:
                 value = self._unpack(k, p, state).clone()
             else:
-                value = torch.full(p.shape, self._init_value(k, config), dtype=torch.float32, device=p.device)
-            state[f"state{k + 1}"], state[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
+                shard = local(p)
+                value = torch.full(shard.shape, self._init_value(k, config), dtype=torch.float32, device=shard.device)
+            codes, state[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
+            state[f"state{k + 1}"] = like_param(p, codes)
 
     # -- step -------------------------------------------------------------------------------------
 
@@ -236,6 +261,10 @@ class LowbitOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                if is_traceable_wrapper_subclass(p) and not isinstance(p, DTensor):
+                    raise NotImplementedError(
+                        f"lowbit: {type(self).__name__} steps plain tensors and DTensors, got a {type(p).__name__}"
+                    )
                 if p.grad.is_sparse:
                     raise RuntimeError(f"lowbit: {type(self).__name__} does not support sparse gradients")
                 overrides = get_override(p)
@@ -284,12 +313,20 @@ class LowbitOptimizer(torch.optim.Optimizer):
         states: list[list[Tensor]] = [[], []]
         absmaxes: list[list[Tensor]] = [[], []]
         steps = torch.stack([state["step"] for _, state in batch]).tolist()
+        sharded = any(isinstance(p, DTensor) for p, _ in batch)
+        if sharded and (norm_mode != NORM_NONE or config["percentile_clipping"] < 100 or self._global_grad_rule):
+            raise NotImplementedError(
+                f"lowbit: {type(self).__name__} with trust ratios, max_unorm or percentile_clipping needs whole-"
+                "tensor norms, which FSDP2 parameters (DTensors) do not have locally; not supported yet"
+            )
         for (p, state), step in zip(batch, steps, strict=True):
-            params.append(p)
-            grads.append(p.grad.contiguous() if p.grad.dtype == p.dtype else p.grad.to(p.dtype).contiguous())
+            # FSDP2: the local shards of the parameter, its gradient and its states.
+            shard, grad = local(p), local(p.grad)
+            params.append(shard)
+            grads.append(grad.contiguous() if grad.dtype == shard.dtype else grad.to(shard.dtype).contiguous())
             scalars += self._step_scalars(config, int(step))
             for k in range(n_states):
-                states[k].append(state[f"state{k + 1}"])
+                states[k].append(local(state[f"state{k + 1}"]))
                 absmaxes[k].append(state[f"absmax{k + 1}"])
         if not all(p.is_contiguous() for p in params):
             raise ValueError("lowbit: parameters must be contiguous")
@@ -318,10 +355,31 @@ class LowbitOptimizer(torch.optim.Optimizer):
 
     # -- state dict -------------------------------------------------------------------------------
 
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's state dict. States of FSDP2 parameters are given dequantized, as fp32 DTensors
+        with the parameter's placements, because block-wise codes and absmaxes of one sharding do not
+        reshard: ``torch.distributed.checkpoint`` can then load them at any world size."""
+        sd = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            if isinstance(p, DTensor) and i in sd["state"]:
+                entry = dict(sd["state"][i])
+                for k in range(2):
+                    if f"state{k + 1}" in entry:
+                        entry[f"state{k + 1}"] = like_param(p, self._unpack(k, p, self.state[p]).clone())
+                        entry.pop(f"absmax{k + 1}", None)
+                sd["state"][i] = entry
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict; 8-bit codes and fp32 states keep their dtype whatever the param dtype."""
         super().load_state_dict(state_dict)
         restore_state_dtypes(self, state_dict)
+        # FSDP2 parameters arrive with dequantized states (state_dict): store them as configured.
+        for group in self.param_groups:
+            for p in group["params"]:
+                if isinstance(p, DTensor) and self.state.get(p):
+                    self._relayout(p, self.state[p], self._config(group, p))
 
     def dequantized_state(self, p: Tensor) -> dict[str, Tensor]:
         """The state of ``p`` in torch.optim's layout and names, dequantized to fp32."""
@@ -329,7 +387,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
         out: dict[str, Tensor] = {"step": state["step"].clone()}
         for k, name in enumerate(self._state_names):
             if f"state{k + 1}" in state:
-                out[name] = self._unpack(k, p, state).clone()
+                out[name] = like_param(p, self._unpack(k, p, state).clone())
         return out
 
     def load_dequantized_state(self, p: Tensor, state: dict[str, Tensor]) -> None:
@@ -340,9 +398,11 @@ class LowbitOptimizer(torch.optim.Optimizer):
         # torch.optim.SGD keeps no step count; a momentum buffer means at least one step was taken.
         step = state.get("step", float(any(name in state for name in self._state_names)))
         new: dict[str, Any] = {"step": torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()}
+        shard = local(p)
         for k in range(self._n_states(config)):
-            value = state[self._state_names[k]].detach().to(p.device, torch.float32).reshape(p.shape).clone()
-            new[f"state{k + 1}"], new[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
+            value = local(state[self._state_names[k]]).detach().to(shard.device, torch.float32)
+            codes, new[f"absmax{k + 1}"] = self._pack(k, value.reshape(shard.shape).clone(), config, eight_bit)
+            new[f"state{k + 1}"] = like_param(p, codes)
         self.state[p] = new
 
 

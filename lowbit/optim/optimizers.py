@@ -431,6 +431,8 @@ class LARS(SGD):
             ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
+    _global_grad_rule = True
+
     def __init__(
         self,
         params: Params,

@@ -1,0 +1,126 @@
+"""Multi-process training jobs for tests/test_distributed.py (gloo on the CPU, spawned processes).
+
+Every job trains the same small byte-level transformer (lowbit.demo.TinyGPT) on the same global
+batches; with world size W, rank r takes rows [r B / W, (r + 1) B / W) of each batch of B. The loss
+recorded per step is the global mean (the all-reduced mean of the ranks' losses), so runs at different
+world sizes are comparable. Rank 0 writes the result as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+import lowbit.optim
+from lowbit.demo import ModelConfig, build_model, load_text, windows
+
+# context 15: the position table has 15 rows, which two ranks shard unevenly (8 + 7).
+CFG = ModelConfig(layers=2, d_model=32, heads=4, context=15, batch=8, lr=3e-3)
+OPTIMIZERS = {
+    "Adam8bit": lambda params: lowbit.optim.Adam8bit(params, lr=CFG.lr, min_8bit_size=256),
+    "AdamW8bit": lambda params: lowbit.optim.AdamW8bit(params, lr=CFG.lr, min_8bit_size=256),
+    "SGD8bit": lambda params: lowbit.optim.SGD8bit(params, lr=0.05, momentum=0.9, min_8bit_size=256),
+}
+
+
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = load_text(max_bytes=200_000)
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, len(data) - CFG.context - 1, (steps, CFG.batch), generator=g)
+    return [windows(data, s, CFG.context) for s in starts]
+
+
+def _model(parallel: str) -> nn.Module:
+    model = build_model(CFG, 0, lambda: nn.Embedding(256, CFG.d_model), torch.device("cpu"))
+    if parallel == "fsdp":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    elif parallel == "ddp":
+        model = DistributedDataParallel(model)
+    return model
+
+
+def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Train job["steps"] steps (from job["start"], default 0) with job["optimizer"] under
+    job["parallel"] ("fsdp", "ddp" or "none"); load a DCP checkpoint from job["load"] first (the model
+    only with job["load_optimizer"] False) and save one to job["save"] after job["save_after"] steps,
+    if given."""
+    model = _model(job["parallel"])
+    opt = OPTIMIZERS[job["optimizer"]](model.parameters())
+    start = job.get("start", 0)
+    if job.get("load"):
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        if not job.get("load_optimizer", True):  # the weights only (to show what the state is worth)
+            del state["optim"]
+        dcp.load(state, checkpoint_id=job["load"])
+        set_model_state_dict(model, state["model"])
+        if "optim" in state:
+            set_optimizer_state_dict(model, opt, state["optim"])
+    losses = []
+    per_rank = CFG.batch // world
+    for step, (x, y) in enumerate(_batches(start + job["steps"])[start:], start=start):
+        x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        if job.get("save") and step + 1 == job["save_after"]:
+            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.save(state, checkpoint_id=job["save"])
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    # 8-bit states, and those of parameters that the ranks shard unevenly (dim 0 not a multiple of world).
+    eight_bit = [v for v in states if v.dtype == torch.uint8]
+    uneven = [v for v in eight_bit if v.dim() > 0 and v.shape[0] % world != 0]
+    return {"losses": losses, "eight_bit_states": len(eight_bit), "uneven_eight_bit_states": len(uneven)}
+
+
+def worker(rank: int, world: int, init_file: str, out: str, job: dict[str, Any]) -> None:
+    """Process entry point: one rank of a gloo group running train(); rank 0 writes the result to out."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        result = train(rank, world, job)
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(world: int, job: dict[str, Any], tmp: Path, timeout: float = 240.0) -> dict[str, Any]:
+    """Run ``job`` on ``world`` spawned ranks; returns rank 0's result. Kills the ranks after ``timeout``."""
+    import torch.multiprocessing as mp
+
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    init_file, out = tmp / f"init-{tag}", tmp / f"out-{tag}.json"
+    ctx = mp.start_processes(
+        worker, args=(world, str(init_file), str(out), job), nprocs=world, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"distributed job {job} did not finish in {timeout} s")
+    return json.loads(out.read_text())
