@@ -27,7 +27,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
+import lowbit.lpmm
+import lowbit.nn
 import lowbit.optim
 from lowbit.demo import ModelConfig, build_model, load_text, windows
 
@@ -37,7 +40,20 @@ OPTIMIZERS = {
     "Adam8bit": lambda params: lowbit.optim.Adam8bit(params, lr=CFG.lr, min_8bit_size=256),
     "AdamW8bit": lambda params: lowbit.optim.AdamW8bit(params, lr=CFG.lr, min_8bit_size=256),
     "SGD8bit": lambda params: lowbit.optim.SGD8bit(params, lr=0.05, momentum=0.9, min_8bit_size=256),
+    "AdamW32bit": lambda params: lowbit.optim.AdamW32bit(params, lr=CFG.lr),
+    "LPMMSGD": lambda params: lowbit.optim.LPMMSGD(params, lr=0.05, momentum=0.9),
 }
+
+
+class Checkpointed(nn.Module):
+    """A block whose activations are recomputed in backward (torch.utils.checkpoint, non-reentrant)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, h, use_reentrant=False)
 
 
 def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -47,23 +63,41 @@ def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [windows(data, s, CFG.context) for s in starts]
 
 
-def _model(parallel: str) -> nn.Module:
+def _model(job: dict[str, Any]) -> nn.Module:
+    """The model of ``job``: job["compress"] swaps in inverted activations, job["lpmm"] = [param_bits,
+    grad_bits] converts it, job["checkpoint"] recomputes each block in backward; then job["parallel"]."""
     model = build_model(CFG, 0, lambda: nn.Embedding(256, CFG.d_model), torch.device("cpu"))
-    if parallel == "fsdp":
+    if job.get("compress"):
+        lowbit.nn.compress_activations(model, method="invact")
+    if job.get("lpmm"):
+        lowbit.lpmm.convert(model, param_bits=job["lpmm"][0], grad_bits=job["lpmm"][1], group_size=64)
+    if job["parallel"] == "fsdp":
         for block in model.blocks:
             fully_shard(block)
+    if job.get("checkpoint"):
+        model.blocks = nn.ModuleList(Checkpointed(block) for block in model.blocks)
+    if job["parallel"] == "fsdp":
         fully_shard(model)
-    elif parallel == "ddp":
+    elif job["parallel"] == "ddp":
         model = DistributedDataParallel(model)
     return model
 
 
+def _in_sync(model: nn.Module) -> bool:
+    """Whether every rank holds the same parameter values (plain or low-precision)."""
+    values = [t.detach().double().sum() for t in model.state_dict().values() if isinstance(t, torch.Tensor)]
+    mine = torch.stack(values)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return all(torch.equal(g, mine) for g in gathered)
+
+
 def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
-    """Train job["steps"] steps (from job["start"], default 0) with job["optimizer"] under
-    job["parallel"] ("fsdp", "ddp" or "none"); load a DCP checkpoint from job["load"] first (the model
-    only with job["load_optimizer"] False) and save one to job["save"] after job["save_after"] steps,
-    if given."""
-    model = _model(job["parallel"])
+    """Train job["steps"] steps (from job["start"], default 0) with job["optimizer"] on the model of
+    _model(job) under job["parallel"] ("fsdp", "ddp" or "none": plain data parallelism). Loads a DCP
+    checkpoint from job["load"] first (the model only with job["load_optimizer"] False) and saves one
+    to job["save"] after job["save_after"] steps, if given."""
+    model = _model(job)
     opt = OPTIMIZERS[job["optimizer"]](model.parameters())
     start = job.get("start", 0)
     if job.get("load"):
@@ -92,7 +126,13 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     # 8-bit states, and those of parameters that the ranks shard unevenly (dim 0 not a multiple of world).
     eight_bit = [v for v in states if v.dtype == torch.uint8]
     uneven = [v for v in eight_bit if v.dim() > 0 and v.shape[0] % world != 0]
-    return {"losses": losses, "eight_bit_states": len(eight_bit), "uneven_eight_bit_states": len(uneven)}
+    in_sync = job["parallel"] == "fsdp" or _in_sync(model)  # FSDP2 ranks hold different shards
+    return {
+        "losses": losses,
+        "eight_bit_states": len(eight_bit),
+        "uneven_eight_bit_states": len(uneven),
+        "in_sync": in_sync,
+    }
 
 
 def worker(rank: int, world: int, init_file: str, out: str, job: dict[str, Any]) -> None:

@@ -93,6 +93,7 @@ def test_dtensor_misuse_raises_instead_of_crashing(tmp_path):
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
+    import lowbit.lpmm
     import lowbit.optim
     from lowbit import _ops
 
@@ -104,6 +105,12 @@ def test_dtensor_misuse_raises_instead_of_crashing(tmp_path):
         opt = lowbit.optim.LAMB8bit([p])
         with pytest.raises(NotImplementedError, match="whole-tensor norms"):
             opt.step()
+        layer = torch.nn.Linear(80, 64)
+        layer.weight = p
+        with pytest.raises(TypeError, match="'weight' of .* is a DTensor"):
+            lowbit.lpmm.convert(layer)
+        with pytest.raises(NotImplementedError, match="FSDP2"):
+            lowbit.optim.LPMMSGD([p])
         # The eager step bypasses the dispatcher (and DTensor's own refusal of unknown ops).
         code = F.create_dynamic_map()
         hyper = [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0]

@@ -81,3 +81,21 @@ def test_blpa_resnet_digits_saves_less_and_learns():
     (exact_bytes, exact_acc), (approx_bytes, approx_acc) = ((int(b.replace(",", "")), float(a)) for b, a in rows)
     assert approx_bytes < 0.25 * exact_bytes, out
     assert approx_acc > 80 and exact_acc > 80, out
+
+
+def _torchrun(nproc: int, *args: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    proc = subprocess.run(
+        [*cmd, str(EXAMPLES / "fsdp2_train.py"), *args], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def test_fsdp2_train_saves_at_two_ranks_and_resumes_at_one(tmp_path):
+    checkpoint = str(tmp_path / "ckpt")
+    first = _torchrun(2, "--steps", "4", "--save", checkpoint)
+    losses = [float(v) for v in re.findall(r"loss (\S+)", first)]
+    assert len(losses) == 4 and losses[-1] < losses[0], first
+    resumed = _torchrun(1, "--steps", "2", "--load", checkpoint)
+    assert re.findall(r"step (\d+):", resumed) == ["5", "6"], resumed

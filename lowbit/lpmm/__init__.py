@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree
 
 from lowbit import _ops
@@ -79,16 +80,17 @@ class _Materialize(torch.autograd.Function):
         return lp.dequantize()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         ctx.lp.accumulate_(grad)
-        return None, None
+        # An empty gradient for the empty handle: it marks the handle as used, as DDP's reducer expects.
+        return torch.zeros_like(ctx.lp.handle), None
 
 
 class LowPrecisionParameter(nn.Module):
     """One parameter stored as bit-packed k-bit linear codes with one fp32 absmax per group.
 
-    Buffers: ``codes`` and ``absmax`` (the value, in the state dict), ``grad_codes`` and
-    ``grad_absmax`` (the gradient accumulator, not saved). ``handle`` is an empty ``nn.Parameter``
+    Buffers: ``codes`` and ``absmax`` (the value, in the state dict). Attributes ``grad_codes`` and
+    ``grad_absmax``: the gradient accumulator (not saved). ``handle`` is an empty ``nn.Parameter``
     that stands for this tensor in ``model.parameters()`` and optimizer param groups.
 
     Args:
@@ -131,12 +133,10 @@ class LowPrecisionParameter(nn.Module):
         codes, absmax = self._encode(value)
         self.register_buffer("codes", codes)
         self.register_buffer("absmax", absmax)
-        self.register_buffer(
-            "grad_codes", torch.zeros(_ops.packed_bytes(n, grad_bits), dtype=torch.uint8, device=value.device), False
-        )
-        self.register_buffer(
-            "grad_absmax", torch.zeros(_ops.num_blocks(n, group_size), dtype=torch.float32, device=value.device), False
-        )
+        # Plain attributes, not buffers: wrappers that broadcast buffers (DDP, at every forward) must not
+        # overwrite a rank's partly accumulated gradient.
+        self.grad_codes = torch.zeros(_ops.packed_bytes(n, grad_bits), dtype=torch.uint8, device=value.device)
+        self.grad_absmax = torch.zeros(_ops.num_blocks(n, group_size), dtype=torch.float32, device=value.device)
         self.handle = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=requires_grad)
         self.handle._lpmm = self  # type: ignore[attr-defined]
 
@@ -179,8 +179,9 @@ class LowPrecisionParameter(nn.Module):
     # -- gradient accumulator -------------------------------------------------------------------
 
     @torch.no_grad()
-    def accumulate_(self, grad: Tensor) -> None:
-        """``g <- Q(g + grad)`` (lpmm.txt Algorithm 1, line 5) with this tensor's rounding."""
+    def accumulate_(self, grad: Tensor, seed: Optional[int] = None) -> None:
+        """``g <- Q(g + grad)`` (lpmm.txt Algorithm 1, line 5) with this tensor's rounding; the draws use
+        ``seed`` (default: one from this parameter's generator)."""
         if tuple(grad.shape) != tuple(self.shape):
             raise ValueError(f"lowbit.lpmm: grad has shape {tuple(grad.shape)}, expected {tuple(self.shape)}")
         _ops.lpmm_accumulate_(
@@ -190,7 +191,7 @@ class LowPrecisionParameter(nn.Module):
             self.grad_bits,
             self.group_size,
             self.rounding == "stochastic",
-            draw_seed(self.generator),
+            draw_seed(self.generator) if seed is None else seed,
         )
         self.has_grad = True
 
@@ -219,8 +220,10 @@ class LowPrecisionParameter(nn.Module):
             if probe.dtype not in _ops.FLOAT_DTYPES:
                 raise TypeError(f"lowbit.lpmm: compute dtype must be float32, float16 or bfloat16, got {probe.dtype}")
             self.dtype = probe.dtype
-        for name in ("codes", "absmax", "grad_codes", "grad_absmax"):
+        for name in ("codes", "absmax"):
             self._buffers[name] = self._buffers[name].to(probe.device)
+        self.grad_codes = self.grad_codes.to(probe.device)
+        self.grad_absmax = self.grad_absmax.to(probe.device)
         self.handle.data = torch.empty(0, dtype=self.dtype, device=probe.device)
         return self
 
@@ -445,6 +448,11 @@ def convert(
         if torch.nn.utils.parametrize.is_parametrized(m):
             raise TypeError(f"lowbit.lpmm: cannot convert {where}: parametrized modules are not supported")
         for pname, p in m._parameters.items():
+            if isinstance(p, DTensor):
+                raise TypeError(
+                    f"lowbit.lpmm: parameter {pname!r} of {where} is a DTensor: LPMM-converted models cannot be "
+                    "sharded with FSDP2 yet (data parallelism works: see lowbit.optim.LPMMOptimizer)"
+                )
             if p is not None and p.dtype not in _ops.FLOAT_DTYPES:
                 raise TypeError(
                     f"lowbit.lpmm: parameter {pname!r} of {where} has dtype {p.dtype}; "

@@ -14,7 +14,9 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lowbit import _ops
 from lowbit.functional import create_dynamic_map
@@ -42,6 +44,11 @@ def _state_map(signed: bool, bits: int, device: torch.device) -> Tensor:
     return _MAPS[key]
 
 
+def _stream_seed(base: int, stream: int) -> int:
+    """A seed for draw stream ``stream`` of a step whose base seed is ``base`` (same on every rank)."""
+    return (base * 0x9E3779B97F4A7C15 + stream * 0xBF58476D1CE4E5B9) % 2**62
+
+
 def storage_of(p: Tensor) -> Optional[LowPrecisionParameter]:
     """The low-precision storage that the handle ``p`` stands for, or None for an ordinary tensor."""
     lp = getattr(p, "_lpmm", None)
@@ -60,6 +67,15 @@ class LPMMOptimizer(torch.optim.Optimizer):
             the rounding they were converted with.
         generator: source of rounding seeds (torch's default generator if None).
 
+        data_parallel: average the gradient accumulators over the ranks of ``process_group`` before
+            each step (data-parallel training, with or without DDP around the model). None (default):
+            whenever ``torch.distributed`` is initialised with more than one rank in the group.
+        process_group: the group to average over (default: the default group).
+
+    Data parallelism: each rank accumulates its own micro-batches; the step averages each accumulator
+    over the ranks (decoded one tensor at a time, all-reduced in fp32 and re-encoded with stochastic
+    rounding) and uses rank 0's seed for every rounding draw, so parameters stay identical on all ranks.
+
     Subclasses set ``_rule`` and ``_state_signed`` and implement :meth:`_hyper` and :meth:`_scalars`.
     """
 
@@ -74,6 +90,8 @@ class LPMMOptimizer(torch.optim.Optimizer):
         momentum_bits: int = 8,
         rounding: str = "stochastic",
         generator: Optional[torch.Generator] = None,
+        data_parallel: Optional[bool] = None,
+        process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if isinstance(momentum_bits, bool) or not isinstance(momentum_bits, int) or not 1 <= momentum_bits <= 8:
             raise ValueError(f"lowbit: momentum_bits must be an int in 1..8, got {momentum_bits!r}")
@@ -82,9 +100,16 @@ class LPMMOptimizer(torch.optim.Optimizer):
         check_finite_nonneg("lr", defaults["lr"])
         check_finite_nonneg("weight_decay", defaults["weight_decay"])
         self.generator = generator
+        self.data_parallel = data_parallel
+        self.process_group = process_group
         super().__init__(params, dict(defaults, momentum_bits=momentum_bits, rounding=rounding))
         for gi, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
+                if isinstance(p, DTensor):
+                    raise NotImplementedError(
+                        f"lowbit: {type(self).__name__} got a DTensor parameter: LPMM-converted models cannot "
+                        "be sharded with FSDP2 yet (data parallelism works, with or without DDP)"
+                    )
                 if storage_of(p) is None:
                     raise TypeError(
                         f"lowbit: {type(self).__name__} optimizes parameters of a model converted with "
@@ -114,6 +139,35 @@ class LPMMOptimizer(torch.optim.Optimizer):
             )
         return state
 
+    def _group(self) -> Optional[dist.ProcessGroup]:
+        """The process group to average gradients over, or None for none."""
+        if self.data_parallel is False or not (dist.is_available() and dist.is_initialized()):
+            if self.data_parallel:
+                raise RuntimeError("lowbit: data_parallel=True, but torch.distributed is not initialised")
+            return None
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
+
+    def _average_gradients(self, group: dist.ProcessGroup) -> int:
+        """Averages every accumulator over ``group`` (the ones that have a gradient on any rank); returns
+        rank 0's seed for this step's rounding draws."""
+        lps = [storage_of(p) for g in self.param_groups for p in g["params"]]
+        device = lps[0].device if lps else torch.device("cpu")
+        world = dist.get_world_size(group)
+        seed = torch.tensor([draw_seed(self.generator)], dtype=torch.int64, device=device)
+        dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+        flags = torch.tensor([lp.has_grad for lp in lps], dtype=torch.uint8, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+        base = int(seed.item())
+        for i, (lp, flag) in enumerate(zip(lps, flags.tolist(), strict=True)):
+            if not flag:
+                continue
+            total = lp.grad if lp.has_grad else torch.zeros(lp.shape, dtype=torch.float32, device=lp.device)
+            dist.all_reduce(total, group=group)
+            lp.zero_grad_()
+            lp.accumulate_(total.div_(world), seed=_stream_seed(base, 1 + i))
+        return base
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One LPMM step for every parameter with an accumulated gradient; clears the accumulators."""
@@ -121,6 +175,9 @@ class LPMMOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        group = self._group()
+        base = self._average_gradients(group) if group is not None else draw_seed(self.generator)
+        calls = 0
         for group in self.param_groups:
             batches: dict[tuple[Any, ...], list[tuple[LowPrecisionParameter, dict[str, Any]]]] = {}
             for p in group["params"]:
@@ -133,10 +190,13 @@ class LPMMOptimizer(torch.optim.Optimizer):
                 key = (lp.bits, lp.grad_bits, lp.group_size, lp.rounding, lp.device)
                 batches.setdefault(key, []).append((lp, state))
             for items in batches.values():
-                self._fused_step(group, items)
+                calls += 1
+                self._fused_step(group, items, _stream_seed(base, -calls))
         return loss
 
-    def _fused_step(self, group: dict[str, Any], items: list[tuple[LowPrecisionParameter, dict[str, Any]]]) -> None:
+    def _fused_step(
+        self, group: dict[str, Any], items: list[tuple[LowPrecisionParameter, dict[str, Any]]], seed: int
+    ) -> None:
         n_states = self._n_states(group)
         lp0 = items[0][0]
         hyper, flags = self._hyper(group)
@@ -175,7 +235,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
             bits,
             lp0.rounding == "stochastic",
             group["rounding"] == "stochastic",
-            draw_seed(self.generator),
+            seed,
         )
         for lp, _ in items:
             lp.version += 1
@@ -216,6 +276,7 @@ class LPMMSGD(LPMMOptimizer):
         momentum_bits: bits per momentum element (1..8; paper: 8).
         rounding: ``"stochastic"`` or ``"nearest"`` for the momentum.
         generator: source of rounding seeds.
+        data_parallel, process_group: gradient averaging over ranks (see :class:`LPMMOptimizer`).
     """
 
     _rule = "sgd"
@@ -232,13 +293,23 @@ class LPMMSGD(LPMMOptimizer):
         momentum_bits: int = 8,
         rounding: str = "stochastic",
         generator: Optional[torch.Generator] = None,
+        data_parallel: Optional[bool] = None,
+        process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
             raise ValueError(f"lowbit: momentum must be in [0, 1), got {momentum!r}")
         if nesterov and momentum <= 0:
             raise ValueError("lowbit: Nesterov momentum requires momentum > 0")
         defaults = dict(lr=lr, momentum=float(momentum), weight_decay=weight_decay, nesterov=bool(nesterov))
-        super().__init__(params, defaults, momentum_bits=momentum_bits, rounding=rounding, generator=generator)
+        super().__init__(
+            params,
+            defaults,
+            momentum_bits=momentum_bits,
+            rounding=rounding,
+            generator=generator,
+            data_parallel=data_parallel,
+            process_group=process_group,
+        )
 
     def _n_states(self, group: dict[str, Any]) -> int:
         return 1 if group["momentum"] > 0 else 0
@@ -266,6 +337,7 @@ class LPMMAdamW(LPMMOptimizer):
         momentum_bits: bits per moment element (1..8; paper: 8).
         rounding: ``"stochastic"`` or ``"nearest"`` for the moments.
         generator: source of rounding seeds.
+        data_parallel, process_group: gradient averaging over ranks (see :class:`LPMMOptimizer`).
     """
 
     _rule = "adam"
@@ -282,10 +354,20 @@ class LPMMAdamW(LPMMOptimizer):
         momentum_bits: int = 8,
         rounding: str = "stochastic",
         generator: Optional[torch.Generator] = None,
+        data_parallel: Optional[bool] = None,
+        process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         check_finite_nonneg("eps", eps)
         defaults = dict(lr=lr, betas=_check_betas(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, momentum_bits=momentum_bits, rounding=rounding, generator=generator)
+        super().__init__(
+            params,
+            defaults,
+            momentum_bits=momentum_bits,
+            rounding=rounding,
+            generator=generator,
+            data_parallel=data_parallel,
+            process_group=process_group,
+        )
 
     def _hyper(self, group: dict[str, Any]) -> tuple[list[float], int]:
         lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
