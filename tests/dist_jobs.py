@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -41,6 +42,9 @@ OPTIMIZERS = {
     "AdamW8bit": lambda params: lowbit.optim.AdamW8bit(params, lr=CFG.lr, min_8bit_size=256),
     "SGD8bit": lambda params: lowbit.optim.SGD8bit(params, lr=0.05, momentum=0.9, min_8bit_size=256),
     "AdamW32bit": lambda params: lowbit.optim.AdamW32bit(params, lr=CFG.lr),
+    # Whole-tensor norms of sharded tensors: LARS's trust ratio, percentile clipping's gradient norms.
+    "LARS8bit": lambda params: lowbit.optim.LARS8bit(params, lr=5.0, weight_decay=1e-4, min_8bit_size=256),
+    "Adam8bit-clip": lambda params: lowbit.optim.Adam8bit(params, lr=CFG.lr, min_8bit_size=256, percentile_clipping=50),
     "LPMMSGD": lambda params: lowbit.optim.LPMMSGD(params, lr=0.05, momentum=0.9),
 }
 
@@ -127,7 +131,14 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     eight_bit = [v for v in states if v.dtype == torch.uint8]
     uneven = [v for v in eight_bit if v.dim() > 0 and v.shape[0] % world != 0]
     in_sync = job["parallel"] == "fsdp" or _in_sync(model)  # FSDP2 ranks hold different shards
+    # The optimizer's whole-tensor norms of sharded parameters, and the norms of the gathered tensors.
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    with torch.no_grad():
+        norms = [float(n) for n in opt._norms([p.to_local() for p in sharded], sharded)] if sharded else []
+    full_norms = [float(p.full_tensor().norm()) for p in sharded]
     return {
+        "norms": norms,
+        "full_norms": full_norms,
         "losses": losses,
         "eight_bit_states": len(eight_bit),
         "uneven_eight_bit_states": len(uneven),

@@ -9,8 +9,9 @@ Parameters with fewer than ``min_8bit_size`` elements, or with ``optim_bits=32``
 FSDP2: DTensor parameters are stepped shard by shard in the same fused call; their states are
 DTensors with the parameter's placements (absmaxes stay local), the 8-bit choice uses the global element
 count, and ``state_dict`` gives their states dequantized so that ``torch.distributed.checkpoint`` can
-reshard them. Options that need whole-tensor norms (LAMB/LARS trust ratios, ``max_unorm``,
-``percentile_clipping``) raise for DTensor parameters.
+reshard them. Whole-tensor norms (LARS's trust ratio, ``percentile_clipping``) are all-reduced over the
+shards; LAMB's trust ratio and ``max_unorm``, which need the update's norm inside the fused step, raise
+for DTensor parameters.
 
 Non-finite gradients: the update is computed in fp32 exactly as torch.optim computes it, so a
 NaN/Inf gradient makes that parameter element non-finite as it would in torch. An 8-bit state block
@@ -25,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -105,8 +107,6 @@ class LowbitOptimizer(torch.optim.Optimizer):
     _state_names: ClassVar[tuple[str, ...]]
     _state_signed: ClassVar[tuple[bool, ...]]
     _norm_mode: ClassVar[int] = NORM_NONE
-    # Rules whose _adjust_grads needs whole-tensor norms (LARS).
-    _global_grad_rule: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -153,10 +153,35 @@ class LowbitOptimizer(torch.optim.Optimizer):
         return config["lr"], 1.0, float(step == 1)
 
     def _adjust_grads(
-        self, config: dict[str, Any], params: list[Tensor], grads: list[Tensor], scales: Optional[Tensor]
+        self,
+        config: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        scales: Optional[Tensor],
+        originals: list[Tensor],
     ) -> tuple[list[Tensor], Optional[Tensor]]:
-        """Hook for rules that rewrite gradients before the step (LARS); default: unchanged."""
+        """Hook for rules that rewrite gradients before the step (LARS); default: unchanged. ``params``
+        and ``grads`` are local tensors; ``originals`` the parameters (DTensors under FSDP2)."""
         return grads, scales
+
+    def _norms(self, tensors: list[Tensor], originals: list[Tensor]) -> list[Tensor]:
+        """Whole-tensor L2 norms of the local ``tensors`` (shards of ``originals``, or the tensors
+        themselves): the squared norms of FSDP2 shards are summed over the mesh dimensions they are
+        sharded on, one all-reduce per mesh dimension and layout."""
+        norms = list(torch._foreach_norm(tensors))
+        layouts: dict[tuple[int, ...], list[int]] = {}
+        for i, p in enumerate(originals):
+            if isinstance(p, DTensor):
+                dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
+                layouts.setdefault((id(p.device_mesh), *dims), []).append(i)
+        for (_, *dims), members in layouts.items():
+            squares = torch.stack([norms[i].float().square() for i in members])
+            mesh = originals[members[0]].device_mesh
+            for d in dims:
+                dist.all_reduce(squares, group=mesh.get_group(d))
+            for i, value in zip(members, squares.sqrt(), strict=True):
+                norms[i] = value
+        return norms
 
     def _init_value(self, k: int, config: dict[str, Any]) -> float:
         """Initial value of state k (Adagrad starts from initial_accumulator_value)."""
@@ -283,16 +308,16 @@ class LowbitOptimizer(torch.optim.Optimizer):
                 self._fused_step(config, items)
         return loss
 
-    def _grad_scales(self, config: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> Optional[Tensor]:
+    def _grad_scales(self, config: dict[str, Any], grads: list[Tensor], originals: list[Tensor]) -> Optional[Tensor]:
         """Per-tensor gradient multipliers of percentile clipping (None when it is off)."""
         percentile = config["percentile_clipping"]
         if percentile >= 100:
             return None
-        norms = torch._foreach_norm(grads)
+        norms = self._norms(grads, originals)
         scales = []
-        for p, norm in zip(params, norms, strict=True):
+        for p, g, norm in zip(originals, grads, norms, strict=True):
             state = self.state[p]
-            history = state.setdefault("gnorm_vec", torch.zeros(GNORM_HISTORY, dtype=torch.float32, device=p.device))
+            history = state.setdefault("gnorm_vec", torch.zeros(GNORM_HISTORY, dtype=torch.float32, device=g.device))
             step = int(state["step"].item())
             history[(step - 1) % GNORM_HISTORY] = norm.float()
             recorded = history[: min(step, GNORM_HISTORY)]
@@ -313,11 +338,10 @@ class LowbitOptimizer(torch.optim.Optimizer):
         states: list[list[Tensor]] = [[], []]
         absmaxes: list[list[Tensor]] = [[], []]
         steps = torch.stack([state["step"] for _, state in batch]).tolist()
-        sharded = any(isinstance(p, DTensor) for p, _ in batch)
-        if sharded and (norm_mode != NORM_NONE or config["percentile_clipping"] < 100 or self._global_grad_rule):
+        if norm_mode != NORM_NONE and any(isinstance(p, DTensor) for p, _ in batch):
             raise NotImplementedError(
-                f"lowbit: {type(self).__name__} with trust ratios, max_unorm or percentile_clipping needs whole-"
-                "tensor norms, which FSDP2 parameters (DTensors) do not have locally; not supported yet"
+                f"lowbit: {type(self).__name__} with a trust ratio or max_unorm needs whole-tensor norms of the "
+                "update inside the fused step, which FSDP2 parameters (DTensors) do not have; not supported yet"
             )
         for (p, state), step in zip(batch, steps, strict=True):
             # FSDP2: the local shards of the parameter, its gradient and its states.
@@ -331,7 +355,9 @@ class LowbitOptimizer(torch.optim.Optimizer):
         if not all(p.is_contiguous() for p in params):
             raise ValueError("lowbit: parameters must be contiguous")
         device = params[0].device
-        grads, grad_scales = self._adjust_grads(config, params, grads, self._grad_scales(config, params, grads))
+        originals = [p for p, _ in batch]
+        grad_scales = self._grad_scales(config, grads, originals)
+        grads, grad_scales = self._adjust_grads(config, params, grads, grad_scales, originals)
         # Eager steps skip the dispatcher's per-tensor bookkeeping; traced ones go through the op.
         step_op = _ops.optimizer_step_ if torch.compiler.is_compiling() else _ops.optimizer_step_eager
         step_op(

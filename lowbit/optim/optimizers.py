@@ -431,8 +431,6 @@ class LARS(SGD):
             ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
-    _global_grad_rule = True
-
     def __init__(
         self,
         params: Params,
@@ -461,11 +459,16 @@ class LARS(SGD):
         return hyper, flags
 
     def _adjust_grads(
-        self, config: dict[str, Any], params: list[Tensor], grads: list[Tensor], scales: Optional[Tensor]
+        self,
+        config: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        scales: Optional[Tensor],
+        originals: list[Tensor],
     ) -> tuple[list[Tensor], Optional[Tensor]]:
         wd, eta, eps = config["weight_decay"], config["trust_coefficient"], config["eps"]
-        p_norm = torch.stack(torch._foreach_norm(params)).float()
-        g_norm = torch.stack(torch._foreach_norm(grads)).float()
+        p_norm = torch.stack(self._norms(params, originals)).float()
+        g_norm = torch.stack(self._norms(grads, originals)).float()
         local = eta * p_norm / (g_norm + wd * p_norm + eps)
         local = torch.where((p_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
         if wd != 0:
