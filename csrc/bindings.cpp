@@ -73,7 +73,8 @@ lowbit::BlpaArgs blpa_args(const std::vector<uintptr_t>& t, int64_t n, int64_t c
 // hyper: lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay, max_unorm.
 lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states,
                              int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars,
-                             uintptr_t grad_scales, int64_t count, int64_t total_blocks) {
+                             uintptr_t grad_scales, int64_t count, int64_t total_blocks, uintptr_t norm_sums = 0,
+                             uintptr_t update_scales = 0) {
   if (rule < 0 || rule > static_cast<int>(lowbit::Rule::Lamb)) {
     throw std::invalid_argument("lowbit: unknown optimizer rule " + std::to_string(rule));
   }
@@ -93,7 +94,9 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
       ptr<const float>(scalars),
       ptr<const float>(grad_scales),
       count,
-      total_blocks};
+      total_blocks,
+      ptr<double>(norm_sums),
+      ptr<const float>(update_scales)};
 }
 
 // hyper as for optim_args; bits: param, grad, state; stochastic: param, state.
@@ -230,9 +233,10 @@ PYBIND11_MODULE(_C, m) {
       "optimizer_step_cpu",
       [](int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states, int64_t block_size,
          uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales, int64_t count,
-         int64_t total_blocks, int threads) {
+         int64_t total_blocks, uintptr_t norm_sums, uintptr_t update_scales, int threads) {
         lowbit::cpu::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, meta,
-                                               scalars, grad_scales, count, total_blocks),
+                                               scalars, grad_scales, count, total_blocks, norm_sums,
+                                               update_scales),
                                     threads);
       },
       nogil);
@@ -279,9 +283,10 @@ PYBIND11_MODULE(_C, m) {
       "optimizer_step_cuda",
       [](int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states, int64_t block_size,
          uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales, int64_t count,
-         int64_t total_blocks, int device, uintptr_t stream) {
+         int64_t total_blocks, uintptr_t norm_sums, uintptr_t update_scales, int device, uintptr_t stream) {
         lowbit::cuda::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, meta,
-                                                scalars, grad_scales, count, total_blocks),
+                                                scalars, grad_scales, count, total_blocks, norm_sums,
+                                                update_scales),
                                      device, stream);
       },
       nogil);

@@ -137,6 +137,11 @@ struct OptimArgs {
   const float* grad_scales;  // one gradient multiplier per tensor, or null for none
   int64_t count;
   int64_t total_blocks;
+  // Norm modes over sharded tensors (FSDP2), whose norms span ranks: with norm_sums set, the call only
+  // writes each tensor's sums of p^2 and u^2 (2 doubles per tensor) and updates nothing; with
+  // update_scales set, the step uses these per-tensor scales instead of its own pre-pass.
+  double* norm_sums;
+  const float* update_scales;
 };
 
 // The last row r of an int64 table (count rows of `cols` columns) with table[r][col] <= b: the

@@ -645,6 +645,7 @@ def _optimizer_step_impl(
     norm_mode: int,
     n_states: int,
     block_size: int,
+    update_scales: Optional[Tensor] = None,
 ) -> None:
     """One fused optimizer step over all tensors of a parameter group, updating params and states.
 
@@ -653,17 +654,66 @@ def _optimizer_step_impl(
     each gradient; ``hyper`` holds lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay,
     1 - lr * weight_decay, max_unorm; ``norm_mode`` selects LAMB's trust ratio (1) or max_unorm
     clipping (2). A state is either uint8 codes into ``map1``/``map2`` with one fp32 absmax per block
-    of ``block_size`` elements, or an fp32 tensor (then its absmax entry is unused).
+    of ``block_size`` elements, or an fp32 tensor (then its absmax entry is unused). ``update_scales``
+    (optional, fp32, one per tensor, on the params' device) replaces the norm mode's own per-tensor
+    scales: the step of tensors whose norms span ranks (see :func:`optimizer_norms`).
     """
+    _optimizer_call(
+        params,
+        grads,
+        state1,
+        state2,
+        absmax1,
+        absmax2,
+        scalars,
+        grad_scales,
+        map1,
+        map2,
+        rule,
+        hyper,
+        flags,
+        norm_mode,
+        n_states,
+        block_size,
+        None,
+        update_scales,
+    )
+
+
+def _optimizer_call(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    scalars: list[float],
+    grad_scales: Optional[Tensor],
+    map1: Tensor,
+    map2: Tensor,
+    rule: int,
+    hyper: list[float],
+    flags: int,
+    norm_mode: int,
+    n_states: int,
+    block_size: int,
+    norm_sums: Optional[Tensor],
+    update_scales: Optional[Tensor],
+) -> None:
+    """The checks and the native call behind optimizer_step_ and optimizer_norms."""
     _check(0 <= n_states <= 2, f"n_states must be 0, 1 or 2, got {n_states}")
     _check(norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {norm_mode}")
     _check_blocksize(block_size)
     _check(block_size > 0, "block_size must be positive for optimizer states")
     _check(len(hyper) == 9, f"hyper must hold 9 values, got {len(hyper)}")
     _check(len(scalars) == _SCALAR_COLS * len(params), "scalars must hold 3 values per tensor")
-    if grad_scales is not None:
-        _check_input("grad_scales", grad_scales, (torch.float32,))
-        _check(grad_scales.numel() == len(params), "grad_scales must hold one value per tensor")
+    for name, t, dtype in (
+        ("grad_scales", grad_scales, torch.float32),
+        ("update_scales", update_scales, torch.float32),
+    ):
+        if t is not None:
+            _check_input(name, t, (dtype,))
+            _check(t.numel() == len(params), f"{name} must hold one value per tensor")
     states, absmaxes = [state1, state2], [absmax1, absmax2]
     widths = _step_widths(params, grads, states, absmaxes, n_states, block_size)
     if widths is None:
@@ -671,7 +721,7 @@ def _optimizer_step_impl(
     if not params:
         return
     device = params[0].device
-    for name, t in (("map1", map1), ("map2", map2), ("grad_scales", grad_scales)):
+    for name, t in (("map1", map1), ("map2", map2), ("grad_scales", grad_scales), ("update_scales", update_scales)):
         if t is not None:
             _check_same_device("params[0]", params[0], **{name: t})
     _check_map(map1, 8)
@@ -702,6 +752,8 @@ def _optimizer_step_impl(
         grad_scales.data_ptr() if grad_scales is not None else 0,
         len(params),
         first_block,
+        norm_sums.data_ptr() if norm_sums is not None else 0,
+        update_scales.data_ptr() if update_scales is not None else 0,
     )
 
 
@@ -748,8 +800,82 @@ def _(
     norm_mode: int,
     n_states: int,
     block_size: int,
+    update_scales: Optional[Tensor] = None,
 ) -> None:
     return None
+
+
+@torch.library.custom_op("lowbit::optimizer_norms", mutates_args=())
+def optimizer_norms(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    scalars: list[float],
+    grad_scales: Optional[Tensor],
+    map1: Tensor,
+    map2: Tensor,
+    rule: int,
+    hyper: list[float],
+    flags: int,
+    norm_mode: int,
+    n_states: int,
+    block_size: int,
+) -> Tensor:
+    """The norm pre-pass of ``lowbit::optimizer_step_`` alone: for each tensor, the sums of p^2 and of u^2
+    (u the step the rule would subtract), as a float64 tensor of shape (count, 2); nothing is updated.
+
+    For tensors sharded over ranks (FSDP2), the caller all-reduces these sums and passes the resulting
+    scales to the step as ``update_scales``.
+    """
+    _check(norm_mode in (1, 2), f"norm_mode must be 1 (trust ratio) or 2 (max_unorm) for norms, got {norm_mode}")
+    device = params[0].device if params else torch.device("cpu")
+    sums = torch.zeros(len(params), 2, dtype=torch.float64, device=device)
+    _optimizer_call(
+        params,
+        grads,
+        state1,
+        state2,
+        absmax1,
+        absmax2,
+        scalars,
+        grad_scales,
+        map1,
+        map2,
+        rule,
+        hyper,
+        flags,
+        norm_mode,
+        n_states,
+        block_size,
+        sums,
+        None,
+    )
+    return sums
+
+
+@optimizer_norms.register_fake
+def _(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    scalars: list[float],
+    grad_scales: Optional[Tensor],
+    map1: Tensor,
+    map2: Tensor,
+    rule: int,
+    hyper: list[float],
+    flags: int,
+    norm_mode: int,
+    n_states: int,
+    block_size: int,
+) -> Tensor:
+    return map1.new_empty(len(params), 2, dtype=torch.float64)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,9 +42,11 @@ OPTIMIZERS = {
     "AdamW8bit": lambda params: lowbit.optim.AdamW8bit(params, lr=CFG.lr, min_8bit_size=256),
     "SGD8bit": lambda params: lowbit.optim.SGD8bit(params, lr=0.05, momentum=0.9, min_8bit_size=256),
     "AdamW32bit": lambda params: lowbit.optim.AdamW32bit(params, lr=CFG.lr),
-    # Whole-tensor norms of sharded tensors: LARS's trust ratio, percentile clipping's gradient norms.
+    # Whole-tensor norms of sharded tensors: LARS's trust ratio, percentile clipping's gradient norms,
     "LARS8bit": lambda params: lowbit.optim.LARS8bit(params, lr=5.0, weight_decay=1e-4, min_8bit_size=256),
     "Adam8bit-clip": lambda params: lowbit.optim.Adam8bit(params, lr=CFG.lr, min_8bit_size=256, percentile_clipping=50),
+    # Norms of the update inside the fused step (LAMB's trust ratio; max_unorm takes the same path).
+    "LAMB8bit": lambda params: lowbit.optim.LAMB8bit(params, lr=3e-2, min_8bit_size=256),
     "LPMMSGD": lambda params: lowbit.optim.LPMMSGD(params, lr=0.05, momentum=0.9),
 }
 

@@ -463,3 +463,30 @@ def test_step_bumps_version_counters_of_written_tensors():
     opt.step()
     after = (p._version, opt.state[p]["state1"]._version, opt.state[p]["absmax2"]._version)
     assert all(a > b for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize(("rule", "norm_mode", "max_unorm"), [(5, 1, 0.0), (0, 2, 0.01)])
+def test_norm_sums_and_given_update_scales_reproduce_the_fused_step(rule, norm_mode, max_unorm):
+    # The FSDP2 path of the norm modes: optimizer_norms' per-tensor sums, update scales computed from
+    # them in Python, and the step with those scales; bit-identical to the fused pre-pass.
+    from lowbit.optim.optimizer import _update_scales
+
+    args = list(_step_args(2, True))
+    args[10], args[13] = rule, norm_mode
+    args[11] = [*args[11][:8], max_unorm]
+    args[6] = [1e-3, 0.3, 0.0] * len(args[0])
+    fused = [
+        [t.clone() for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else a for a in args
+    ]
+    _ops.optimizer_step_(*fused)
+    before = [p.clone() for p in args[0]]
+    sums = _ops.optimizer_norms(*args)
+    assert sums.shape == (2, 2) and sums.dtype == torch.float64
+    assert all(torch.equal(p, q) for p, q in zip(args[0], before, strict=True))  # the norms update nothing
+    scales = _update_scales(sums, args[11], norm_mode)
+    assert bool((scales != 1).any())  # the scales are in play
+    _ops.optimizer_step_(*args, scales)
+    for got, want in zip(args[:6], fused[:6], strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+    torch.library.opcheck(torch.ops.lowbit.optimizer_norms.default, tuple(args))

@@ -368,7 +368,7 @@ void step_all(const OptimArgs& a, int threads) {
     }
   }
   const bool par = threads > 1 && elements >= (1 << 15);
-  if (a.hyper.norm_mode != kNormNone) {
+  if (a.hyper.norm_mode != kNormNone && a.update_scales == nullptr) {
     // Per-block partial sums, then per-tensor sums in block order: deterministic for any thread count.
     std::vector<double> sums(2 * a.total_blocks);
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
@@ -389,8 +389,17 @@ void step_all(const OptimArgs& a, int threads) {
         pp += sums[2 * b];
         uu += sums[2 * b + 1];
       }
-      tensors[t].scalars.update_scale = update_scale(a.hyper, std::sqrt(pp), std::sqrt(uu));
+      if (a.norm_sums != nullptr) {
+        a.norm_sums[2 * t] = pp;
+        a.norm_sums[2 * t + 1] = uu;
+      } else {
+        tensors[t].scalars.update_scale = update_scale(a.hyper, std::sqrt(pp), std::sqrt(uu));
+      }
     }
+    if (a.norm_sums != nullptr) return;
+  }
+  if (a.update_scales != nullptr) {
+    for (int64_t t = 0; t < a.count; ++t) tensors[t].scalars.update_scale = a.update_scales[t];
   }
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
   for (int64_t b = 0; b < a.total_blocks; ++b) {

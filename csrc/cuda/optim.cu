@@ -176,7 +176,8 @@ __global__ void norm_kernel(OptimArgs a, double* sums) {
   }
 }
 
-// One thread block per tensor: its block sums in a fixed order, then the update scale.
+// One thread block per tensor: its block sums in a fixed order, then the update scale (or, with
+// a.norm_sums set, the tensor's sums themselves).
 __global__ void scale_kernel(OptimArgs a, const double* sums, float* update_scales) {
   __shared__ double scratch[kMaxThreads];
   for (int64_t t = blockIdx.x; t < a.count; t += gridDim.x) {
@@ -190,7 +191,14 @@ __global__ void scale_kernel(OptimArgs a, const double* sums, float* update_scal
     }
     pp = block_sum(pp, scratch);
     uu = block_sum(uu, scratch);
-    if (threadIdx.x == 0) update_scales[t] = update_scale(a.hyper, sqrt(pp), sqrt(uu));
+    if (threadIdx.x == 0) {
+      if (a.norm_sums != nullptr) {
+        a.norm_sums[2 * t] = pp;
+        a.norm_sums[2 * t + 1] = uu;
+      } else {
+        update_scales[t] = update_scale(a.hyper, sqrt(pp), sqrt(uu));
+      }
+    }
   }
 }
 
@@ -222,7 +230,7 @@ void launch(const OptimArgs& a, cudaStream_t stream) {
   const auto grid = static_cast<unsigned int>(std::min<int64_t>(a.total_blocks, int64_t{1} << 20));
   float* update_scales = nullptr;
   double* sums = nullptr;
-  if (a.hyper.norm_mode != kNormNone) {
+  if (a.hyper.norm_mode != kNormNone && a.update_scales == nullptr) {
     // Stream-ordered scratch: no device synchronisation, freed in stream order after use.
     LB_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&sums), 2 * a.total_blocks * sizeof(double), stream));
     LB_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&update_scales), a.count * sizeof(float), stream));
@@ -232,8 +240,10 @@ void launch(const OptimArgs& a, cudaStream_t stream) {
     scale_kernel<<<tensors, kMaxThreads, 0, stream>>>(a, sums, update_scales);
     LB_CUDA_LAUNCH_CHECK();
   }
-  optimizer_kernel<kRule><<<grid, threads, 0, stream>>>(a, update_scales);
-  LB_CUDA_LAUNCH_CHECK();
+  if (a.norm_sums == nullptr) {
+    optimizer_kernel<kRule><<<grid, threads, 0, stream>>>(a, a.update_scales != nullptr ? a.update_scales : update_scales);
+    LB_CUDA_LAUNCH_CHECK();
+  }
   if (sums != nullptr) {
     LB_CUDA_CHECK(cudaFreeAsync(sums, stream));
     LB_CUDA_CHECK(cudaFreeAsync(update_scales, stream));

@@ -9,9 +9,8 @@ Parameters with fewer than ``min_8bit_size`` elements, or with ``optim_bits=32``
 FSDP2: DTensor parameters are stepped shard by shard in the same fused call; their states are
 DTensors with the parameter's placements (absmaxes stay local), the 8-bit choice uses the global element
 count, and ``state_dict`` gives their states dequantized so that ``torch.distributed.checkpoint`` can
-reshard them. Whole-tensor norms (LARS's trust ratio, ``percentile_clipping``) are all-reduced over the
-shards; LAMB's trust ratio and ``max_unorm``, which need the update's norm inside the fused step, raise
-for DTensor parameters.
+reshard them. Whole-tensor norms (LAMB's and LARS's trust ratios, ``max_unorm``, ``percentile_clipping``)
+are summed over the shards with an all-reduce.
 
 Non-finite gradients: the update is computed in fp32 exactly as torch.optim computes it, so a
 NaN/Inf gradient makes that parameter element non-finite as it would in torch. An 8-bit state block
@@ -166,22 +165,9 @@ class LowbitOptimizer(torch.optim.Optimizer):
 
     def _norms(self, tensors: list[Tensor], originals: list[Tensor]) -> list[Tensor]:
         """Whole-tensor L2 norms of the local ``tensors`` (shards of ``originals``, or the tensors
-        themselves): the squared norms of FSDP2 shards are summed over the mesh dimensions they are
-        sharded on, one all-reduce per mesh dimension and layout."""
-        norms = list(torch._foreach_norm(tensors))
-        layouts: dict[tuple[int, ...], list[int]] = {}
-        for i, p in enumerate(originals):
-            if isinstance(p, DTensor):
-                dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
-                layouts.setdefault((id(p.device_mesh), *dims), []).append(i)
-        for (_, *dims), members in layouts.items():
-            squares = torch.stack([norms[i].float().square() for i in members])
-            mesh = originals[members[0]].device_mesh
-            for d in dims:
-                dist.all_reduce(squares, group=mesh.get_group(d))
-            for i, value in zip(members, squares.sqrt(), strict=True):
-                norms[i] = value
-        return norms
+        themselves): the squared norms of FSDP2 shards are summed over the ranks."""
+        squares = torch.stack([n.float().square() for n in torch._foreach_norm(tensors)])
+        return list(_sum_over_shards(squares, originals).sqrt())
 
     def _init_value(self, k: int, config: dict[str, Any]) -> float:
         """Initial value of state k (Adagrad starts from initial_accumulator_value)."""
@@ -338,11 +324,6 @@ class LowbitOptimizer(torch.optim.Optimizer):
         states: list[list[Tensor]] = [[], []]
         absmaxes: list[list[Tensor]] = [[], []]
         steps = torch.stack([state["step"] for _, state in batch]).tolist()
-        if norm_mode != NORM_NONE and any(isinstance(p, DTensor) for p, _ in batch):
-            raise NotImplementedError(
-                f"lowbit: {type(self).__name__} with a trust ratio or max_unorm needs whole-tensor norms of the "
-                "update inside the fused step, which FSDP2 parameters (DTensors) do not have; not supported yet"
-            )
         for (p, state), step in zip(batch, steps, strict=True):
             # FSDP2: the local shards of the parameter, its gradient and its states.
             shard, grad = local(p), local(p.grad)
@@ -358,9 +339,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
         originals = [p for p, _ in batch]
         grad_scales = self._grad_scales(config, grads, originals)
         grads, grad_scales = self._adjust_grads(config, params, grads, grad_scales, originals)
-        # Eager steps skip the dispatcher's per-tensor bookkeeping; traced ones go through the op.
-        step_op = _ops.optimizer_step_ if torch.compiler.is_compiling() else _ops.optimizer_step_eager
-        step_op(
+        args = (
             params,
             grads,
             states[0],
@@ -378,6 +357,15 @@ class LowbitOptimizer(torch.optim.Optimizer):
             n_states,
             config["block_size"],
         )
+        update_scales = None
+        if norm_mode != NORM_NONE and any(isinstance(p, DTensor) for p in originals):
+            # The norms of FSDP2 shards span ranks: the pre-pass sums are all-reduced, and the step
+            # takes the scales computed from them.
+            sums = _sum_over_shards(_ops.optimizer_norms(*args), originals)
+            update_scales = _update_scales(sums, hyper, norm_mode)
+        # Eager steps skip the dispatcher's per-tensor bookkeeping; traced ones go through the op.
+        step_op = _ops.optimizer_step_ if torch.compiler.is_compiling() else _ops.optimizer_step_eager
+        step_op(*args, update_scales)
 
     # -- state dict -------------------------------------------------------------------------------
 
@@ -430,6 +418,41 @@ class LowbitOptimizer(torch.optim.Optimizer):
             codes, new[f"absmax{k + 1}"] = self._pack(k, value.reshape(shard.shape).clone(), config, eight_bit)
             new[f"state{k + 1}"] = like_param(p, codes)
         self.state[p] = new
+
+
+def _sum_over_shards(rows: Tensor, originals: list[Tensor]) -> Tensor:
+    """``rows`` (one row per tensor, of per-shard sums) with the rows of FSDP2 parameters summed over the
+    mesh dimensions their parameter is sharded on: one all-reduce per mesh dimension and layout."""
+    layouts: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(originals):
+        if isinstance(p, DTensor):
+            dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
+            layouts.setdefault((id(p.device_mesh), *dims), []).append(i)
+    if not layouts:
+        return rows
+    rows = rows.clone()
+    for (_, *dims), members in layouts.items():
+        index = torch.tensor(members, device=rows.device)
+        part = rows.index_select(0, index)
+        mesh = originals[members[0]].device_mesh
+        for d in dims:
+            dist.all_reduce(part, group=mesh.get_group(d))
+        rows.index_copy_(0, index, part)
+    return rows
+
+
+def _update_scales(sums: Tensor, hyper: list[float], norm_mode: int) -> Tensor:
+    """optim_rules.h's update_scale for per-tensor sums of p^2 and u^2, in the same double operations."""
+    f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731  (the kernel's fp32 hyperparameters)
+    lr, max_unorm = f32(hyper[0]), f32(hyper[8])
+    p_norm, u_norm = sums[:, 0].double().sqrt(), sums[:, 1].double().sqrt()
+    ones = torch.ones_like(p_norm)
+    if norm_mode == NORM_TRUST:
+        scale = torch.where((p_norm > 0) & (u_norm > 0), p_norm * lr / u_norm, ones)
+    else:
+        bound = max_unorm * p_norm * lr
+        scale = torch.where((p_norm > 0) & (u_norm > bound), bound / u_norm, ones)
+    return scale.float()
 
 
 def _stored_block_size(numel: int, blocks: int) -> int:
