@@ -23,30 +23,32 @@ constexpr int64_t kParallelMin = 1 << 15;
 
 float linear_qmax(int bits) { return static_cast<float>((1 << (bits - 1)) - 1); }
 
-// Decodes the cnt codes starting at element lo (a multiple of kGroup) into out.
+// Decodes the cnt codes starting at element lo (a multiple of kGroup) into out, a tile at a time:
+// decode(tile, m, out) turns m unpacked codes into values.
 template <typename Decode>
 void decode_group(const uint8_t* codes, int64_t lo, int cnt, int bits, Decode&& decode, float* out) {
   uint32_t tile[kTile];
   for (int j = 0; j < cnt; j += kTile) {
     const int m = std::min(kTile, cnt - j);
     load_codes(codes, m, bits, lo + j, tile);
-    for (int i = 0; i < m; ++i) out[j + i] = decode(tile[i]);
+    decode(tile, m, out + j);
   }
 }
 
 void decode_linear(const uint8_t* codes, int64_t lo, int cnt, int bits, float absmax, float* out) {
   const float qmax = linear_qmax(bits);
-  uint32_t tile[kTile];
-  for (int j = 0; j < cnt; j += kTile) {
-    const int m = std::min(kTile, cnt - j);
-    load_codes(codes, m, bits, lo + j, tile);
-    linear_values(tile, m, absmax, qmax, out + j);
-  }
+  decode_group(
+      codes, lo, cnt, bits, [&](const uint32_t* t, int m, float* o) { linear_values(t, m, absmax, qmax, o); }, out);
 }
 
 void decode_map(const uint8_t* codes, int64_t lo, int cnt, int bits, const float* map, float absmax, float* out) {
   if (bits == 8 && avx512_active()) return decode_u8_avx512(map, codes + lo, cnt, absmax, out);
-  decode_group(codes, lo, cnt, bits, [&](uint32_t c) { return map[c] * absmax; }, out);
+  decode_group(
+      codes, lo, cnt, bits,
+      [&](const uint32_t* t, int m, float* o) {
+        for (int i = 0; i < m; ++i) o[i] = map[t[i]] * absmax;
+      },
+      out);
 }
 
 // Encodes the cnt values `in` of the group starting at element lo; draws use counters counter0 + lo + j.

@@ -28,10 +28,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree
 
 from lowbit import _ops
+from lowbit.functional import ROUNDING_MODES
 
 __all__ = [
     "LowPrecisionParameter",
     "MemoryReport",
+    "check_rounding",
     "convert",
     "draw_seed",
     "export_float",
@@ -39,7 +41,6 @@ __all__ = [
     "memory_report",
 ]
 
-ROUNDING_MODES = ("stochastic", "nearest")
 MIN_BITS = 4
 MAX_BITS = _ops.MAX_LINEAR_BITS
 
@@ -65,7 +66,8 @@ def _check_group_size(group_size: object) -> int:
     return group_size
 
 
-def _check_rounding(rounding: object) -> str:
+def check_rounding(rounding: object) -> str:
+    """``rounding`` if it is 'stochastic' or 'nearest'; raises ValueError otherwise."""
     if rounding not in ROUNDING_MODES:
         raise ValueError(f"lowbit.lpmm: rounding must be 'stochastic' or 'nearest', got {rounding!r}")
     return str(rounding)
@@ -122,7 +124,7 @@ class LowPrecisionParameter(nn.Module):
         self.bits = _check_bits("bits", bits)
         self.grad_bits = _check_bits("grad_bits", grad_bits)
         self.group_size = _check_group_size(group_size)
-        self.rounding = _check_rounding(rounding)
+        self.rounding = check_rounding(rounding)
         self.shape = torch.Size(value.shape)
         self.dtype = value.dtype
         self.generator = generator
@@ -165,16 +167,6 @@ class LowPrecisionParameter(nn.Module):
         if torch.is_grad_enabled() and self.handle.requires_grad:
             return _Materialize.apply(self.handle, self)
         return self.dequantize()
-
-    @torch.no_grad()
-    def set_(self, value: Tensor) -> None:
-        """Store ``value`` (rounded to nearest), as a new parameter value."""
-        if tuple(value.shape) != tuple(self.shape):
-            raise ValueError(f"lowbit.lpmm: value has shape {tuple(value.shape)}, expected {tuple(self.shape)}")
-        codes, absmax = self._encode(value.to(self.device))
-        self.codes.copy_(codes)
-        self.absmax.copy_(absmax)
-        self.version += 1
 
     # -- gradient accumulator -------------------------------------------------------------------
 
@@ -435,7 +427,7 @@ def convert(
     _check_bits("param_bits", param_bits)
     _check_bits("grad_bits", grad_bits)
     _check_group_size(group_size)
-    _check_rounding(rounding)
+    check_rounding(rounding)
     for name, m in model.named_modules():
         where = f"{name!r} ({type(m).__name__})" if name else f"the model ({type(m).__name__})"
         if isinstance(m, LowPrecisionParameter):

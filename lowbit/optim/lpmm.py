@@ -19,8 +19,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lowbit import _ops
-from lowbit.functional import create_dynamic_map
-from lowbit.lpmm import LowPrecisionParameter, draw_seed
+from lowbit.lpmm import LowPrecisionParameter, check_rounding, draw_seed
 from lowbit.optim.optimizer import (
     FLAG_DECOUPLED,
     FLAG_NESTEROV,
@@ -29,19 +28,11 @@ from lowbit.optim.optimizer import (
     check_finite_nonneg,
     decay_factor,
     restore_state_dtypes,
+    state_map,
 )
 from lowbit.optim.optimizers import _check_betas
 
 __all__ = ["LPMMAdamW", "LPMMOptimizer", "LPMMSGD"]
-
-_MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
-
-
-def _state_map(signed: bool, bits: int, device: torch.device) -> Tensor:
-    key = (signed, bits, device)
-    if key not in _MAPS:
-        _MAPS[key] = create_dynamic_map(signed=signed, total_bits=bits).to(device)
-    return _MAPS[key]
 
 
 def _stream_seed(base: int, stream: int) -> int:
@@ -66,7 +57,6 @@ class LPMMOptimizer(torch.optim.Optimizer):
         rounding: ``"stochastic"`` (paper) or ``"nearest"`` for the optimizer states; parameters use
             the rounding they were converted with.
         generator: source of rounding seeds (torch's default generator if None).
-
         data_parallel: average the gradient accumulators over the ranks of ``process_group`` before
             each step (data-parallel training, with or without DDP around the model). None (default):
             whenever ``torch.distributed`` is initialised with more than one rank in the group.
@@ -95,8 +85,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
     ) -> None:
         if isinstance(momentum_bits, bool) or not isinstance(momentum_bits, int) or not 1 <= momentum_bits <= 8:
             raise ValueError(f"lowbit: momentum_bits must be an int in 1..8, got {momentum_bits!r}")
-        if rounding not in ("stochastic", "nearest"):
-            raise ValueError(f"lowbit: rounding must be 'stochastic' or 'nearest', got {rounding!r}")
+        check_rounding(rounding)
         check_finite_nonneg("lr", defaults["lr"])
         check_finite_nonneg("weight_decay", defaults["weight_decay"])
         self.generator = generator
@@ -223,8 +212,8 @@ class LPMMOptimizer(torch.optim.Optimizer):
             lists["absmax2"],
             [lp.numel() for lp, _ in items],
             scalars,
-            _state_map(self._state_signed[0] if n_states else True, bits, device),
-            _state_map(self._state_signed[1] if n_states > 1 else False, bits, device),
+            state_map(self._state_signed[0] if n_states else True, device, bits),
+            state_map(self._state_signed[1] if n_states > 1 else False, device, bits),
             RULE_CODES[self._rule],
             [*hyper, 0.0],
             flags,

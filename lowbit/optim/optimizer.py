@@ -44,13 +44,14 @@ FLAG_DECOUPLED, FLAG_NESTEROV, FLAG_MAXIMIZE = 1, 2, 4
 NORM_NONE, NORM_TRUST, NORM_CLIP = 0, 1, 2
 GNORM_HISTORY = 100
 
-_MAPS: dict[tuple[bool, torch.device], Tensor] = {}
+_MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 
 
-def _state_map(signed: bool, device: torch.device) -> Tensor:
-    key = (signed, device)
+def state_map(signed: bool, device: torch.device, bits: int = 8) -> Tensor:
+    """The dynamic map of optimizer states (signed: first moments; unsigned: second), cached per device."""
+    key = (signed, bits, device)
     if key not in _MAPS:
-        _MAPS[key] = create_dynamic_map(signed=signed).to(device)
+        _MAPS[key] = create_dynamic_map(signed=signed, total_bits=bits).to(device)
     return _MAPS[key]
 
 
@@ -204,7 +205,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
         """(state, absmax) of state k holding ``value`` in the 8-bit or fp32 layout."""
         if eight_bit:
             codes, qs = quantize_blockwise(
-                value, code=_state_map(self._state_signed[k], value.device), blocksize=config["block_size"]
+                value, code=state_map(self._state_signed[k], value.device), blocksize=config["block_size"]
             )
             return codes, qs.absmax
         return value, torch.empty(0, dtype=torch.float32, device=value.device)
@@ -217,7 +218,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
         absmax = state[f"absmax{k + 1}"]
         qs = QuantState(
             absmax,
-            _state_map(self._state_signed[k], s.device),
+            state_map(self._state_signed[k], s.device),
             _stored_block_size(s.numel(), absmax.numel()),
             s.shape,
             torch.float32,
@@ -348,8 +349,8 @@ class LowbitOptimizer(torch.optim.Optimizer):
             absmaxes[1],
             scalars,
             grad_scales,
-            _state_map(self._state_signed[0] if n_states else True, device),
-            _state_map(self._state_signed[1] if n_states > 1 else False, device),
+            state_map(self._state_signed[0] if n_states else True, device),
+            state_map(self._state_signed[1] if n_states > 1 else False, device),
             RULE_CODES[self._rule],
             hyper,
             flags,
