@@ -237,6 +237,21 @@ def test_state_dict_round_trip_resumes_bit_exactly():
         assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("make", [O.AdamW8bit, O.AdamW32bit])
+def test_loading_a_live_optimizers_state_copies_its_step(make):
+    # torch.optim keeps the loaded "step" tensor itself; then two live optimizers would share a counter.
+    p, q = nn.Parameter(torch.randn(5000)), nn.Parameter(torch.randn(5000))
+    src = make([p])
+    p.grad = torch.randn_like(p)
+    src.step()
+    dst = make([q])
+    dst.load_state_dict(src.state_dict())
+    q.grad = torch.randn_like(q)
+    dst.step()
+    assert float(src.state[p]["step"]) == 1.0 and float(dst.state[q]["step"]) == 2.0
+    assert dst.state[q]["step"].dtype == torch.float32 and dst.state[q]["step"].device.type == "cpu"
+
+
 def test_state_survives_bf16_params_in_state_dict():
     p = nn.Parameter(torch.randn(5000, dtype=torch.bfloat16))
     opt = O.Adam32bit([p])

@@ -469,13 +469,16 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str,
 
     lowbit states keep their own dtypes (fp32 states and absmaxes, uint8 codes) whatever the
     parameter's, so after ``torch.optim.Optimizer.load_state_dict`` they are restored from the saved
-    tensors, on the parameter's device.
+    tensors, on the parameter's device; ``step`` becomes an fp32 CPU tensor. All are copies: torch.optim
+    keeps the loaded ``step`` tensor itself, which a live source optimizer would go on incrementing.
     """
     ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
     for pid, p in zip(ids, params, strict=True):
         for key, value in state_dict["state"].get(pid, {}).items():
-            if isinstance(value, Tensor) and key != "step":
+            if key == "step":
+                optimizer.state[p][key] = torch.as_tensor(value).detach().to("cpu", torch.float32, copy=True)
+            elif isinstance(value, Tensor):
                 optimizer.state[p][key] = value.detach().to(p.device, copy=True)
 
 
