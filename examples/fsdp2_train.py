@@ -1,12 +1,15 @@
-"""FSDP2 training with a lowbit 8-bit optimizer and resharding checkpoints.
+"""FSDP2 training with a lowbit 8-bit optimizer or LPMM, and resharding checkpoints.
 
-    torchrun --nproc_per_node 2 examples/fsdp2_train.py [--steps 20] [--save DIR] [--load DIR]
+    torchrun --nproc_per_node 2 examples/fsdp2_train.py [--steps 20] [--lpmm] [--save DIR] [--load DIR]
 
 Shards a small byte-level GPT (lowbit.demo.TinyGPT) over the ranks with ``fully_shard`` (gloo on the
 CPU, NCCL on GPUs) and trains it with :class:`lowbit.optim.AdamW8bit`, which steps each rank's shards in
-one fused call and keeps its 8-bit states as DTensors. ``--save`` writes a
-``torch.distributed.checkpoint`` of the model and optimizer after the last step; ``--load`` resumes from
-one, which may have been written at another world size. Rank 0 prints the global mean loss.
+one fused call and keeps its 8-bit states as DTensors. ``--lpmm`` first converts the model with
+:func:`lowbit.lpmm.convert` (12-bit parameters, 8-bit gradient accumulators) and trains it with
+:class:`lowbit.optim.LPMMAdamW`: each rank then stores its share of the low-precision groups. ``--save``
+writes a ``torch.distributed.checkpoint`` of the model and optimizer after the last step; ``--load``
+resumes from one (written with the same ``--lpmm`` choice), which may have been written at another
+world size. Rank 0 prints the global mean loss.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 
+import lowbit.lpmm
 import lowbit.nn
 import lowbit.optim
 from lowbit.demo import ModelConfig, build_model, load_text, windows
@@ -36,6 +40,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--save", default=None)
     parser.add_argument("--load", default=None)
+    parser.add_argument("--lpmm", action="store_true", help="12-bit parameters, 8-bit gradients, LPMMAdamW")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -45,10 +50,13 @@ def main() -> None:
         torch.cuda.set_device(device)
     cfg = ModelConfig(batch=16)
     model = build_model(cfg, 0, lambda: lowbit.nn.StableEmbedding(256, cfg.d_model), device)
+    if args.lpmm:  # before fully_shard, which then shards the low-precision storage
+        lowbit.lpmm.convert(model, param_bits=12, grad_bits=8, group_size=256)
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)
-    opt = lowbit.optim.AdamW8bit(model.parameters(), lr=cfg.lr)
+    make = lowbit.optim.LPMMAdamW if args.lpmm else lowbit.optim.AdamW8bit
+    opt = make(model.parameters(), lr=cfg.lr)
     start = 0
     if args.load:
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}

@@ -8,6 +8,7 @@ world sizes are comparable. Rank 0 writes the result as JSON.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -48,6 +49,7 @@ OPTIMIZERS = {
     # Norms of the update inside the fused step (LAMB's trust ratio; max_unorm takes the same path).
     "LAMB8bit": lambda params: lowbit.optim.LAMB8bit(params, lr=3e-2, min_8bit_size=256),
     "LPMMSGD": lambda params: lowbit.optim.LPMMSGD(params, lr=0.05, momentum=0.9),
+    "LPMMAdamW": lambda params: lowbit.optim.LPMMAdamW(params, lr=CFG.lr),
 }
 
 
@@ -70,9 +72,11 @@ def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _model(job: dict[str, Any]) -> nn.Module:
-    """The model of ``job``: job["compress"] swaps in inverted activations, job["lpmm"] = [param_bits,
-    grad_bits] converts it, job["checkpoint"] recomputes each block in backward; then job["parallel"]."""
-    model = build_model(CFG, 0, lambda: nn.Embedding(256, CFG.d_model), torch.device("cpu"))
+    """The model of ``job``: job["stable"] takes lowbit's StableEmbedding for the token table,
+    job["compress"] swaps in inverted activations, job["lpmm"] = [param_bits, grad_bits] converts it,
+    job["checkpoint"] recomputes each block in backward; then job["parallel"]."""
+    table = lowbit.nn.StableEmbedding if job.get("stable") else nn.Embedding
+    model = build_model(CFG, 0, lambda: table(256, CFG.d_model), torch.device("cpu"))
     if job.get("compress"):
         lowbit.nn.compress_activations(model, method="invact")
     if job.get("lpmm"):
@@ -98,6 +102,28 @@ def _in_sync(model: nn.Module) -> bool:
     return all(torch.equal(g, mine) for g in gathered)
 
 
+def _state_dtypes(opt: torch.optim.Optimizer, p: torch.Tensor) -> list[str]:
+    """The dtypes of the non-scalar optimizer states of ``p``."""
+    return sorted({str(v.dtype) for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.dim()})
+
+
+def _lpmm_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    """A hash of a converted model's whole low-precision storage: every parameter's value and momentum
+    codes and absmaxes, gathered from the ranks when sharded (every rank must call it)."""
+
+    def whole(t: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+        t = t.full_tensor() if isinstance(t, DTensor) else t
+        return t.reshape(-1)[: (numel * bits + 7) // 8] if t.dtype == torch.uint8 else t
+
+    digest = hashlib.sha256()
+    for _, lp in sorted(lowbit.lpmm.low_precision_parameters(model).items()):
+        digest.update(lp.dequantize().numpy().tobytes())
+        state = opt.state[lp.handle]
+        for key in ("state1", "absmax1"):
+            digest.update(whole(state[key], lp.numel(), 8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """Train job["steps"] steps (from job["start"], default 0) with job["optimizer"] on the model of
     _model(job) under job["parallel"] ("fsdp", "ddp" or "none": plain data parallelism). Loads a DCP
@@ -114,6 +140,9 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         set_model_state_dict(model, state["model"])
         if "optim" in state:
             set_optimizer_state_dict(model, opt, state["optim"])
+    digests = {}
+    if job.get("lpmm") and job.get("load"):
+        digests["loaded"] = _lpmm_digest(model, opt)
     losses = []
     per_rank = CFG.batch // world
     for step, (x, y) in enumerate(_batches(start + job["steps"])[start:], start=start):
@@ -128,16 +157,18 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         if job.get("save") and step + 1 == job["save_after"]:
             state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
             dcp.save(state, checkpoint_id=job["save"])
+            if job.get("lpmm"):
+                digests["saved"] = _lpmm_digest(model, opt)
     states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     # 8-bit states, and those of parameters that the ranks shard unevenly (dim 0 not a multiple of world).
     eight_bit = [v for v in states if v.dtype == torch.uint8]
     uneven = [v for v in eight_bit if v.dim() > 0 and v.shape[0] % world != 0]
-    in_sync = job["parallel"] == "fsdp" or _in_sync(model)  # FSDP2 ranks hold different shards
+    in_sync = None if job["parallel"] == "fsdp" else _in_sync(model)  # FSDP2 ranks hold different shards
     # The optimizer's whole-tensor norms of sharded parameters, and the norms of the gathered tensors.
-    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)] if hasattr(opt, "_norms") else []
     with torch.no_grad():
         norms = [float(n) for n in opt._norms([p.to_local() for p in sharded], sharded)] if sharded else []
-    full_norms = [float(p.full_tensor().norm()) for p in sharded]
+        full_norms = [float(p.full_tensor().norm()) for p in sharded]
     return {
         "norms": norms,
         "full_norms": full_norms,
@@ -145,6 +176,12 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         "eight_bit_states": len(eight_bit),
         "uneven_eight_bit_states": len(uneven),
         "in_sync": in_sync,
+        # The dtypes of the StableEmbedding's optimizer states.
+        "token_state_dtypes": _state_dtypes(opt, model.tok.weight) if job.get("stable") else [],
+        # Bytes of parameters, gradients and optimizer state that rank 0 holds.
+        "model_bytes": lowbit.lpmm.memory_report(model, opt).total,
+        # LPMM storage digests after saving and after loading a checkpoint.
+        "digests": digests,
     }
 
 

@@ -92,10 +92,11 @@ def _torchrun(nproc: int, *args: str) -> str:
     return proc.stdout
 
 
-def test_fsdp2_train_saves_at_two_ranks_and_resumes_at_one(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--lpmm"]])
+def test_fsdp2_train_saves_at_two_ranks_and_resumes_at_one(tmp_path, flags):
     checkpoint = str(tmp_path / "ckpt")
-    first = _torchrun(2, "--steps", "4", "--save", checkpoint)
+    first = _torchrun(2, "--steps", "4", "--save", checkpoint, *flags)
     losses = [float(v) for v in re.findall(r"loss (\S+)", first)]
     assert len(losses) == 4 and losses[-1] < losses[0], first
-    resumed = _torchrun(1, "--steps", "2", "--load", checkpoint)
+    resumed = _torchrun(1, "--steps", "2", "--load", checkpoint, *flags)
     assert re.findall(r"step (\d+):", resumed) == ["5", "6"], resumed

@@ -10,10 +10,18 @@ micro-batching is the usual gradient-accumulation loop. :class:`lowbit.optim.LPM
 :class:`lowbit.optim.LPMMAdamW` then update the quantized parameters and momentum in one fused native
 call (lines 7-8).
 
+FSDP2: apply ``fully_shard`` after :func:`convert`. Each rank then keeps only its share of every
+parameter's quantization groups (codes, absmaxes, accumulator and optimizer state, as DTensors of
+``[groups, bytes per group]`` rows split like FSDP2 splits dim 0); forward gathers the codes, backward
+reduce-scatters the gradient in fp32 and averages it over the ranks before accumulating, as FSDP2 does
+for ordinary parameters. Group boundaries do not depend on the world size, so sharded storage holds the
+same codes as one process's and distributed checkpoints reshard exactly. Every rank must run the same
+forward and backward (the collectives are issued per parameter, in autograd order).
+
 Limits: a converted parameter must be read through its module's attribute inside that module's
 forward, or passed to torch functions (``F.linear(x, emb.weight)`` works anywhere); modules that keep
 their own references to parameters (``nn.RNN``/``nn.LSTM``/``nn.GRU``'s flat weights, parametrized
-modules) cannot be converted and raise.
+modules) cannot be converted and raise; FSDP2 meshes must be one-dimensional (no HSDP).
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils import _pytree
 
 from lowbit import _ops
@@ -73,6 +83,57 @@ def check_rounding(rounding: object) -> str:
     return str(rounding)
 
 
+# torch >= 2.13 renames the tensor collectives; older releases only have the first names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor, or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(t: Optional[Tensor]) -> int:
+    """Bytes of ``t`` held by this process (a DTensor's local shard)."""
+    return 0 if t is None else _local(t).numel() * t.element_size()
+
+
+def _packed(codes: Tensor, numel: int, bits: int) -> Tensor:
+    """The bit-packed codes of ``numel`` elements as a flat view: of whole flat codes, or of the local
+    shard of sharded ``[groups, bytes per group]`` rows (groups are whole bytes, so rows concatenate)."""
+    return _local(codes).reshape(-1)[: _ops.packed_bytes(numel, bits)]
+
+
+def _as_rows(packed: Tensor, groups: int, row_bytes: int) -> Tensor:
+    """Bit-packed codes as ``[groups, row_bytes]`` rows, the last group zero-padded to a whole row."""
+    rows = packed.new_zeros(groups * row_bytes)
+    rows[: packed.numel()] = packed
+    return rows.view(groups, row_bytes)
+
+
+def _chunk_rows(groups: int, world: int, rank: int) -> tuple[int, int]:
+    """(first, count): the groups that rank ``rank`` of ``world`` holds, FSDP2's / ``torch.chunk``'s dim-0
+    split of ``groups`` rows (``ceil(groups / world)`` per rank, the last ranks short or empty)."""
+    per_rank = -(-groups // world)
+    first = min(rank * per_rank, groups)
+    return first, min(per_rank, groups - first)
+
+
+@dataclass(frozen=True)
+class _Shards:
+    """This rank's part of a sharded parameter: groups ``[first, first + count)``, elements ``[start,
+    start + numel)``, over ``group`` (the FSDP2 mesh's process group of ``world`` ranks)."""
+
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    world: int
+    per_rank: int
+    first: int
+    count: int
+    start: int
+    numel: int
+
+
 class _Materialize(torch.autograd.Function):
     """The full-precision value of a low-precision parameter; backward feeds its accumulator."""
 
@@ -83,17 +144,24 @@ class _Materialize(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        ctx.lp.accumulate_(grad)
-        # An empty gradient for the empty handle: it marks the handle as used, as DDP's reducer expects.
-        return torch.zeros_like(ctx.lp.handle), None
+        lp = ctx.lp
+        lp.accumulate_(grad)
+        # An empty gradient for the empty handle marks it as used, as DDP's reducer expects; FSDP2 cannot
+        # reduce-scatter empty gradients, and the sharded accumulator already holds the reduced one.
+        return (torch.zeros_like(lp.handle) if lp.shards is None else None), None
 
 
 class LowPrecisionParameter(nn.Module):
     """One parameter stored as bit-packed k-bit linear codes with one fp32 absmax per group.
 
-    Buffers: ``codes`` and ``absmax`` (the value, in the state dict). Attributes ``grad_codes`` and
-    ``grad_absmax``: the gradient accumulator (not saved). ``handle`` is an empty ``nn.Parameter``
-    that stands for this tensor in ``model.parameters()`` and optimizer param groups.
+    Buffers: ``codes`` (bit-packed uint8) and ``absmax`` (fp32, one per group): the value, in the state
+    dict. Attributes ``grad_codes`` and
+    ``grad_absmax``: the gradient accumulator (not saved). ``handle`` is an empty ``nn.Parameter`` that
+    stands for this tensor in ``model.parameters()`` and optimizer param groups.
+
+    Under FSDP2 (``fully_shard`` of a module holding it) ``codes`` becomes a DTensor of ``[groups,
+    group_size * bits / 8]`` rows (the last group zero-padded) and ``absmax`` one of ``[groups]``, both
+    sharded on dim 0 over the mesh; the accumulator holds this rank's groups only (see the module docstring).
 
     Args:
         value: initial value (any float tensor; its dtype becomes the compute dtype).
@@ -121,6 +189,8 @@ class LowPrecisionParameter(nn.Module):
         if not isinstance(value, Tensor) or value.dtype not in _ops.FLOAT_DTYPES:
             got = value.dtype if isinstance(value, Tensor) else type(value).__name__
             raise TypeError(f"lowbit.lpmm: value must be a float32, float16 or bfloat16 tensor, got {got}")
+        if isinstance(value, DTensor):
+            raise TypeError("lowbit.lpmm: value is a DTensor; convert the model before fully_shard")
         self.bits = _check_bits("bits", bits)
         self.grad_bits = _check_bits("grad_bits", grad_bits)
         self.group_size = _check_group_size(group_size)
@@ -128,6 +198,7 @@ class LowPrecisionParameter(nn.Module):
         self.shape = torch.Size(value.shape)
         self.dtype = value.dtype
         self.generator = generator
+        self.shards: Optional[_Shards] = None
         # Bumped whenever the value changes; a backward pass refuses values saved before a change.
         self.version = 0
         self.has_grad = False
@@ -140,26 +211,124 @@ class LowPrecisionParameter(nn.Module):
         self.grad_codes = torch.zeros(_ops.packed_bytes(n, grad_bits), dtype=torch.uint8, device=value.device)
         self.grad_absmax = torch.zeros(_ops.num_blocks(n, group_size), dtype=torch.float32, device=value.device)
         self.handle = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=requires_grad)
-        self.handle._lpmm = self  # type: ignore[attr-defined]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        # FSDP2 swaps the handle for new Parameter objects (sharded DTensor, gathered tensor) through
+        # setattr when a module overrides it: tag each with its storage, and shard the storage the first
+        # time the handle arrives sharded (fully_shard).
+        if name == "handle" and isinstance(value, Tensor):
+            value._lpmm = self  # type: ignore[attr-defined]
+            if isinstance(value, DTensor) and self.shards is None:
+                self._shard(value.device_mesh)
 
     # -- values -----------------------------------------------------------------------------------
 
+    @property
+    def num_groups(self) -> int:
+        """Number of quantization groups of the whole tensor."""
+        return _ops.num_blocks(self.numel(), self.group_size)
+
+    def _row_bytes(self, bits: int) -> int:
+        return self.group_size * bits // 8
+
     def _encode(self, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Whole (flat) codes and absmaxes of ``value``, rounded to nearest."""
         flat = value.detach().reshape(-1).contiguous()
         return _ops.quantize_linear(flat, self.bits, self.group_size, False, 0, 0)
 
     def numel(self) -> int:
-        """Number of elements of the stored tensor."""
+        """Number of elements of the stored tensor (the whole tensor, also when sharded)."""
         return self.shape.numel()
+
+    @property
+    def local_numel(self) -> int:
+        """Number of elements whose storage this process holds (all of them unless sharded)."""
+        return self.numel() if self.shards is None else self.shards.numel
 
     @property
     def device(self) -> torch.device:
         """Device of the stored codes."""
-        return self.codes.device
+        return _local(self.codes).device
+
+    def local_view(self, codes: Tensor, bits: int) -> Tensor:
+        """This process's part of ``codes`` (a ``bits``-bit tensor in this parameter's layout, such as an
+        optimizer state from :meth:`new_state`) as a flat view of its bit-packed bytes."""
+        return _packed(codes, self.local_numel, bits)
+
+    def local_codes(self) -> Tensor:
+        """The bit-packed codes of this process's elements: a flat view of (the local shard of) ``codes``."""
+        return self.local_view(self.codes, self.bits)
+
+    def in_layout(self, value: Tensor, like: Tensor, bits: int) -> Tensor:
+        """``value`` (codes of a ``bits``-bit tensor in this parameter's groups, or their absmaxes) in the
+        layout of ``like``: whole (flat codes, ``[groups]`` absmaxes) or sharded (a DTensor of ``[groups,
+        group_size * bits / 8]`` rows or ``[groups]`` split on dim 0). ``value`` may come in either layout:
+        a sharded DTensor (gathered from the ranks: every rank must call it), its gathered rows (a full
+        state dict of an FSDP2 model), or flat codes. A value that fits neither is returned as is, for
+        ``load_state_dict`` to report."""
+        if isinstance(value, DTensor):
+            same_mesh = isinstance(like, DTensor) and value.device_mesh == like.device_mesh
+            if same_mesh and value.placements == like.placements:
+                return value
+            value = value.full_tensor()
+        rows = (self.num_groups, self._row_bytes(bits))
+        flat = (_ops.packed_bytes(self.numel(), bits),)
+        if value.dtype == torch.uint8 and value.shape == rows:
+            value = value.reshape(-1)[: flat[0]]
+        if not isinstance(like, DTensor):
+            return value
+        if like.dim() == 2 and value.shape == flat:
+            value = _as_rows(value, *rows)
+        if value.shape != like.shape:
+            return value
+        mesh = like.device_mesh
+        first, count = _chunk_rows(like.shape[0], mesh.size(), mesh.get_local_rank())
+        part = value[first : first + count].to(_local(like).device, copy=True)
+        return DTensor.from_local(part, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+
+    def local_absmax(self) -> Tensor:
+        """The group absmaxes of this process's groups (the local shard of ``absmax``)."""
+        return _local(self.absmax)
+
+    def new_state(self, bits: int) -> tuple[Tensor, Tensor]:
+        """Zeroed codes and absmaxes of a ``bits``-bit tensor in this parameter's layout (optimizer state):
+        flat, or sharded ``[groups, group_size * bits / 8]`` rows and ``[groups]`` like ``codes``."""
+        if self.shards is None:
+            codes = torch.zeros(_ops.packed_bytes(self.numel(), bits), dtype=torch.uint8, device=self.device)
+            return codes, torch.zeros(self.num_groups, dtype=torch.float32, device=self.device)
+        rows = (self.num_groups, self._row_bytes(bits))
+        codes = torch.zeros((self.shards.count, rows[1]), dtype=torch.uint8, device=self.device)
+        absmax = torch.zeros(self.shards.count, dtype=torch.float32, device=self.device)
+        place, mesh = (Shard(0),), self.shards.mesh
+        return (
+            DTensor.from_local(codes, mesh, place, run_check=False, shape=rows, stride=(rows[1], 1)),
+            DTensor.from_local(absmax, mesh, place, run_check=False, shape=rows[:1], stride=(1,)),
+        )
+
+    def _whole_storage(self) -> tuple[Tensor, Tensor]:
+        """Flat codes and absmaxes of the whole tensor; sharded, gathered from all ranks (one collective)."""
+        if self.shards is None:
+            return self.codes, self.absmax
+        s = self.shards
+        row = self._row_bytes(self.bits)
+        # Each rank's codes rows with their absmax bytes appended, padded to the same number of rows.
+        mine = torch.zeros((s.per_rank, row + 4), dtype=torch.uint8, device=self.device)
+        mine[: s.count, :row] = _local(self.codes)
+        mine[: s.count, row:] = _local(self.absmax).view(torch.uint8).view(s.count, 4)
+        gathered = mine.new_empty((s.world * s.per_rank, row + 4))
+        _all_gather(gathered, mine, group=s.group)
+        # Rank r's rows start at r * per_rank, their global index: the first `groups` rows are the tensor.
+        whole = gathered[: self.num_groups]
+        codes = whole[:, :row].reshape(-1)[: _ops.packed_bytes(self.numel(), self.bits)]
+        return codes, whole[:, row:].contiguous().view(torch.float32).reshape(-1)
 
     def dequantize(self) -> Tensor:
-        """A new full-precision tensor (compute dtype, original shape) holding the stored value."""
-        flat = _ops.dequantize_linear(self.codes, self.absmax, self.bits, self.group_size, self.numel(), self.dtype)
+        """A new full-precision tensor (compute dtype, original shape) holding the stored value.
+
+        Sharded, the codes are gathered from all ranks: every rank must call it."""
+        codes, absmax = self._whole_storage()
+        flat = _ops.dequantize_linear(codes, absmax, self.bits, self.group_size, self.numel(), self.dtype)
         return flat.view(self.shape)
 
     def materialize(self) -> Tensor:
@@ -168,34 +337,96 @@ class LowPrecisionParameter(nn.Module):
             return _Materialize.apply(self.handle, self)
         return self.dequantize()
 
+    # -- sharding (FSDP2) ---------------------------------------------------------------------------
+
+    def _shard(self, mesh: DeviceMesh) -> None:
+        """Keep only this rank's groups of the storage and accumulator (called when FSDP2 shards the handle)."""
+        if mesh.ndim != 1:
+            raise NotImplementedError(
+                f"lowbit.lpmm: low-precision parameters shard over a 1-D device mesh, got a {mesh.ndim}-D mesh "
+                "(HSDP is not supported)"
+            )
+        group = mesh.get_group()
+        world = mesh.size()
+        pending = None
+        if self.has_grad:  # gradients accumulated before sharding: the ranks' mean, as backward would give
+            pending = self.grad.float()
+            dist.all_reduce(pending, group=group)
+            pending.div_(world)
+        first, count = _chunk_rows(self.num_groups, world, mesh.get_local_rank())
+        start = first * self.group_size
+        self.shards = _Shards(
+            mesh=mesh,
+            group=group,
+            world=world,
+            per_rank=-(-self.num_groups // world),
+            first=first,
+            count=count,
+            start=start,
+            numel=max(0, min(self.numel(), start + count * self.group_size) - start),
+        )
+        codes = _as_rows(self.codes, self.num_groups, self._row_bytes(self.bits))
+        for name, whole in (("codes", codes), ("absmax", self.absmax)):
+            part = whole[first : first + count].clone()
+            self._buffers[name] = DTensor.from_local(
+                part, mesh, (Shard(0),), run_check=False, shape=whole.shape, stride=whole.stride()
+            )
+        lo = _ops.packed_bytes(start, self.grad_bits)
+        self.grad_codes = self.grad_codes[lo : lo + _ops.packed_bytes(self.shards.numel, self.grad_bits)].clone()
+        self.grad_absmax = self.grad_absmax[first : first + count].clone()
+        self.zero_grad_()
+        if pending is not None:
+            self._accumulate_local(pending.reshape(-1)[start : start + self.shards.numel], draw_seed(self.generator))
+
+    def _reduce_scatter(self, grad: Tensor) -> Tensor:
+        """This rank's elements of the mean of ``grad`` over the ranks, in fp32."""
+        s = self.shards
+        assert s is not None
+        span = s.per_rank * self.group_size
+        padded = torch.zeros(s.world * span, dtype=torch.float32, device=grad.device)
+        padded[: grad.numel()] = grad.reshape(-1)
+        mine = padded.new_empty(span)
+        _reduce_scatter(mine, padded, group=s.group)
+        return mine[: s.numel].div_(s.world)
+
     # -- gradient accumulator -------------------------------------------------------------------
 
-    @torch.no_grad()
-    def accumulate_(self, grad: Tensor, seed: Optional[int] = None) -> None:
-        """``g <- Q(g + grad)`` (lpmm.txt Algorithm 1, line 5) with this tensor's rounding; the draws use
-        ``seed`` (default: one from this parameter's generator)."""
-        if tuple(grad.shape) != tuple(self.shape):
-            raise ValueError(f"lowbit.lpmm: grad has shape {tuple(grad.shape)}, expected {tuple(self.shape)}")
+    def _accumulate_local(self, grad: Tensor, seed: int) -> None:
         _ops.lpmm_accumulate_(
-            grad.reshape(-1).contiguous(),
+            grad.contiguous(),
             self.grad_codes,
             self.grad_absmax,
             self.grad_bits,
             self.group_size,
             self.rounding == "stochastic",
-            draw_seed(self.generator) if seed is None else seed,
+            seed,
         )
         self.has_grad = True
 
+    @torch.no_grad()
+    def accumulate_(self, grad: Tensor, seed: Optional[int] = None) -> None:
+        """``g <- Q(g + grad)`` (lpmm.txt Algorithm 1, line 5) with this tensor's rounding; the draws use
+        ``seed`` (default: one from this parameter's generator).
+
+        ``grad`` has the whole tensor's shape. Sharded, every rank must call it: the ranks' gradients are
+        averaged and each rank accumulates its own groups."""
+        if tuple(grad.shape) != tuple(self.shape):
+            raise ValueError(f"lowbit.lpmm: grad has shape {tuple(grad.shape)}, expected {tuple(self.shape)}")
+        part = grad.reshape(-1) if self.shards is None else self._reduce_scatter(grad)
+        self._accumulate_local(part, draw_seed(self.generator) if seed is None else seed)
+
     @property
     def grad(self) -> Optional[Tensor]:
-        """The accumulated gradient dequantized to fp32, or None when nothing was accumulated."""
+        """The accumulated gradient dequantized to fp32, or None when nothing was accumulated.
+
+        Sharded: this rank's elements only, flat (elements ``shards.start`` onwards of the flattened tensor)."""
         if not self.has_grad:
             return None
+        n = self.local_numel
         flat = _ops.dequantize_linear(
-            self.grad_codes, self.grad_absmax, self.grad_bits, self.group_size, self.numel(), torch.float32
+            self.grad_codes, self.grad_absmax, self.grad_bits, self.group_size, n, torch.float32
         )
-        return flat.view(self.shape)
+        return flat if self.shards is not None else flat.view(self.shape)
 
     def zero_grad_(self) -> None:
         """Empty the accumulator (an absmax of 0 reads as zeros)."""
@@ -216,7 +447,9 @@ class LowPrecisionParameter(nn.Module):
             self._buffers[name] = self._buffers[name].to(probe.device)
         self.grad_codes = self.grad_codes.to(probe.device)
         self.grad_absmax = self.grad_absmax.to(probe.device)
-        self.handle.data = torch.empty(0, dtype=self.dtype, device=probe.device)
+        handle = self._parameters["handle"]
+        if not isinstance(handle, DTensor):  # FSDP2 manages a sharded handle
+            handle.data = torch.empty(0, dtype=self.dtype, device=probe.device)
         return self
 
     def get_extra_state(self) -> dict[str, Any]:
@@ -251,6 +484,11 @@ class LowPrecisionParameter(nn.Module):
                 f"lowbit.lpmm: {prefix[:-1]} was saved as {stored} but this parameter is {self.get_extra_state()}"
             )
             return
+        # Whole or sharded storage loads into either layout (the groups are the same).
+        for name in ("codes", "absmax"):
+            value = state_dict.get(prefix + name)
+            if isinstance(value, Tensor):
+                state_dict[prefix + name] = self.in_layout(value, self._buffers[name], self.bits)
         # The handle holds no data and is not saved.
         state_dict.setdefault(prefix + "handle", self.handle.detach())
         super()._load_from_state_dict(
@@ -361,6 +599,8 @@ def _load_float_entries(module: nn.Module, state_dict: dict[str, Any], prefix: s
         key = prefix + name
         value = state_dict.get(key)
         lp = module._modules[name]
+        if isinstance(value, DTensor):  # an FSDP2 model's sharded float state dict
+            value = value.full_tensor()
         if not isinstance(value, Tensor) or not value.is_floating_point() or tuple(value.shape) != tuple(lp.shape):
             continue  # left for load_state_dict to report (unexpected or missing keys)
         del state_dict[key]
@@ -442,8 +682,8 @@ def convert(
         for pname, p in m._parameters.items():
             if isinstance(p, DTensor):
                 raise TypeError(
-                    f"lowbit.lpmm: parameter {pname!r} of {where} is a DTensor: LPMM-converted models cannot be "
-                    "sharded with FSDP2 yet (data parallelism works: see lowbit.optim.LPMMOptimizer)"
+                    f"lowbit.lpmm: parameter {pname!r} of {where} is a DTensor: convert the model before "
+                    "fully_shard (FSDP2 then shards the low-precision storage)"
                 )
             if p is not None and p.dtype not in _ops.FLOAT_DTYPES:
                 raise TypeError(
@@ -485,7 +725,8 @@ def low_precision_parameters(model: nn.Module) -> dict[str, LowPrecisionParamete
 def export_float(model: nn.Module) -> dict[str, Tensor]:
     """``model.state_dict()`` with every low-precision parameter replaced by its dequantized value.
 
-    The result loads into the unconverted model (and into a converted one, which quantizes it).
+    The result loads into the unconverted model (and into a converted one, which quantizes it). Under
+    FSDP2 every rank must call it (the codes are gathered) and gets the whole values.
     """
     lps = {name: m for name, m in model.named_modules(remove_duplicate=False) if isinstance(m, LowPrecisionParameter)}
     out: dict[str, Tensor] = {}
@@ -533,10 +774,6 @@ class MemoryReport:
         lines = [f"{'':<16}{'bytes':>14}{'bytes/param':>13}"]
         lines += [f"{label:<16}{b:>14,}{b / n:>13.3f}" for label, b in (*rows, ("total", self.total))]
         return "\n".join(lines + [f"{self.num_params:,} parameters"])
-
-
-def _nbytes(t: Optional[Tensor]) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
 
 
 def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> MemoryReport:

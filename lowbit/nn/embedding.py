@@ -8,9 +8,10 @@ layers here therefore register their weight for fp32 optimizer state with
 
 The override is keyed on the weight ``Parameter`` object. The layers carry it over when the weight is
 replaced by ``.to()``/``.to_empty()`` (meta-device initialisation), by assignment to ``.weight``
-(``load_state_dict(assign=True)``), and re-register it on unpickling or ``copy.deepcopy``. Wrappers
-that swap parameters behind the module's back (FSDP2's ``fully_shard``, parametrizations) lose it:
-call ``lowbit.optim.override(emb.weight, optim_bits=32)`` again afterwards.
+(``load_state_dict(assign=True)``, and FSDP2's ``fully_shard``, which assigns through ``__setattr__``
+on modules that define one), and re-register it on unpickling or ``copy.deepcopy``. Wrappers that
+swap parameters behind the module's back (parametrizations) lose it: call
+``lowbit.optim.override(emb.weight, optim_bits=32)`` again afterwards.
 """
 
 from __future__ import annotations

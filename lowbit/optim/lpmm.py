@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lowbit import _ops
-from lowbit.lpmm import LowPrecisionParameter, check_rounding, draw_seed
+from lowbit.lpmm import LowPrecisionParameter, _local, check_rounding, draw_seed
 from lowbit.optim.optimizer import (
     FLAG_DECOUPLED,
     FLAG_NESTEROV,
@@ -92,19 +92,22 @@ class LPMMOptimizer(torch.optim.Optimizer):
         self.data_parallel = data_parallel
         self.process_group = process_group
         super().__init__(params, dict(defaults, momentum_bits=momentum_bits, rounding=rounding))
-        for gi, group in enumerate(self.param_groups):
-            for i, p in enumerate(group["params"]):
-                if isinstance(p, DTensor):
-                    raise NotImplementedError(
-                        f"lowbit: {type(self).__name__} got a DTensor parameter: LPMM-converted models cannot "
-                        "be sharded with FSDP2 yet (data parallelism works, with or without DDP)"
-                    )
-                if storage_of(p) is None:
-                    raise TypeError(
-                        f"lowbit: {type(self).__name__} optimizes parameters of a model converted with "
-                        f"lowbit.lpmm.convert; param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)}) "
-                        "is an ordinary tensor"
-                    )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group of low-precision parameters' handles; their states are created at once (zero),
+        so that distributed checkpoints (``get_optimizer_state_dict``) see them before the first step."""
+        super().add_param_group(param_group)
+        gi, group = len(self.param_groups) - 1, self.param_groups[-1]
+        for i, p in enumerate(group["params"]):
+            lp = storage_of(p)
+            if lp is None:
+                raise TypeError(
+                    f"lowbit: {type(self).__name__} optimizes parameters of a model converted with "
+                    f"lowbit.lpmm.convert; param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)}) "
+                    "is an ordinary tensor"
+                )
+            if p.requires_grad and not self.state[p]:
+                self.state[p].update(self._init_state(lp, group))
 
     def _n_states(self, group: dict[str, Any]) -> int:
         return len(self._state_signed)
@@ -118,14 +121,11 @@ class LPMMOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _init_state(self, lp: LowPrecisionParameter, group: dict[str, Any]) -> dict[str, Any]:
-        n, bits = lp.numel(), group["momentum_bits"]
         state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
         for k in range(self._n_states(group)):
-            state[f"state{k + 1}"] = torch.zeros(_ops.packed_bytes(n, bits), dtype=torch.uint8, device=lp.device)
-            # An absmax of 0 reads as zeros whatever the codes: states start at 0, as in torch.optim.
-            state[f"absmax{k + 1}"] = torch.zeros(
-                _ops.num_blocks(n, lp.group_size), dtype=torch.float32, device=lp.device
-            )
+            # In the parameter's layout (sharded like it under FSDP2). An absmax of 0 reads as zeros
+            # whatever the codes: states start at 0, as in torch.optim.
+            state[f"state{k + 1}"], state[f"absmax{k + 1}"] = lp.new_state(group["momentum_bits"])
         return state
 
     def _group(self) -> Optional[dist.ProcessGroup]:
@@ -138,10 +138,13 @@ class LPMMOptimizer(torch.optim.Optimizer):
         return group if dist.get_world_size(group) > 1 else None
 
     def _average_gradients(self, group: dist.ProcessGroup) -> int:
-        """Averages every accumulator over ``group`` (the ones that have a gradient on any rank); returns
-        rank 0's seed for this step's rounding draws."""
-        lps = [storage_of(p) for g in self.param_groups for p in g["params"]]
-        device = lps[0].device if lps else torch.device("cpu")
+        """Averages every accumulator of a whole (not sharded) parameter over ``group`` (the ones that have a
+        gradient on any rank); returns rank 0's seed for this step's rounding draws. Sharded parameters'
+        gradients were averaged in backward."""
+        lps = [lp for g in self.param_groups for p in g["params"] if (lp := storage_of(p)).shards is None]
+        if not lps:  # sharded ranks round disjoint groups: their seeds need not agree
+            return draw_seed(self.generator)
+        device = lps[0].device
         world = dist.get_world_size(group)
         seed = torch.tensor([draw_seed(self.generator)], dtype=torch.int64, device=device)
         dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
@@ -193,24 +196,30 @@ class LPMMOptimizer(torch.optim.Optimizer):
         for _, state in items:
             state["step"] += 1.0
             scalars += self._scalars(group, int(state["step"].item()))
-        lists: dict[str, list[Tensor]] = {f"{name}{k}": [] for name in ("state", "absmax") for k in (1, 2)}
-        for _, state in items:
-            for k in range(n_states):
-                lists[f"state{k + 1}"].append(state[f"state{k + 1}"])
-                lists[f"absmax{k + 1}"].append(state[f"absmax{k + 1}"])
         bits = group["momentum_bits"]
+        lists: dict[str, list[Tensor]] = {f"{name}{k}": [] for name in ("state", "absmax") for k in (1, 2)}
+        for lp, state in items:
+            for k in range(n_states):
+                codes, absmax = state[f"state{k + 1}"], state[f"absmax{k + 1}"]
+                if isinstance(absmax, DTensor) != (lp.shards is not None) or absmax.shape[0] != lp.num_groups:
+                    raise RuntimeError(
+                        f"lowbit: the {type(self).__name__} state of a {tuple(lp.shape)} parameter does not match its "
+                        "storage layout; create the optimizer after fully_shard (FSDP2 reshards the storage)"
+                    )
+                lists[f"state{k + 1}"].append(lp.local_view(codes, bits))
+                lists[f"absmax{k + 1}"].append(_local(absmax))
         device = lp0.device
         step_op = _ops.lpmm_step_ if torch.compiler.is_compiling() else _ops.lpmm_step_eager
         step_op(
-            [lp.codes for lp, _ in items],
-            [lp.absmax for lp, _ in items],
+            [lp.local_codes() for lp, _ in items],
+            [lp.local_absmax() for lp, _ in items],
             [lp.grad_codes for lp, _ in items],
             [lp.grad_absmax for lp, _ in items],
             lists["state1"],
             lists["state2"],
             lists["absmax1"],
             lists["absmax2"],
-            [lp.numel() for lp, _ in items],
+            [lp.local_numel for lp, _ in items],
             scalars,
             state_map(self._state_signed[0] if n_states else True, device, bits),
             state_map(self._state_signed[1] if n_states > 1 else False, device, bits),
@@ -239,13 +248,23 @@ class LPMMOptimizer(torch.optim.Optimizer):
                     lp.zero_grad_()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict; codes and absmaxes keep their dtypes whatever the compute dtype."""
+        """Load a state dict; codes and absmaxes keep their dtypes whatever the compute dtype, and states
+        saved whole or sharded load into either layout (their groups are the parameter's)."""
         super().load_state_dict(state_dict)
         restore_state_dtypes(self, state_dict)
         for group in self.param_groups:
             for p in group["params"]:
-                if self.state.get(p):
-                    self.state[p]["step"] = self.state[p]["step"].float().cpu()
+                state = self.state.get(p)
+                if not state:
+                    continue
+                lp = storage_of(p)
+                bits = group["momentum_bits"]
+                if any(key.startswith("state") for key in state):
+                    layout = lp.new_state(bits)
+                    for key, value in state.items():
+                        if key != "step" and isinstance(value, Tensor):
+                            like = layout[key.startswith("absmax")]
+                            state[key] = lp.in_layout(value, like, bits)
 
 
 class LPMMSGD(LPMMOptimizer):

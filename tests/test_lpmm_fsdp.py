@@ -1,0 +1,144 @@
+"""LPMM under FSDP2 in this process (a one-rank gloo group): the sharded storage layout, state dicts
+that load across the whole and sharded layouts, and sharded training that is bit for bit the plain
+one. Two-rank training, uneven splits and resharding checkpoints are in tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+import lowbit.lpmm
+import lowbit.optim
+from lowbit.lpmm import LowPrecisionParameter, export_float, low_precision_parameters
+
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("needs torch.distributed with the gloo backend", allow_module_level=True)
+
+GROUP = 64
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _model(seed: int, shard: bool) -> nn.Module:
+    # 70 * 40 = 2800 weights: 44 groups, the last one partial (48 of 64); the biases are single partial groups.
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(40, 70), nn.GELU(), nn.LayerNorm(70), nn.Linear(70, 5))
+    lowbit.lpmm.convert(model, param_bits=12, grad_bits=8, group_size=GROUP)
+    if shard:
+        fully_shard(model[0])
+        fully_shard(model)
+    return model
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 7) -> list[float]:
+    # The rounding seeds come from torch's default generator: the same draws in the same order for
+    # both layouts (one rank: no gradient averaging, so no rank-0 seed broadcast).
+    torch.manual_seed(seed)
+    data = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(16, 40, generator=data), torch.randint(0, 5, (16,), generator=data)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _flat_state(opt: torch.optim.Optimizer, lp: LowPrecisionParameter, key: str) -> torch.Tensor:
+    value = opt.state[lp.handle][key]
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    # Sharded codes are [groups, bytes per group] rows; their flat prefix is the whole tensor's codes.
+    return value.reshape(-1)[: (lp.numel() * 8 + 7) // 8] if value.dtype == torch.uint8 else value
+
+
+def test_storage_is_sharded_in_whole_groups(one_rank):
+    model = _model(0, shard=True)
+    weight = model[0].weight
+    assert isinstance(weight, LowPrecisionParameter) and weight.shards is not None
+    assert isinstance(weight.codes, DTensor) and tuple(weight.codes.shape) == (44, GROUP * 12 // 8)
+    assert isinstance(weight.absmax, DTensor) and tuple(weight.absmax.shape) == (44,)
+    assert weight.local_numel == weight.numel() == 2800
+    # The padding of the last group is zero, and the flat prefix holds one process's codes.
+    plain = _model(0, shard=False)[0].weight
+    assert torch.equal(weight.local_codes(), plain.codes)
+    assert not weight.codes.to_local()[-1, 48 * 12 // 8 :].any()
+    assert torch.equal(weight.dequantize(), plain.dequantize())
+
+
+@pytest.mark.parametrize("optimizer", ["LPMMSGD", "LPMMAdamW"])
+def test_sharded_training_is_bit_identical_to_plain(one_rank, optimizer):
+    make = getattr(lowbit.optim, optimizer)
+    plain, sharded = _model(0, shard=False), _model(0, shard=True)
+    opt_plain, opt_sharded = make(plain.parameters(), lr=0.05), make(sharded.parameters(), lr=0.05)
+    assert _train(plain, opt_plain, 5) == _train(sharded, opt_sharded, 5)
+    whole, split = export_float(plain), export_float(sharded)
+    assert whole.keys() == split.keys()
+    for key, value in whole.items():
+        assert torch.equal(value, split[key]), key
+    lps = low_precision_parameters(plain)
+    for name, lp in low_precision_parameters(sharded).items():
+        for key in opt_sharded.state[lp.handle]:
+            if key != "step":
+                assert torch.equal(_flat_state(opt_sharded, lp, key), _flat_state(opt_plain, lps[name], key))
+
+
+def test_state_dicts_load_across_layouts(one_rank):
+    trained = _model(0, shard=False)
+    opt = lowbit.optim.LPMMAdamW(trained.parameters(), lr=0.05)
+    _train(trained, opt, 2)
+    want = export_float(trained)
+
+    def same(model: nn.Module) -> bool:
+        return all(torch.equal(v, want[k]) for k, v in export_float(model).items())
+
+    # Whole -> sharded: model and optimizer (flat codes become this rank's rows).
+    sharded = _model(1, shard=True)
+    assert not same(sharded)
+    sharded.load_state_dict(trained.state_dict())
+    assert same(sharded)
+    opt_sharded = lowbit.optim.LPMMAdamW(sharded.parameters(), lr=0.05)
+    opt_sharded.load_state_dict(opt.state_dict())
+    lps = low_precision_parameters(trained)
+    for name, lp in low_precision_parameters(sharded).items():
+        assert isinstance(opt_sharded.state[lp.handle]["state2"], DTensor)
+        for key in ("state1", "absmax1", "state2", "absmax2"):
+            assert torch.equal(_flat_state(opt_sharded, lp, key), _flat_state(opt, lps[name], key))
+    # Sharded -> whole: the sharded state dict (DTensors) and the gathered full state dict (rows).
+    for state in (sharded.state_dict(), get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True))):
+        plain = _model(2, shard=False)
+        plain.load_state_dict(state)
+        assert same(plain)
+    # Both layouts continue identically from the loaded state.
+    assert _train(sharded, opt_sharded, 2, seed=3) == _train(trained, opt, 2, seed=3)
+
+
+def test_optimizer_made_before_fully_shard_raises(one_rank):
+    model = _model(0, shard=False)
+    opt = lowbit.optim.LPMMSGD(model.parameters(), lr=0.05)
+    fully_shard(model)
+    model(torch.randn(2, 40)).sum().backward()
+    with pytest.raises(RuntimeError, match="create the optimizer after fully_shard"):
+        opt.step()
+
+
+def test_two_dimensional_mesh_raises(one_rank):
+    model = _model(0, shard=False)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(NotImplementedError, match="HSDP is not supported"):
+        fully_shard(model, mesh=mesh)
