@@ -20,9 +20,14 @@ from tests.conftest import DTYPES
 ops = torch.ops.lowbit
 SIZES = [0, 1, 7, 8, 15, 16, 17, 4095, 4096, 4097, 3 * 4096 + 5]
 # Measured by gradient_error (fp32 forward and evaluation, x in [-10, 10]); the floor is fp32 itself:
-# near the minimum T a rounded y pins x down only to ~sqrt(ulp(f(T))).
+# near the minimum T a rounded y pins x down only to ~sqrt(ulp(f(T))). With y correctly rounded the
+# worst is 1.4e-4 (gelu_tanh) and 2.9e-6 in L2-normal.
 LINF_BOUND = 2e-4
 L2_NORMAL_BOUND = 5e-6
+# With torch's own fp32 forward, whose error dy near T the inversion amplifies to sqrt(2 f''(T) dy) in
+# the slope: allowing dy up to 8 ulp of f(T) at GELU's f''(T) = 0.43 adds 3.2e-4. Measured: 1.1e-4 on an
+# AVX-512 CPU, 2.5e-4 on an AVX2 AMD EPYC, whose torch GELU is 6 ulp off at T.
+LAYER_LINF_BOUND = LINF_BOUND + 3.2e-4
 LAYERS = {
     "gelu": (A.InvGELU, nn.GELU, {}),
     "gelu_tanh": (A.InvGELU, nn.GELU, {"approximate": "tanh"}),
@@ -85,13 +90,15 @@ def test_grad_is_close_to_the_exact_derivative(n, seed, name):
     bits = _ops.fewbit_encode(x, tab.threshold_tensor, 1)
     got = ops.invact_grad(g, y, bits, tab.coeffs, tab.params).double()
     want = g.double() * fewbit.derivative(name)(x.double())
-    assert torch.all((got - want).abs() <= LINF_BOUND * g.abs().double() + 1e-6)
+    assert torch.all((got - want).abs() <= LAYER_LINF_BOUND * g.abs().double() + 1e-6)
 
 
 @pytest.mark.parametrize("name", invact.ACTIVATIONS)
 def test_gradient_error_is_within_the_stated_bounds(name):
-    err = invact.gradient_error(name)
-    assert err["linf"] < LINF_BOUND and err["l2_normal"] < L2_NORMAL_BOUND
+    table = invact.gradient_error(name, forward="exact")
+    assert table["linf"] < LINF_BOUND and table["l2_normal"] < L2_NORMAL_BOUND
+    layer = invact.gradient_error(name)
+    assert layer["linf"] < LAYER_LINF_BOUND and layer["l2_normal"] < L2_NORMAL_BOUND
 
 
 @pytest.mark.parametrize("name", ["gelu", "silu"])
@@ -101,11 +108,33 @@ def test_tables_beat_the_papers_approximations_tenfold(name):
         assert ours[key] * 10 < paper[key], (key, ours[key], paper[key])
 
 
-def test_shipped_tables_are_what_the_generator_writes():
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many fp32 values lie between a and b (0 when equal), elementwise."""
+
+    def order(t: torch.Tensor) -> torch.Tensor:
+        bits = t.to(torch.float32).contiguous().view(torch.int32).long()
+        return torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+
+    return (order(a) - order(b)).abs()
+
+
+def test_shipped_file_is_in_generator_format():
     from importlib import resources
 
     shipped = resources.files("lowbit.nn").joinpath(invact.TABLE_FILE).read_text(encoding="utf-8")
-    assert _invact_gen.render([invact.fit(n) for n in invact.ACTIVATIONS]) == shipped
+    assert _invact_gen.render([invact.table(n) for n in invact.ACTIVATIONS]) == shipped
+
+
+@pytest.mark.parametrize("name", invact.ACTIVATIONS)
+def test_regenerated_tables_match_shipped(name):
+    # The fit is float64 (numpy lstsq, torch's float64 activations) rounded to fp32 coefficients; the last
+    # float64 bits differ between CPUs, so a coefficient may round to the neighbouring fp32 value. Measured:
+    # identical on the AVX-512 machine that wrote the file; 4 of 768 coefficients one ulp apart on an AVX2
+    # AMD EPYC. The full comparison is `python -m lowbit.nn._invact_gen --check`.
+    new, old = invact.fit(name), invact.table(name)
+    assert _ulps(torch.tensor(new.threshold), torch.tensor(old.threshold)) <= 1
+    assert int(_ulps(new.params, old.params).max()) <= 1
+    assert new.coeffs.shape == old.coeffs.shape and int(_ulps(new.coeffs, old.coeffs).max()) <= 1
 
 
 @pytest.mark.parametrize("name", LAYERS)
@@ -119,11 +148,11 @@ def test_forward_is_torchs_and_backward_is_close(name, dtype):
     (dx,) = torch.autograd.grad(y, x, g)
     assert dx.dtype == dtype
     want = g.double() * fewbit.derivative(name)(x.detach().double())
-    # fp32: the table's bound; bf16/fp16: the rounding of y (and of dx) dominates.
-    tol = LINF_BOUND if dtype == torch.float32 else 0.05
-    assert torch.all(
-        (dx.double() - want).abs() <= tol * g.abs().double() + 1e-6 + 1e-2 * want.abs() * (tol != LINF_BOUND)
-    )
+    if dtype == torch.float32:  # the layer's bound (torch's fp32 forward)
+        bound = LAYER_LINF_BOUND * g.abs().double() + 1e-6
+    else:  # bf16/fp16: the rounding of y (and of dx) dominates
+        bound = 0.05 * g.abs().double() + 1e-6 + 1e-2 * want.abs()
+    assert torch.all((dx.double() - want).abs() <= bound)
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 1000, 4096 + 3])

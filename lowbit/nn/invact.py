@@ -229,16 +229,22 @@ def paper_slope(name: str, y: Tensor, right: Tensor) -> Tensor:
     return torch.where(right, qr, ql)
 
 
-def gradient_error(name: str, slope: Optional[str] = None, points: int = _ERROR_POINTS) -> dict[str, float]:
+def gradient_error(
+    name: str, slope: Optional[str] = None, points: int = _ERROR_POINTS, *, forward: str = "torch"
+) -> dict[str, float]:
     """Error of the backward slope against the exact ``f'`` over x in [-10, 10], as the layer computes it.
 
     ``x`` is an fp32 grid of ``points`` points, ``y = f(x)`` is torch's fp32 forward, the branch bit is the
     layer's, and the slope is evaluated from ``y`` in fp32; the exact ``f'`` is torch's float64 autograd.
+    Near ``T`` the slope error grows like ``sqrt(2 f''(T) |dy|)`` with the forward's error ``dy``, and
+    torch's fp32 kernels differ between CPUs (on AVX2 its GELU is several ulp off at ``T``);
+    ``forward="exact"`` takes ``y`` as ``f(x)`` in float64 rounded to fp32, which measures the table alone.
 
     Args:
         name: one of :data:`ACTIVATIONS`.
         slope: None for lowbit's table, ``"paper"`` for :func:`paper_slope` (gelu and silu).
         points: grid size.
+        forward: ``"torch"`` (torch's fp32 forward, as in the layer) or ``"exact"`` (correctly rounded).
 
     Returns:
         ``linf`` (max abs error), ``l2_uniform`` (root of the integral of the squared error over [-10, 10])
@@ -248,7 +254,12 @@ def gradient_error(name: str, slope: Optional[str] = None, points: int = _ERROR_
 
     tab = table(name)
     x = torch.linspace(-10.0, 10.0, points, dtype=torch.float32)
-    y = fewbit.activation_fn(name)(x)
+    if forward == "torch":
+        y = fewbit.activation_fn(name)(x)
+    elif forward == "exact":
+        y = fewbit.activation_fn(name)(x.double()).float()
+    else:
+        raise ValueError(f"lowbit: forward must be 'torch' or 'exact', got {forward!r}")
     bits = _ops.fewbit_encode(x, torch.tensor([tab.threshold]), 1)
     if slope is None:
         got = _ops.invact_grad(torch.ones_like(y), y, bits, tab.coeffs, tab.params).double()
