@@ -81,9 +81,9 @@ def test_no_full_precision_copy_outlives_its_use(monkeypatch):
     calls = {"n": 0}
     dequantize = lpmm.LowPrecisionParameter.dequantize
 
-    def counting(self):
+    def counting(self, dtype=None):
         calls["n"] += 1
-        t = dequantize(self)
+        t = dequantize(self, dtype)
         made.append(weakref.ref(t))
         return t
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import lowbit.lpmm
@@ -96,6 +96,28 @@ def test_sharded_training_is_bit_identical_to_plain(one_rank, optimizer):
         for key in opt_sharded.state[lp.handle]:
             if key != "step":
                 assert torch.equal(_flat_state(opt_sharded, lp, key), _flat_state(opt_plain, lps[name], key))
+
+
+def test_mixed_precision_policy_sets_the_compute_dtype(one_rank):
+    # FSDP2 casts the handles it gathers for forward to param_dtype; the values follow them, as they
+    # follow .to(torch.bfloat16) without FSDP2, and the gradients accumulate the same.
+    plain = _model(0, shard=False).to(torch.bfloat16)
+    sharded = _model(0, shard=False)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    fully_shard(sharded[0], mp_policy=policy)
+    fully_shard(sharded, mp_policy=policy)
+    x = torch.randn(16, 40)
+    out = sharded(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, plain(x.bfloat16()))
+    torch.manual_seed(3)
+    out.float().square().mean().backward()
+    torch.manual_seed(3)
+    plain(x.bfloat16()).float().square().mean().backward()
+    lps = low_precision_parameters(plain)
+    for name, lp in low_precision_parameters(sharded).items():
+        assert lp.dtype == torch.float32 and torch.equal(lp.grad, lps[name].grad.reshape(-1)), name
+    with pytest.raises(TypeError, match="dtype must be float32, float16 or bfloat16"):
+        sharded[0].weight.dequantize(torch.int32)
 
 
 def test_state_dicts_load_across_layouts(one_rank):

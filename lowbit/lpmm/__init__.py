@@ -15,8 +15,11 @@ parameter's quantization groups (codes, absmaxes, accumulator and optimizer stat
 ``[groups, bytes per group]`` rows split like FSDP2 splits dim 0); forward gathers the codes, backward
 reduce-scatters the gradient in fp32 and averages it over the ranks before accumulating, as FSDP2 does
 for ordinary parameters. Group boundaries do not depend on the world size, so sharded storage holds the
-same codes as one process's and distributed checkpoints reshard exactly. Every rank must run the same
-forward and backward (the collectives are issued per parameter, in autograd order).
+same codes as one process's and distributed checkpoints reshard exactly. A ``MixedPrecisionPolicy``'s
+``param_dtype`` sets the dtype of the values in forward; gradients are reduced in fp32 whatever its
+``reduce_dtype``, and on every backward (``set_requires_gradient_sync(False)`` does not defer them).
+Every rank must run the same forward and backward (the collectives are issued per parameter, in
+autograd order).
 
 Limits: a converted parameter must be read through its module's attribute inside that module's
 forward, or passed to torch functions (``F.linear(x, emb.weight)`` works anywhere); modules that keep
@@ -140,7 +143,7 @@ class _Materialize(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, handle: Tensor, lp: LowPrecisionParameter) -> Tensor:
         ctx.lp = lp
-        return lp.dequantize()
+        return lp.dequantize(handle.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
@@ -323,19 +326,29 @@ class LowPrecisionParameter(nn.Module):
         codes = whole[:, :row].reshape(-1)[: _ops.packed_bytes(self.numel(), self.bits)]
         return codes, whole[:, row:].contiguous().view(torch.float32).reshape(-1)
 
-    def dequantize(self) -> Tensor:
-        """A new full-precision tensor (compute dtype, original shape) holding the stored value.
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """A new full-precision tensor (original shape) holding the stored value.
 
-        Sharded, the codes are gathered from all ranks: every rank must call it."""
+        Sharded, the codes are gathered from all ranks: every rank must call it.
+
+        Args:
+            dtype: float32, float16 or bfloat16 (default: the compute dtype).
+        """
+        dtype = self.dtype if dtype is None else dtype
+        if dtype not in _ops.FLOAT_DTYPES:
+            raise TypeError(f"lowbit.lpmm: dtype must be float32, float16 or bfloat16, got {dtype}")
         codes, absmax = self._whole_storage()
-        flat = _ops.dequantize_linear(codes, absmax, self.bits, self.group_size, self.numel(), self.dtype)
+        flat = _ops.dequantize_linear(codes, absmax, self.bits, self.group_size, self.numel(), dtype)
         return flat.view(self.shape)
 
     def materialize(self) -> Tensor:
-        """The value as a temporary tensor whose gradient (if any) flows into the accumulator."""
+        """The value as a temporary tensor whose gradient (if any) flows into the accumulator.
+
+        Its dtype is the handle's: the compute dtype, or under FSDP2 with a ``MixedPrecisionPolicy`` the
+        policy's ``param_dtype`` (FSDP2 casts the handle it gathers for forward)."""
         if torch.is_grad_enabled() and self.handle.requires_grad:
             return _Materialize.apply(self.handle, self)
-        return self.dequantize()
+        return self.dequantize(self.handle.dtype)
 
     # -- sharding (FSDP2) ---------------------------------------------------------------------------
 
@@ -534,6 +547,7 @@ class _Recipe:
 
     lp: LowPrecisionParameter
     version: int
+    dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
@@ -556,7 +570,7 @@ def _unpack(packed: Any) -> Tensor:
                 "lowbit.lpmm: a low-precision parameter changed between forward and backward "
                 "(an optimizer step or load ran in between); run backward before stepping"
             )
-        return packed.lp.dequantize().as_strided(packed.size, packed.stride, packed.offset)
+        return packed.lp.dequantize(packed.dtype).as_strided(packed.size, packed.stride, packed.offset)
     return packed.unpack(packed.value) if packed.unpack is not None else packed.value
 
 
@@ -579,7 +593,7 @@ class _RecomputeSaved:
         entry = self.temps.get(t.untyped_storage().data_ptr()) if t.numel() > 0 else None
         if entry is not None and t.dtype == entry[1] and t.device == entry[2]:
             lp = entry[0]
-            return _Recipe(lp, lp.version, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            return _Recipe(lp, lp.version, t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
         if self.outer is None:
             return _Passed(t, None)
         return _Passed(self.outer[0](t), self.outer[1])
