@@ -1,7 +1,8 @@
 """lowbit under DDP and FSDP2 (DTensor parameters), on the CPU with gloo and two spawned processes
 (tests/dist_jobs.py): the 8-bit optimizers' and LPMM's training equivalence with one process on the
 full batch, uneven shards, torch.distributed.checkpoint state that reshards between world sizes, LPMM
-sharded storage and data parallelism, and compressed activations with activation checkpointing."""
+sharded storage and data parallelism, and compressed activations with activation checkpointing. The
+measured values quoted in the comments come from `python benchmarks/bench_distributed.py`."""
 
 from __future__ import annotations
 
