@@ -124,14 +124,13 @@ def _chunk_rows(groups: int, world: int, rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class _Shards:
-    """This rank's part of a sharded parameter: groups ``[first, first + count)``, elements ``[start,
-    start + numel)``, over ``group`` (the FSDP2 mesh's process group of ``world`` ranks)."""
+    """This rank's part of a sharded parameter: ``count`` groups (of at most ``per_rank``) holding elements
+    ``[start, start + numel)``, over ``group`` (the FSDP2 mesh's process group of ``world`` ranks)."""
 
     mesh: DeviceMesh
     group: dist.ProcessGroup
     world: int
     per_rank: int
-    first: int
     count: int
     start: int
     numel: int
@@ -373,7 +372,6 @@ class LowPrecisionParameter(nn.Module):
             group=group,
             world=world,
             per_rank=-(-self.num_groups // world),
-            first=first,
             count=count,
             start=start,
             numel=max(0, min(self.numel(), start + count * self.group_size) - start),
