@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowbit import _C
@@ -59,6 +60,12 @@ def _launch(name: str, device: torch.device) -> Callable[..., None]:
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ValueError(f"lowbit: {msg}")
+
+
+def local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (FSDP2 parameters, gradients, states, sharded storage), or ``t`` itself:
+    what the ops take."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _check_input(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> None:

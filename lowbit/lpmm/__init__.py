@@ -91,20 +91,15 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor, or ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _nbytes(t: Optional[Tensor]) -> int:
     """Bytes of ``t`` held by this process (a DTensor's local shard)."""
-    return 0 if t is None else _local(t).numel() * t.element_size()
+    return 0 if t is None else _ops.local(t).numel() * t.element_size()
 
 
 def _packed(codes: Tensor, numel: int, bits: int) -> Tensor:
     """The bit-packed codes of ``numel`` elements as a flat view: of whole flat codes, or of the local
     shard of sharded ``[groups, bytes per group]`` rows (groups are whole bytes, so rows concatenate)."""
-    return _local(codes).reshape(-1)[: _ops.packed_bytes(numel, bits)]
+    return _ops.local(codes).reshape(-1)[: _ops.packed_bytes(numel, bits)]
 
 
 def _as_rows(packed: Tensor, groups: int, row_bytes: int) -> Tensor:
@@ -251,7 +246,7 @@ class LowPrecisionParameter(nn.Module):
     @property
     def device(self) -> torch.device:
         """Device of the stored codes."""
-        return _local(self.codes).device
+        return _ops.local(self.codes).device
 
     def local_view(self, codes: Tensor, bits: int) -> Tensor:
         """This process's part of ``codes`` (a ``bits``-bit tensor in this parameter's layout, such as an
@@ -286,12 +281,12 @@ class LowPrecisionParameter(nn.Module):
             return value
         mesh = like.device_mesh
         first, count = _chunk_rows(like.shape[0], mesh.size(), mesh.get_local_rank())
-        part = value[first : first + count].to(_local(like).device, copy=True)
+        part = value[first : first + count].to(_ops.local(like).device, copy=True)
         return DTensor.from_local(part, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
 
     def local_absmax(self) -> Tensor:
         """The group absmaxes of this process's groups (the local shard of ``absmax``)."""
-        return _local(self.absmax)
+        return _ops.local(self.absmax)
 
     def new_state(self, bits: int) -> tuple[Tensor, Tensor]:
         """Zeroed codes and absmaxes of a ``bits``-bit tensor in this parameter's layout (optimizer state):
@@ -316,8 +311,8 @@ class LowPrecisionParameter(nn.Module):
         row = self._row_bytes(self.bits)
         # Each rank's codes rows with their absmax bytes appended, padded to the same number of rows.
         mine = torch.zeros((s.per_rank, row + 4), dtype=torch.uint8, device=self.device)
-        mine[: s.count, :row] = _local(self.codes)
-        mine[: s.count, row:] = _local(self.absmax).view(torch.uint8).view(s.count, 4)
+        mine[: s.count, :row] = _ops.local(self.codes)
+        mine[: s.count, row:] = _ops.local(self.absmax).view(torch.uint8).view(s.count, 4)
         gathered = mine.new_empty((s.world * s.per_rank, row + 4))
         _all_gather(gathered, mine, group=s.group)
         # Rank r's rows start at r * per_rank, their global index: the first `groups` rows are the tensor.

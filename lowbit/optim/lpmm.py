@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lowbit import _ops
-from lowbit.lpmm import LowPrecisionParameter, _local, check_rounding, draw_seed
+from lowbit.lpmm import LowPrecisionParameter, check_rounding, draw_seed
 from lowbit.optim.optimizer import (
     FLAG_DECOUPLED,
     FLAG_NESTEROV,
@@ -207,7 +207,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
                         "storage layout; create the optimizer after fully_shard (FSDP2 reshards the storage)"
                     )
                 lists[f"state{k + 1}"].append(lp.local_view(codes, bits))
-                lists[f"absmax{k + 1}"].append(_local(absmax))
+                lists[f"absmax{k + 1}"].append(_ops.local(absmax))
         device = lp0.device
         step_op = _ops.lpmm_step_ if torch.compiler.is_compiling() else _ops.lpmm_step_eager
         step_op(

@@ -55,11 +55,6 @@ def state_map(signed: bool, device: torch.device, bits: int = 8) -> Tensor:
     return _MAPS[key]
 
 
-def local(t: Tensor) -> Tensor:
-    """The local shard of a DTensor (FSDP2 parameters, gradients and states), or ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def like_param(p: Tensor, value: Tensor) -> Tensor:
     """``value``, a tensor shaped like the local shard of ``p``, as a DTensor with ``p``'s placements when
     ``p`` is one (the optimizer states of FSDP2 parameters), else unchanged."""
@@ -212,7 +207,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
 
     def _unpack(self, k: int, p: Tensor, state: dict[str, Any]) -> Tensor:
         """The fp32 values of state k of ``p``, whatever layout they are stored in."""
-        s = local(state[f"state{k + 1}"])
+        s = _ops.local(state[f"state{k + 1}"])
         if s.dtype != torch.uint8:
             return s
         absmax = state[f"absmax{k + 1}"]
@@ -233,11 +228,12 @@ class LowbitOptimizer(torch.optim.Optimizer):
 
     def _layout_matches(self, p: Tensor, state: dict[str, Any], config: dict[str, Any]) -> bool:
         eight_bit = self._eight_bit(config, p)
+        blocks = _ops.num_blocks(_ops.local(p).numel(), config["block_size"])
         for k in range(self._n_states(config)):
             s = state.get(f"state{k + 1}")
             if s is None or (s.dtype == torch.uint8) != eight_bit:
                 return False
-            if eight_bit and state[f"absmax{k + 1}"].numel() != _ops.num_blocks(local(p).numel(), config["block_size"]):
+            if eight_bit and state[f"absmax{k + 1}"].numel() != blocks:
                 return False
         return True
 
@@ -252,7 +248,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
             if f"state{k + 1}" in state:
                 value = self._unpack(k, p, state).clone()
             else:
-                shard = local(p)
+                shard = _ops.local(p)
                 value = torch.full(shard.shape, self._init_value(k, config), dtype=torch.float32, device=shard.device)
             codes, state[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
             state[f"state{k + 1}"] = like_param(p, codes)
@@ -327,12 +323,12 @@ class LowbitOptimizer(torch.optim.Optimizer):
         steps = torch.stack([state["step"] for _, state in batch]).tolist()
         for (p, state), step in zip(batch, steps, strict=True):
             # FSDP2: the local shards of the parameter, its gradient and its states.
-            shard, grad = local(p), local(p.grad)
+            shard, grad = _ops.local(p), _ops.local(p.grad)
             params.append(shard)
             grads.append(grad.contiguous() if grad.dtype == shard.dtype else grad.to(shard.dtype).contiguous())
             scalars += self._step_scalars(config, int(step))
             for k in range(n_states):
-                states[k].append(local(state[f"state{k + 1}"]))
+                states[k].append(_ops.local(state[f"state{k + 1}"]))
                 absmaxes[k].append(state[f"absmax{k + 1}"])
         if not all(p.is_contiguous() for p in params):
             raise ValueError("lowbit: parameters must be contiguous")
@@ -413,9 +409,9 @@ class LowbitOptimizer(torch.optim.Optimizer):
         # torch.optim.SGD keeps no step count; a momentum buffer means at least one step was taken.
         step = state.get("step", float(any(name in state for name in self._state_names)))
         new: dict[str, Any] = {"step": torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()}
-        shard = local(p)
+        shard = _ops.local(p)
         for k in range(self._n_states(config)):
-            value = local(state[self._state_names[k]]).detach().to(shard.device, torch.float32)
+            value = _ops.local(state[self._state_names[k]]).detach().to(shard.device, torch.float32)
             codes, new[f"absmax{k + 1}"] = self._pack(k, value.reshape(shard.shape).clone(), config, eight_bit)
             new[f"state{k + 1}"] = like_param(p, codes)
         self.state[p] = new
