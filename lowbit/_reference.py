@@ -318,6 +318,19 @@ def _rule_step(
     return torch.tensor(step_size, dtype=f32) * g / (_sqrt32(s1) + torch.tensor(eps, dtype=f32)), s1, s2
 
 
+def _second_moment_slot(rule: int) -> int:
+    """state_form.h: second_moment_slot, the state stored as its root at low precision (-1: none)."""
+    return {_RULE_ADAM: 1, _RULE_LAMB: 1, _RULE_RMSPROP: 0, _RULE_ADAGRAD: 0}.get(rule, -1)
+
+
+def _restart_nonfinite(values: list[Tensor]) -> list[Tensor]:
+    """state_form.h: restart_if_nonfinite, all states of an element with a NaN/Inf one set to 0."""
+    bad = torch.zeros_like(values[0], dtype=torch.bool)
+    for v in values:
+        bad |= ~v.isfinite()
+    return [v.masked_fill(bad, 0.0) for v in values]
+
+
 def optimizer_step_(
     params: list[Tensor],
     grads: list[Tensor],
@@ -339,6 +352,7 @@ def optimizer_step_(
     """Twin of ``lowbit::optimizer_step_`` (same arguments, same in-place updates)."""
     states, absmaxes, maps = [state1, state2], [absmax1, absmax2], [map1, map2]
     f32 = torch.float32
+    root = _second_moment_slot(rule)
     for i, p in enumerate(params):
         n = p.numel()
         eight = n_states > 0 and states[0][i].dtype == torch.uint8
@@ -347,11 +361,10 @@ def optimizer_step_(
             if k >= n_states:
                 values.append(torch.zeros(n, dtype=f32))
             elif eight:
-                values.append(
-                    dequantize_blockwise(
-                        states[k][i].reshape(-1), absmaxes[k][i], maps[k], 8, block_size, n, torch.float32
-                    )
+                stored = dequantize_blockwise(
+                    states[k][i].reshape(-1), absmaxes[k][i], maps[k], 8, block_size, n, torch.float32
                 )
+                values.append(stored * stored if k == root else stored)
             else:
                 values.append(states[k][i].reshape(-1).clone())
         sc = torch.tensor(scalars[3 * i : 3 * i + 3], dtype=f32)
@@ -366,7 +379,9 @@ def optimizer_step_(
         if norm_mode != 0:
             p_norm, u_norm = float(pf.double().norm()), float(u.double().norm())
             lr, max_unorm = float(hyper[0]), float(hyper[8])
-            if norm_mode == 1 and p_norm > 0 and u_norm > 0:
+            if math.isnan(p_norm) or math.isnan(u_norm):
+                scale = math.nan
+            elif norm_mode == 1 and p_norm > 0 and u_norm > 0:
                 scale = p_norm * lr / u_norm
             elif norm_mode == 2 and p_norm > 0 and u_norm > max_unorm * p_norm * lr:
                 scale = max_unorm * p_norm * lr / u_norm
@@ -374,9 +389,14 @@ def optimizer_step_(
             pf = pf * torch.tensor(float(hyper[7]), dtype=f32)
         pf = pf - torch.tensor(scale, dtype=f32) * u
         p.data.copy_(pf.reshape(p.shape).to(p.dtype))
-        for k, value in enumerate((s1, s2)[:n_states]):
+        new_states = list((s1, s2)[:n_states])
+        if eight and new_states:
+            new_states = _restart_nonfinite(new_states)
+        for k, value in enumerate(new_states):
             if eight:
-                codes, amax = quantize_blockwise(value, maps[k], 8, block_size, False, 0, 0)
+                codes, amax = quantize_blockwise(
+                    _sqrt32(value) if k == root else value, maps[k], 8, block_size, False, 0, 0
+                )
                 states[k][i].copy_(codes.reshape(states[k][i].shape))
                 absmaxes[k][i].copy_(amax)
             else:
@@ -427,6 +447,7 @@ def lpmm_step_(
     """Twin of ``lowbit::lpmm_step_`` (same arguments, same in-place updates)."""
     f32 = torch.float32
     states, absmaxes, maps = [state1, state2], [absmax1, absmax2], [map1, map2]
+    root = _second_moment_slot(rule)
     offset = 0
     for i, n in enumerate(numels):
         p = dequantize_linear(params[i], param_absmax[i], param_bits, group_size, n, f32)
@@ -437,6 +458,7 @@ def lpmm_step_(
             else torch.zeros(n, dtype=f32)
             for k in range(2)
         ]
+        values[root] = values[root] * values[root] if root >= 0 else values[root]
         sc = torch.tensor(scalars[3 * i : 3 * i + 3], dtype=f32)
         u, s1, s2 = _rule_step(rule, hyper, flags, sc, p, g, values[0], values[1])
         if float(hyper[6]) != 0 and flags & _DECOUPLED:
@@ -445,9 +467,15 @@ def lpmm_step_(
         codes, amax = quantize_linear(p, param_bits, group_size, stochastic_param, _lpmm_stream_seed(seed, 0), offset)
         params[i].copy_(codes)
         param_absmax[i].copy_(amax)
-        for k, value in enumerate((s1, s2)[:n_states]):
+        for k, value in enumerate(_restart_nonfinite([s1, s2])[:n_states]):
             codes, amax = quantize_blockwise(
-                value, maps[k], state_bits, group_size, stochastic_state, _lpmm_stream_seed(seed, 1 + k), offset
+                _sqrt32(value) if k == root else value,
+                maps[k],
+                state_bits,
+                group_size,
+                stochastic_state,
+                _lpmm_stream_seed(seed, 1 + k),
+                offset,
             )
             states[k][i].copy_(codes)
             absmaxes[k][i].copy_(amax)

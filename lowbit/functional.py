@@ -170,7 +170,7 @@ def create_quantile_map(x: Tensor, total_bits: int = 8) -> Tensor:
     blocks). Tensors above 2**22 elements are subsampled with a fixed stride.
 
     Args:
-        x: floating-point sample with at least one non-zero finite value.
+        x: floating-point sample with at least two distinct finite values.
         total_bits: map size is ``2**total_bits``, 1..8.
     """
     if not isinstance(x, Tensor) or not x.is_floating_point():
@@ -179,15 +179,25 @@ def create_quantile_map(x: Tensor, total_bits: int = 8) -> Tensor:
     data = x.detach().reshape(-1).to("cpu", torch.float64)
     if not bool(torch.isfinite(data).all()):
         raise ValueError("lowbit: x contains NaN or Inf; quantiles of non-finite data are undefined")
+    # A constant sample (all zeros included) would give a map of 2**total_bits equal entries.
+    if data.numel() == 0 or bool(data.amin() == data.amax()):
+        got = "an empty tensor" if data.numel() == 0 else f"{data.numel()} element(s) all equal to {float(data[0]):g}"
+        raise ValueError(f"lowbit: x must hold at least two distinct finite values for a quantile map, got {got}")
     if data.numel() > _QUANTILE_SAMPLE:
         data = data[:: math.ceil(data.numel() / _QUANTILE_SAMPLE)]
     k = 2**total_bits
     qs = torch.quantile(data, torch.arange(k + 1, dtype=torch.float64) / (k + 1))
     mids = (qs[:-1] + qs[1:]) / 2
     scale = mids.abs().max()
-    if not scale > 0:
-        raise ValueError("lowbit: x has no non-zero values; a quantile map needs a non-degenerate sample")
-    return torch.sort(mids / scale).values.to(torch.float32)
+    code = torch.sort(mids / scale).values.to(torch.float32) if scale > 0 else mids.to(torch.float32)
+    # Data whose quantiles all coincide (e.g. one value repeated but for a few outliers) gives a map
+    # that can represent one value only.
+    if not scale > 0 or bool(code[0] == code[-1]):
+        raise ValueError(
+            "lowbit: x's quantiles are all equal, so a quantile map of it holds a single value; "
+            "x needs at least two values that each fill a quantile bin (1 / (2**total_bits + 1) of it)"
+        )
+    return code
 
 
 @functools.cache

@@ -136,7 +136,33 @@ def test_map_arguments_are_validated():
         F.create_dynamic_map(total_bits=8.0)
     with pytest.raises(ValueError, match="NaN"):
         F.create_quantile_map(torch.tensor([1.0, math.nan]))
-    with pytest.raises(ValueError, match="non-zero"):
-        F.create_quantile_map(torch.zeros(10))
     with pytest.raises(TypeError, match="floating-point"):
         F.create_quantile_map(torch.arange(10))
+
+
+@pytest.mark.parametrize(
+    "x",
+    [torch.full((100,), 3.0), torch.full((100,), -0.25, dtype=torch.float64), torch.zeros(10), torch.tensor([2.0])],
+    ids=["positive", "negative", "zeros", "one-element"],
+)
+def test_quantile_map_of_constant_data_is_rejected(x):
+    # Used to return 2**bits copies of 1.0: every value would quantize to the same code.
+    with pytest.raises(ValueError, match=r"^lowbit: x must hold at least two distinct finite values"):
+        F.create_quantile_map(x)
+
+
+@pytest.mark.parametrize("fill", [0.0, 3.0])
+def test_quantile_map_of_one_value_with_rare_others_is_rejected(fill):
+    # Two distinct values, but every quantile (probabilities up to 256/257) is the common one: the map
+    # would again hold one value only (2**bits copies of 1.0 for a non-zero fill).
+    with pytest.raises(ValueError, match="quantiles are all equal"):
+        F.create_quantile_map(torch.cat([torch.full((1000,), fill), torch.full((1,), 5.0)]))
+
+
+@pytest.mark.parametrize("bits", [1, 4, 8])
+def test_quantile_map_of_two_values(bits):
+    x = torch.tensor([-2.0, 0.5]).repeat_interleave(torch.tensor([300, 700]))
+    m = F.create_quantile_map(x, total_bits=bits)
+    _check_sorted_table(m, bits)
+    # The larger magnitude is negative, and the upper quantiles all sit on the positive value.
+    assert m[0] == -1.0 and m[-1] > 0 and m.unique().numel() >= 2

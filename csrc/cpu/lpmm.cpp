@@ -13,6 +13,7 @@
 #include "lowbit/dispatch.h"
 #include "lowbit/optim_rules.h"
 #include "lowbit/rounding.h"
+#include "lowbit/state_form.h"
 #include "map_index.h"
 
 namespace lowbit::cpu {
@@ -144,11 +145,16 @@ void step_group(const LpmmArgs& a, const LpTensor& t, int64_t g, const LpCoders&
   float s[2][kMaxGroup];
   decode_linear(t.param, lo, cnt, a.param_bits, t.param_absmax[g], p);
   decode_linear(t.grad, lo, cnt, a.grad_bits, t.grad_absmax[g], grad);
+  constexpr int kRoot = second_moment_slot(kRule);  // stored as its root: state_form.h
   for (int k = 0; k < kStates; ++k) {
     decode_map(t.state[k], lo, cnt, a.state_bits, k == 0 ? a.map1 : a.map2, t.absmax[k][g], s[k]);
+    if (k == kRoot) {
+      for (int i = 0; i < cnt; ++i) s[k][i] = state_value(s[k][i], true);
+    }
   }
   uint32_t max_s[2];
   update_fp32(kRule, kStates, a.hyper, t.scalars, p, grad, s[0], s[1], cnt, max_s);
+  if (max_s[0] >= kNonFiniteBits || max_s[1] >= kNonFiniteBits) restart_nonfinite(s[0], s[1], kStates, cnt, max_s);
   uint32_t max_p = 0;
   for (int i = 0; i < cnt; ++i) max_p = std::max(max_p, abs_bits(p[i]));
   const float amax_p = absmax_from_bits(max_p);
@@ -156,8 +162,11 @@ void step_group(const LpmmArgs& a, const LpTensor& t, int64_t g, const LpCoders&
   encode_group(a.stochastic_param, LinearSpan{linear_qmax(a.param_bits)}, p, lo, cnt, a.param_bits, amax_p,
                lpmm_key(a.seed, kStreamParam), t.offset, t.param);
   for (int k = 0; k < kStates; ++k) {
-    const float amax = absmax_from_bits(max_s[k]);
+    const float amax = stored_absmax(max_s[k], k == kRoot);
     t.absmax[k][g] = amax;
+    if (k == kRoot) {
+      for (int i = 0; i < cnt; ++i) s[k][i] = stored_form(s[k][i], true);
+    }
     encode_group(a.stochastic_state, MapSpan{*coders.index[k], coders.gather}, s[k], lo, cnt, a.state_bits, amax,
                  lpmm_key(a.seed, k == 0 ? kStreamState1 : kStreamState2), t.offset, t.state[k]);
   }

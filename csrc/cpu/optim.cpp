@@ -15,6 +15,7 @@
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/optim_rules.h"
+#include "lowbit/state_form.h"
 #include "map_index.h"
 
 namespace lowbit::cpu {
@@ -48,21 +49,32 @@ TensorView view(const OptimArgs& a, int64_t t) {
                                 a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f}};
 }
 
-// Decodes 8-bit state k of a block into out.
+// Decodes 8-bit state k of a block into out (a second moment from its stored root: state_form.h).
 void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, const float* map,
-                const BytePlanes* planes, float* out) {
+                const BytePlanes* planes, bool root, float* out) {
   const uint8_t* codes = static_cast<const uint8_t*>(t.state[k]) + lo;
   const float amax = t.absmax[k][block];
-  if (planes != nullptr) return decode_u8_vbmi(*planes, map, codes, cnt, amax, out);
-  if (avx512_active()) return decode_u8_avx512(map, codes, cnt, amax, out);
-  for (int i = 0; i < cnt; ++i) out[i] = map[codes[i]] * amax;
+  if (planes != nullptr) {
+    decode_u8_vbmi(*planes, map, codes, cnt, amax, out);
+  } else if (avx512_active()) {
+    decode_u8_avx512(map, codes, cnt, amax, out);
+  } else {
+    for (int i = 0; i < cnt; ++i) out[i] = map[codes[i]] * amax;
+  }
+  if (root) {
+    for (int i = 0; i < cnt; ++i) out[i] = state_value(out[i], true);
+  }
 }
 
-// Requantizes 8-bit state k of a block from in, against the block absmax of bit pattern max_bits.
+// Requantizes 8-bit state k of a block from in (overwritten with its stored form), against the
+// block absmax of the state values of bit pattern max_bits.
 void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, uint32_t max_bits,
-                 const MapIndex* index, bool gather, const float* in) {
-  const float amax = absmax_from_bits(max_bits);
+                 const MapIndex* index, bool gather, bool root, float* in) {
+  const float amax = stored_absmax(max_bits, root);
   t.absmax[k][block] = amax;
+  if (root) {
+    for (int i = 0; i < cnt; ++i) in[i] = stored_form(in[i], true);
+  }
   uint8_t* codes = static_cast<uint8_t*>(t.state[k]) + lo;
   if (index->nearest_direct()) {
     if (gather) return nearest_codes_u8_avx512(*index, in, cnt, amax, codes);
@@ -79,14 +91,14 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
 
 // s[k] = the fp32 values of state k of a block: 32-bit states in place, 8-bit ones decoded into
 // `decoded` (copying 32-bit states through a buffer instead costs as much as the whole update).
-template <int kStates>
+template <Rule kRule, int kStates>
 void block_states(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
                   const BytePlanes* const* planes, float (&decoded)[2][kMaxBlock], float* (&s)[2]) {
   for (int k = 0; k < 2; ++k) {
     s[k] = decoded[k];
     if (k >= kStates) continue;
     if (t.eight_bit) {
-      load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, planes[k], s[k]);
+      load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, planes[k], k == second_moment_slot(kRule), s[k]);
     } else {
       s[k] = static_cast<float*>(t.state[k]) + lo;
     }
@@ -217,13 +229,19 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
   float decoded[2][kMaxBlock];
   float* s[2];
-  block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
+  block_states<kRule, kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   uint32_t max_bits[2];
   update<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
   if (t.eight_bit) {
-    for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], coders.index[k], coders.gather, s[k]);
+    if (max_bits[0] >= kNonFiniteBits || max_bits[1] >= kNonFiniteBits) {
+      restart_nonfinite(s[0], s[1], kStates, cnt, max_bits);
+    }
+    for (int k = 0; k < kStates; ++k) {
+      store_state(t, k, block, lo, cnt, max_bits[k], coders.index[k], coders.gather, k == second_moment_slot(kRule),
+                  s[k]);
+    }
   }
 }
 
@@ -309,7 +327,7 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
   float decoded[2][kMaxBlock];
   float* s[2];
-  block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
+  block_states<kRule, kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   const T* param = static_cast<const T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   float p_val[kMaxBlock];

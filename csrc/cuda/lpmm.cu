@@ -15,6 +15,7 @@
 #include "lowbit/pack.h"
 #include "lowbit/qmap.h"
 #include "lowbit/rounding.h"
+#include "lowbit/state_form.h"
 #include "reduce.cuh"
 
 namespace lowbit::cuda {
@@ -101,6 +102,7 @@ __device__ P* at(const int64_t* m, int col) {
 
 template <Rule kRule>
 __global__ void step_kernel(LpmmArgs a) {
+  constexpr int kRoot = second_moment_slot(kRule);  // stored as its root: state_form.h
   __shared__ float smap[2][256];
   __shared__ uint32_t scratch[kMaxWarps];
   const uint32_t map_n = 1u << a.state_bits;
@@ -128,9 +130,11 @@ __global__ void step_kernel(LpmmArgs a) {
       for (int k = 0; k < a.n_states; ++k) {
         decode_map(at<const uint8_t>(m, k == 0 ? kLpState1 : kLpState2), e0, cnt, a.state_bits, smap[k], absmax[k][g],
                    s[k]);
+        for (int i = 0; i < cnt; ++i) s[k][i] = state_value(s[k][i], k == kRoot);
       }
       for (int k = 0; k < cnt; ++k) {
         apply_rule(kRule, a.hyper, task.scalars, p[k], grad[k], s[0][k], s[1][k]);
+        restart_if_nonfinite(s[0][k], s[1][k]);
         max_p = max(max_p, abs_bits(p[k]));
         max_s[0] = max(max_s[0], abs_bits(s[0][k]));
         max_s[1] = max(max_s[1], abs_bits(s[1][k]));
@@ -144,8 +148,9 @@ __global__ void step_kernel(LpmmArgs a) {
     }
     float amax_s[2] = {0.f, 0.f};
     for (int k = 0; k < a.n_states; ++k) {
-      amax_s[k] = absmax_from_bits(block_max(max_s[k], scratch));
+      amax_s[k] = stored_absmax(block_max(max_s[k], scratch), k == kRoot);
       if (cnt > 0) {
+        for (int i = 0; i < cnt; ++i) s[k][i] = stored_form(s[k][i], k == kRoot);
         encode_unit(MapCoder{smap[k], map_n}, a.stochastic_state, s[k], e0, cnt, a.state_bits, amax_s[k],
                     lpmm_key(a.seed, k == 0 ? kStreamState1 : kStreamState2), offset,
                     at<uint8_t>(m, k == 0 ? kLpState1 : kLpState2));

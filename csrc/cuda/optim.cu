@@ -13,6 +13,7 @@
 #include "lowbit/dispatch.h"
 #include "lowbit/optim_rules.h"
 #include "lowbit/qmap.h"
+#include "lowbit/state_form.h"
 #include "reduce.cuh"
 
 namespace lowbit::cuda {
@@ -71,8 +72,9 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
     float s[2] = {0.f, 0.f};
     for (int k = 0; k < a.n_states; ++k) {
       const int64_t ptr = m[kState1 + k];
-      s[k] = eight_bit ? maps[k][reinterpret_cast<const uint8_t*>(ptr)[task.lo + i]] *
-                             reinterpret_cast<const float*>(m[kAbsmax1 + k])[block]
+      s[k] = eight_bit ? state_value(maps[k][reinterpret_cast<const uint8_t*>(ptr)[task.lo + i]] *
+                                         reinterpret_cast<const float*>(m[kAbsmax1 + k])[block],
+                                     k == second_moment_slot(kRule))
                        : reinterpret_cast<const float*>(ptr)[task.lo + i];
     }
     const float p = to_float(param[i]);
@@ -103,6 +105,7 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
                       reinterpret_cast<float*>(static_cast<uintptr_t>(m[kAbsmax2]))};
   const float* maps[2] = {smap1, smap2};
 
+  constexpr int kRoot = second_moment_slot(kRule);  // stored as its root: state_form.h
   float s[2][kMaxPerThread];
   uint32_t max_bits[2] = {0, 0};
   const int per = (task.cnt + blockDim.x - 1) / blockDim.x;
@@ -111,7 +114,8 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
     for (int j = 0; j < per; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
       if (i < task.cnt) {
-        s[k][j] = eight_bit ? maps[k][static_cast<const uint8_t*>(state[k])[task.lo + i]] * amax
+        s[k][j] = eight_bit ? state_value(maps[k][static_cast<const uint8_t*>(state[k])[task.lo + i]] * amax,
+                                          k == kRoot)
                             : static_cast<const float*>(state[k])[task.lo + i];
       }
     }
@@ -125,6 +129,7 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
       float& s2 = a.n_states > 1 ? s[1][j] : unused;
       apply_rule(kRule, a.hyper, scalars, p, to_float(grad[i]), s1, s2);
       param[i] = from_float<T>(p);
+      if (eight_bit) restart_if_nonfinite(s1, s2);
       max_bits[0] = max(max_bits[0], abs_bits(s1));
       max_bits[1] = max(max_bits[1], abs_bits(s2));
     }
@@ -137,12 +142,15 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
       }
       continue;
     }
-    const float amax = absmax_from_bits(block_max(max_bits[k], scratch));
+    const bool root = k == kRoot;
+    const float amax = stored_absmax(block_max(max_bits[k], scratch), root);
     if (threadIdx.x == 0) absmax[k][block] = amax;
     uint8_t* codes = static_cast<uint8_t*>(state[k]) + task.lo;
     for (int j = 0; j < per; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
-      if (i < task.cnt) codes[i] = static_cast<uint8_t>(map_encode_nearest(maps[k], 256, normalise(s[k][j], amax)));
+      if (i < task.cnt) {
+        codes[i] = static_cast<uint8_t>(map_encode_nearest(maps[k], 256, normalise(stored_form(s[k][j], root), amax)));
+      }
     }
   }
 }

@@ -95,10 +95,11 @@ LB_HD float sgd_step(const StepHyper& h, const StepScalars& s, float p, float g,
 }
 
 // Lion (Chen et al. 2023): sign of the interpolated momentum, then the EMA; decay is decoupled.
+// sign(NaN) is NaN, as torch.sign's: a NaN gradient shows in the parameter instead of being skipped.
 LB_HD float lion_step(const StepHyper& h, float g, float& m) {
   const float c = h.beta1 * m + h.one_minus_beta1 * g;
   m = h.beta2 * m + h.one_minus_beta2 * g;
-  return h.lr * (c > 0.f ? 1.f : (c < 0.f ? -1.f : 0.f));
+  return h.lr * (c > 0.f ? 1.f : (c < 0.f ? -1.f : c * 0.f));
 }
 
 // torch.optim.RMSprop (centered=False): s1 = square_avg, s2 = momentum_buffer when momentum > 0.
@@ -169,16 +170,17 @@ void dispatch_rule(Rule rule, Fn&& fn) {
   }
 }
 
-// update_scale for one tensor from the pre-pass norms ||p|| (before the step) and ||u||.
+// update_scale for one tensor from the pre-pass norms ||p|| (before the step) and ||u||. A NaN norm
+// (a NaN in p or u) gives a NaN scale, so the whole tensor shows it, rather than the scale 1 that a
+// failed comparison would select: for LAMB that would be a step lr / trust-ratio times too large.
 LB_HD float update_scale(const StepHyper& h, double p_norm, double u_norm) {
+  if (h.norm_mode == kNormNone) return 1.f;
+  if (p_norm != p_norm || u_norm != u_norm) return static_cast<float>(p_norm + u_norm);
   if (h.norm_mode == kNormTrust) {
     return p_norm > 0 && u_norm > 0 ? static_cast<float>(p_norm * h.lr / u_norm) : 1.f;
   }
-  if (h.norm_mode == kNormClip) {
-    const double bound = static_cast<double>(h.max_unorm) * p_norm * h.lr;
-    return p_norm > 0 && u_norm > bound ? static_cast<float>(bound / u_norm) : 1.f;
-  }
-  return 1.f;
+  const double bound = static_cast<double>(h.max_unorm) * p_norm * h.lr;
+  return p_norm > 0 && u_norm > bound ? static_cast<float>(bound / u_norm) : 1.f;
 }
 
 }  // namespace lowbit

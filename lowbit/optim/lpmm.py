@@ -334,7 +334,9 @@ class LPMMAdamW(LPMMOptimizer):
     """LPMM-AdamW (lpmm.txt Appendix B): AdamW on low-precision parameters and gradients.
 
     The update is ``torch.optim.AdamW``'s; both moments are stored at ``momentum_bits`` in dynamic
-    maps (signed for the first, unsigned for the second), as in the paper's LPMM-Adam.
+    maps, as in the paper's LPMM-Adam: the first on the signed map, the second as its square root on
+    the unsigned map without its zero code, so that it never decodes as 0 beside a surviving first
+    moment (include/lowbit/state_form.h; README "Numerics").
 
     Args:
         params: handles of a converted model's parameters (``model.parameters()``) or param groups.

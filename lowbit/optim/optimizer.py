@@ -1,8 +1,9 @@
 """The base class of lowbit's optimizers: state layout, per-parameter config, one fused call per group.
 
 State of a parameter with 8-bit state (8bit-optimizers.txt section 2): ``state1``/``state2`` are uint8
-codes shaped like the parameter, indexing the signed dynamic map (first moments) or the unsigned one
-(second moments), with one fp32 ``absmax1``/``absmax2`` per block of ``block_size`` elements.
+codes shaped like the parameter, indexing the signed dynamic map (first moments) or, for second moments,
+the zero-free unsigned one holding their square roots (include/lowbit/state_form.h), with one fp32
+``absmax1``/``absmax2`` per block of ``block_size`` elements (of the stored values).
 Parameters with fewer than ``min_8bit_size`` elements, or with ``optim_bits=32``, keep fp32 states.
 ``step`` is a float32 scalar tensor, as in torch.optim.
 
@@ -12,10 +13,13 @@ count, and ``state_dict`` gives their states dequantized so that ``torch.distrib
 reshard them. Whole-tensor norms (LAMB's and LARS's trust ratios, ``max_unorm``, ``percentile_clipping``)
 are summed over the shards with an all-reduce.
 
-Non-finite gradients: the update is computed in fp32 exactly as torch.optim computes it, so a
-NaN/Inf gradient makes that parameter element non-finite as it would in torch. An 8-bit state block
-that receives a non-finite value is stored with absmax NaN and reads as NaN in full from the next
-step on (the quantization policy of :mod:`lowbit.functional`); CPU and CUDA behave identically.
+Non-finite values: the update is computed in fp32 exactly as torch.optim computes it, so a NaN/Inf
+gradient makes that parameter element non-finite as it would in torch, and a gradient whose square
+overflows gives its element a zero update. An 8-bit state element that becomes NaN or Inf cannot share
+its block's scale, so all states of that element restart from zero while the rest of the block keeps
+its values (32-bit states keep torch's values). A NaN whole-tensor norm (LAMB's and LARS's trust ratios,
+``max_unorm``) makes the whole tensor's update NaN instead of selecting a ratio of 1. CPU and CUDA
+behave identically.
 """
 
 from __future__ import annotations
@@ -48,10 +52,15 @@ _MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 
 
 def state_map(signed: bool, device: torch.device, bits: int = 8) -> Tensor:
-    """The dynamic map of optimizer states (signed: first moments; unsigned: second), cached per device."""
+    """The dynamic map of optimizer states, cached per device: signed for first moments; unsigned
+    without its zero for second moments, which are stored as their square roots
+    (include/lowbit/state_form.h), so that no decoded second moment of a non-zero block is 0."""
     key = (signed, bits, device)
     if key not in _MAPS:
-        _MAPS[key] = create_dynamic_map(signed=signed, total_bits=bits).to(device)
+        code = create_dynamic_map(signed=signed, total_bits=bits)
+        if not signed:
+            code[0] = code[1]  # DE-0 (Li, Chen, Zhu 2023, section 4.1): the smallest code is a floor
+        _MAPS[key] = code.to(device)
     return _MAPS[key]
 
 
@@ -197,10 +206,14 @@ class LowbitOptimizer(torch.optim.Optimizer):
     # -- state ------------------------------------------------------------------------------------
 
     def _pack(self, k: int, value: Tensor, config: dict[str, Any], eight_bit: bool) -> tuple[Tensor, Tensor]:
-        """(state, absmax) of state k holding ``value`` in the 8-bit or fp32 layout."""
+        """(state, absmax) of state k holding ``value`` in the 8-bit or fp32 layout (a second moment,
+        on the unsigned map, as its square root: include/lowbit/state_form.h)."""
         if eight_bit:
+            signed = self._state_signed[k]
             codes, qs = quantize_blockwise(
-                value, code=state_map(self._state_signed[k], value.device), blocksize=config["block_size"]
+                value if signed else value.sqrt(),
+                code=state_map(signed, value.device),
+                blocksize=config["block_size"],
             )
             return codes, qs.absmax
         return value, torch.empty(0, dtype=torch.float32, device=value.device)
@@ -211,15 +224,17 @@ class LowbitOptimizer(torch.optim.Optimizer):
         if s.dtype != torch.uint8:
             return s
         absmax = state[f"absmax{k + 1}"]
+        signed = self._state_signed[k]
         qs = QuantState(
             absmax,
-            state_map(self._state_signed[k], s.device),
+            state_map(signed, s.device),
             _stored_block_size(s.numel(), absmax.numel()),
             s.shape,
             torch.float32,
             8,
         )
-        return dequantize_blockwise(s, qs)
+        value = dequantize_blockwise(s, qs)
+        return value if signed else value.square()
 
     def _init_state(self, p: Tensor, config: dict[str, Any]) -> dict[str, Any]:
         state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
@@ -449,7 +464,7 @@ def _update_scales(sums: Tensor, hyper: list[float], norm_mode: int) -> Tensor:
     else:
         bound = max_unorm * p_norm * lr
         scale = torch.where((p_norm > 0) & (u_norm > bound), bound / u_norm, ones)
-    return scale.float()
+    return torch.where(p_norm.isnan() | u_norm.isnan(), p_norm + u_norm, scale).float()
 
 
 def _stored_block_size(numel: int, blocks: int) -> int:

@@ -471,6 +471,8 @@ class LARS(SGD):
         g_norm = torch.stack(self._norms(grads, originals)).float()
         local = eta * p_norm / (g_norm + wd * p_norm + eps)
         local = torch.where((p_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
+        # A NaN norm makes the tensor's update NaN, not a silent local rate of 1 (1/eta times too large).
+        local = torch.where(p_norm.isnan() | g_norm.isnan(), p_norm + g_norm, local)
         if wd != 0:
             grads = torch._foreach_add(grads, params, alpha=wd)
         return grads, local if scales is None else local * scales

@@ -1,0 +1,187 @@
+"""Property test of whole trajectories: every 8-bit optimizer against its own 32-bit twin, and
+LPMMAdamW against torch.optim.AdamW, on random gradient sequences that mix dense steps, rarely
+non-zero rows, exactly-zero steps, magnitudes over many decades and occasional non-finite elements.
+
+The gradients do not depend on the parameters, so two runs fed the same sequence differ by the sum
+of their steps' differences: |p8_T - p32_T| <= sum_t (|u8_t| + |u32_t|) per element (decoupled decay
+only shrinks the difference). Each rule bounds its step whatever its states hold (below); an 8-bit
+state may be off by one map step, which the bound allows for with RHO, the product of the largest
+ratios of adjacent codes of the two state maps (a decoded first moment too large by one factor, a
+decoded root of the second moment too small by the other). A second moment decoded as 0 breaks the
+bound by orders of magnitude (a step of lr * m / eps), as a NaN that leaks into the rest of a block or
+a trust ratio of 1 do.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import lowbit.optim as O
+from lowbit import lpmm
+from lowbit.optim.optimizer import state_map
+
+
+def _largest_code_ratio(signed: bool) -> float:
+    code = state_map(signed, torch.device("cpu")).double().abs().unique()
+    code = code[code > 0]
+    return float((code[1:] / code[:-1]).max())
+
+
+RHO = _largest_code_ratio(True) * _largest_code_ratio(False)
+
+LR = 1e-3
+ADAM_BETAS = (0.9, 0.999)
+
+
+def _adam_step_bound(t: int, lr: float = LR, betas: tuple[float, float] = ADAM_BETAS) -> float:
+    # |m_t| <= (1 - b1) sqrt(sum_k (b1^2 / b2)^k) / sqrt(1 - b2) * sqrt(v_t) (Cauchy-Schwarz on the two
+    # EMAs of the same gradients), times the bias corrections of the step.
+    b1, b2 = betas
+    ratio = (1 - b1) / math.sqrt(1 - b2) / math.sqrt(1 - b1 * b1 / b2)
+    return lr * ratio * math.sqrt(1 - b2**t) / (1 - b1**t)
+
+
+# (8-bit class, 32-bit twin, keyword arguments, bound on the 8-bit step |u8| at step t from
+# a Bounds of the quantities seen so far). Adam's is per element, to first order in the map steps
+# (RHO); the others hold exactly: a block's 8-bit state never exceeds its absmax, which obeys the
+# rule's own recursion over the block.
+class Bounds:
+    def __init__(self, t: int, gmax_block: torch.Tensor, pnorm: float, pnorm_max: float) -> None:
+        self.t, self.gmax_block, self.pnorm, self.pnorm_max = t, gmax_block, pnorm, pnorm_max
+
+
+CASES = [
+    (O.Adam8bit, O.Adam32bit, dict(lr=LR), lambda b: RHO * _adam_step_bound(b.t)),
+    (O.AdamW8bit, O.AdamW32bit, dict(lr=LR, weight_decay=0.1), lambda b: RHO * _adam_step_bound(b.t)),
+    # |buf| <= the block's max |g| / (1 - momentum).
+    (O.SGD8bit, O.SGD32bit, dict(lr=LR, momentum=0.9), lambda b: LR * b.gmax_block / (1 - 0.9)),
+    # square_avg >= (1 - alpha) g^2 holds this step's gradient: |u| <= lr / sqrt(1 - alpha).
+    (O.RMSprop8bit, O.RMSprop32bit, dict(lr=LR), lambda b: LR / math.sqrt(1 - 0.99)),
+    # sum >= g^2: |u| <= lr.
+    (O.Adagrad8bit, O.Adagrad32bit, dict(lr=LR), lambda b: LR),
+    # A sign: |u| <= lr.
+    (O.Lion8bit, O.Lion32bit, dict(lr=LR), lambda b: LR),
+    # The trust ratio scales the tensor's step to norm lr * ||p||.
+    (O.LAMB8bit, O.LAMB32bit, dict(lr=LR), lambda b: LR * b.pnorm),
+    # Each trust-scaled gradient is at most eta ||p||; the momentum sums them.
+    (O.LARS8bit, O.LARS32bit, dict(lr=LR, momentum=0.9), lambda b: LR * 1e-3 * b.pnorm_max / (1 - 0.9)),
+]
+KINDS = ["dense", "rare_rows", "zero", "decades", "outlier", "nonfinite"]
+
+
+def _gradient(kind: str, n: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "zero":
+        return torch.zeros(n)
+    sign = torch.randint(0, 2, (n,), generator=gen).float() * 2 - 1
+    if kind == "dense":
+        return torch.randn(n, generator=gen)
+    if kind == "decades":  # magnitudes 1e-8..1e4, mixed within every block
+        return sign * 10 ** (torch.rand(n, generator=gen) * 12 - 8)
+    if kind == "rare_rows":  # rows of 16 elements, each non-zero with probability 1/20
+        rows = (torch.rand((n + 15) // 16, generator=gen) < 0.05).repeat_interleave(16)[:n]
+        return torch.where(rows, torch.randn(n, generator=gen), torch.zeros(n))
+    g = torch.randn(n, generator=gen) * 1e-3
+    i = int(torch.randint(0, n, (1,), generator=gen))
+    if kind == "outlier":
+        g[i] = 1e3 * float(sign[i])
+        return g
+    g[i] = [float("nan"), float("inf"), 1e21][int(torch.randint(0, 3, (1,), generator=gen))]
+    return g
+
+
+def _block_max(x: torch.Tensor, block: int) -> torch.Tensor:
+    n = x.numel()
+    padded = torch.cat([x, x.new_zeros(-n % block)])
+    return padded.view(-1, block).amax(1).repeat_interleave(block)[:n]
+
+
+sequences = st.tuples(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from([257, 1000, 4097]),
+    st.sampled_from([64, 256, 2048]),
+    st.lists(st.sampled_from(KINDS), min_size=3, max_size=12),
+)
+
+
+@settings(max_examples=100)
+@given(seq=sequences, dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_8bit_trajectory_stays_within_the_quantization_bound(seq, dtype):
+    seed, n, block, kinds = seq
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    grads = [_gradient(k, n, gen) for k in kinds]
+    # Parameters stored in bf16 round each step, in both runs, by at most its unit roundoff times |p|.
+    unit = 2.0**-24 if dtype == torch.float32 else 2.0**-8
+    for cls8, cls32, kw, step_bound in CASES:
+        p8, p32 = nn.Parameter(p0.to(dtype)), nn.Parameter(p0.to(dtype))
+        o8 = cls8([p8], block_size=block, min_8bit_size=0, **kw)
+        o32 = cls32([p32], **kw)
+        decay = 1.0 - LR * kw.get("weight_decay", 0.0)
+        allowed = torch.zeros(n, dtype=torch.float64)
+        gmax = torch.zeros(n)
+        pnorm_max = 0.0
+        for t, g in enumerate(grads, start=1):
+            gmax = torch.maximum(gmax, g.abs().nan_to_num(0.0, 0.0, 0.0))
+            pnorm = max(float(p8.detach().float().norm()), float(p32.detach().float().norm()))
+            pnorm_max = max(pnorm_max, pnorm)
+            before = p32.detach().double().clone()
+            for p, opt in ((p8, o8), (p32, o32)):
+                p.grad = g.to(dtype)
+                opt.step()
+            after = p32.detach().double()
+            u32 = (before * decay - after).abs().nan_to_num(0.0, 0.0, 0.0)
+            u8 = torch.as_tensor(step_bound(Bounds(t, _block_max(gmax, block), pnorm, pnorm_max)), dtype=torch.float64)
+            allowed = allowed + u8 + u32 + unit * 2 * (after.abs().nan_to_num(0.0, 0.0, 0.0) + allowed + u8 + u32)
+        # A non-finite element is non-finite in both (the step is torch's fp32 arithmetic); LAMB and
+        # LARS make the whole tensor NaN through its norm.
+        finite = p8.detach().isfinite()
+        assert torch.equal(finite, p32.detach().isfinite()), cls8.__name__
+        diff = (p8.detach().double() - p32.detach().double()).abs()
+        over = (diff > allowed) & finite
+        assert not bool(over.any()), (cls8.__name__, float((diff - allowed)[over].max()), kinds)
+
+
+@settings(max_examples=15)
+@given(seq=sequences)
+def test_lpmm_adamw_trajectory_stays_within_the_quantization_bound(seq):
+    # LPMMAdamW with 16-bit parameters and gradients against fp32 torch.optim.AdamW, finite gradients
+    # fed through the loss (w * G).sum(): Adam's step bound holds whatever the (16-bit) gradient, and
+    # each step re-encodes the parameter to half a step of its group absmax / 32767.
+    seed, n, block, kinds = seq
+    kinds = [k for k in kinds if k != "nonfinite"] or ["dense"]
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    grads = [_gradient(k, n, gen) for k in kinds]
+
+    class Weights(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(p0.clone())
+
+    ref = Weights()
+    model = lpmm.convert(copy.deepcopy(ref), param_bits=16, grad_bits=16, group_size=block, rounding="nearest")
+    ref.load_state_dict(lpmm.export_float(model))
+    o = O.LPMMAdamW(model.parameters(), lr=LR, weight_decay=0.1, rounding="nearest")
+    r = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    decay = 1.0 - LR * 0.1
+    allowed = torch.zeros(n, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        before = ref.w.detach().double().clone()
+        for m, opt in ((model, o), (ref, r)):
+            opt.zero_grad()
+            (m.w * g).sum().backward()
+            opt.step()
+        after = ref.w.detach().double()
+        u32 = (before * decay - after).abs()
+        u8 = RHO * _adam_step_bound(t)
+        allowed = allowed + u8 + u32
+        allowed = allowed + _block_max(after.abs() + allowed, block) / (2 * 32767) + 2.0**-23 * after.abs()
+    got = lpmm.export_float(model)["w"].double()
+    diff = (got - ref.w.detach().double()).abs()
+    assert bool((diff <= allowed).all()), (float((diff - allowed).max()), kinds)
