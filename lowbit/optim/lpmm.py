@@ -24,11 +24,14 @@ from lowbit.optim.optimizer import (
     FLAG_DECOUPLED,
     FLAG_NESTEROV,
     RULE_CODES,
+    STATE_FORMAT,
     Params,
     check_finite_nonneg,
+    check_state_format,
     decay_factor,
     restore_state_dtypes,
     state_map,
+    upgrade_second_moment,
 )
 from lowbit.optim.optimizers import _check_betas
 
@@ -91,7 +94,8 @@ class LPMMOptimizer(torch.optim.Optimizer):
         self.generator = generator
         self.data_parallel = data_parallel
         self.process_group = process_group
-        super().__init__(params, dict(defaults, momentum_bits=momentum_bits, rounding=rounding))
+        defaults = dict(defaults, momentum_bits=momentum_bits, rounding=rounding, state_format=STATE_FORMAT)
+        super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group of low-precision parameters' handles; their states are created at once (zero),
@@ -249,10 +253,15 @@ class LPMMOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict; codes and absmaxes keep their dtypes whatever the compute dtype, and states
-        saved whole or sharded load into either layout (their groups are the parameter's)."""
+        saved whole or sharded load into either layout (their groups are the parameter's). Second moments
+        saved in format 1 (``lowbit.optim.optimizer.STATE_FORMAT``) are re-encoded."""
+        for group in state_dict["param_groups"]:
+            check_state_format(self, group)
         super().load_state_dict(state_dict)
         restore_state_dtypes(self, state_dict)
         for group in self.param_groups:
+            upgrade = group.get("state_format", 1) != STATE_FORMAT
+            group["state_format"] = STATE_FORMAT
             for p in group["params"]:
                 state = self.state.get(p)
                 if not state:
@@ -265,6 +274,20 @@ class LPMMOptimizer(torch.optim.Optimizer):
                         if key != "step" and isinstance(value, Tensor):
                             like = layout[key.startswith("absmax")]
                             state[key] = lp.in_layout(value, like, bits)
+                if upgrade:
+                    self._upgrade_second_moments(lp, state, bits)
+
+    def _upgrade_second_moments(self, lp: LowPrecisionParameter, state: dict[str, Any], bits: int) -> None:
+        for k, signed in enumerate(self._state_signed):
+            key = f"state{k + 1}"
+            if signed or key not in state:
+                continue
+            codes, absmax = _ops.local(state[key]), _ops.local(state[f"absmax{k + 1}"])
+            # Whole: flat codes of the tensor. Sharded: one row of whole groups per local group.
+            numel = lp.numel() if codes.dim() == 1 else absmax.numel() * lp.group_size
+            new_codes, new_absmax = upgrade_second_moment(codes, absmax, bits, lp.group_size, numel)
+            _ops.local(state[key]).copy_(new_codes)
+            _ops.local(state[f"absmax{k + 1}"]).copy_(new_absmax)
 
 
 class LPMMSGD(LPMMOptimizer):

@@ -50,6 +50,11 @@ GNORM_HISTORY = 100
 
 _MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 
+# The form of stored second moments, kept in every param group so that a state dict says which it holds:
+# 1: v on the unsigned dynamic map (lowbit 0.1.0 before the zero-point fix); 2: sqrt(v) on the zero-free
+# map (include/lowbit/state_form.h). Loading format 1 re-encodes the second moments.
+STATE_FORMAT = 2
+
 
 def state_map(signed: bool, device: torch.device, bits: int = 8) -> Tensor:
     """The dynamic map of optimizer states, cached per device: signed for first moments; unsigned
@@ -62,6 +67,29 @@ def state_map(signed: bool, device: torch.device, bits: int = 8) -> Tensor:
             code[0] = code[1]  # DE-0 (Li, Chen, Zhu 2023, section 4.1): the smallest code is a floor
         _MAPS[key] = code.to(device)
     return _MAPS[key]
+
+
+def upgrade_second_moment(codes: Tensor, absmax: Tensor, bits: int, block: int, numel: int) -> tuple[Tensor, Tensor]:
+    """Codes and absmaxes of a format-1 second moment (flat, ``numel`` elements of ``bits``-bit codes in
+    blocks of ``block``) re-encoded in the current format, rounded to nearest."""
+    old_map = create_dynamic_map(signed=False, total_bits=bits).to(codes.device)
+    v = _ops.dequantize_blockwise(codes.reshape(-1), absmax, old_map, bits, block, numel, torch.float32)
+    new_codes, new_absmax = _ops.quantize_blockwise(
+        v.sqrt(), state_map(False, codes.device, bits), bits, block, False, 0, 0
+    )
+    return new_codes.view(codes.shape), new_absmax
+
+
+def check_state_format(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
+    """The state format of a loaded param group (1 when the state dict predates the marker); a format
+    from a newer lowbit raises."""
+    form = group.get("state_format", 1)
+    if form not in (1, STATE_FORMAT):
+        raise ValueError(
+            f"lowbit: this {type(optimizer).__name__} state dict has state_format={form!r}, written by a newer "
+            f"lowbit; this one reads formats 1 and {STATE_FORMAT}"
+        )
+    return form
 
 
 def like_param(p: Tensor, value: Tensor) -> Tensor:
@@ -140,6 +168,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
             min_8bit_size=min_8bit_size,
             max_unorm=float(max_unorm),
             percentile_clipping=percentile_clipping,
+            state_format=STATE_FORMAT,
         )
         super().__init__(params, defaults)
 
@@ -398,14 +427,33 @@ class LowbitOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict; 8-bit codes and fp32 states keep their dtype whatever the param dtype."""
+        """Load a state dict; 8-bit codes and fp32 states keep their dtype whatever the param dtype.
+        8-bit second moments saved in format 1 (``STATE_FORMAT``) are re-encoded."""
+        for group in state_dict["param_groups"]:
+            check_state_format(self, group)
         super().load_state_dict(state_dict)
         restore_state_dtypes(self, state_dict)
+        for group in self.param_groups:
+            if group.get("state_format", 1) != STATE_FORMAT:
+                for p in group["params"]:
+                    self._upgrade_second_moments(p)
+                group["state_format"] = STATE_FORMAT
         # FSDP2 parameters arrive with dequantized states (state_dict): store them as configured.
         for group in self.param_groups:
             for p in group["params"]:
                 if isinstance(p, DTensor) and self.state.get(p):
                     self._relayout(p, self.state[p], self._config(group, p))
+
+    def _upgrade_second_moments(self, p: Tensor) -> None:
+        state = self.state.get(p, {})
+        for k, signed in enumerate(self._state_signed):
+            codes = state.get(f"state{k + 1}")
+            if signed or codes is None or codes.dtype != torch.uint8:
+                continue
+            local, absmax = _ops.local(codes), state[f"absmax{k + 1}"]
+            block = _stored_block_size(local.numel(), absmax.numel())
+            new, state[f"absmax{k + 1}"] = upgrade_second_moment(local, absmax, 8, block, local.numel())
+            state[f"state{k + 1}"] = like_param(p, new)
 
     def dequantized_state(self, p: Tensor) -> dict[str, Tensor]:
         """The state of ``p`` in torch.optim's layout and names, dequantized to fp32."""
