@@ -49,32 +49,22 @@ TensorView view(const OptimArgs& a, int64_t t) {
                                 a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f}};
 }
 
-// Decodes 8-bit state k of a block into out (a second moment from its stored root: state_form.h).
+// Decodes 8-bit state k of a block into out: the stored forms of state_form.h, which the update
+// loops turn into state values and back.
 void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, const float* map,
-                const BytePlanes* planes, bool root, float* out) {
+                const BytePlanes* planes, float* out) {
   const uint8_t* codes = static_cast<const uint8_t*>(t.state[k]) + lo;
   const float amax = t.absmax[k][block];
-  if (planes != nullptr) {
-    decode_u8_vbmi(*planes, map, codes, cnt, amax, out);
-  } else if (avx512_active()) {
-    decode_u8_avx512(map, codes, cnt, amax, out);
-  } else {
-    for (int i = 0; i < cnt; ++i) out[i] = map[codes[i]] * amax;
-  }
-  if (root) {
-    for (int i = 0; i < cnt; ++i) out[i] = state_value(out[i], true);
-  }
+  if (planes != nullptr) return decode_u8_vbmi(*planes, map, codes, cnt, amax, out);
+  if (avx512_active()) return decode_u8_avx512(map, codes, cnt, amax, out);
+  for (int i = 0; i < cnt; ++i) out[i] = map[codes[i]] * amax;
 }
 
-// Requantizes 8-bit state k of a block from in (overwritten with its stored form), against the
-// block absmax of the state values of bit pattern max_bits.
+// Requantizes 8-bit state k of a block from in, against the block absmax of bit pattern max_bits.
 void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, uint32_t max_bits,
-                 const MapIndex* index, bool gather, bool root, float* in) {
-  const float amax = stored_absmax(max_bits, root);
+                 const MapIndex* index, bool gather, const float* in) {
+  const float amax = absmax_from_bits(max_bits);
   t.absmax[k][block] = amax;
-  if (root) {
-    for (int i = 0; i < cnt; ++i) in[i] = stored_form(in[i], true);
-  }
   uint8_t* codes = static_cast<uint8_t*>(t.state[k]) + lo;
   if (index->nearest_direct()) {
     if (gather) return nearest_codes_u8_avx512(*index, in, cnt, amax, codes);
@@ -91,14 +81,14 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
 
 // s[k] = the fp32 values of state k of a block: 32-bit states in place, 8-bit ones decoded into
 // `decoded` (copying 32-bit states through a buffer instead costs as much as the whole update).
-template <Rule kRule, int kStates>
+template <int kStates>
 void block_states(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
                   const BytePlanes* const* planes, float (&decoded)[2][kMaxBlock], float* (&s)[2]) {
   for (int k = 0; k < 2; ++k) {
     s[k] = decoded[k];
     if (k >= kStates) continue;
     if (t.eight_bit) {
-      load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, planes[k], k == second_moment_slot(kRule), s[k]);
+      load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, planes[k], s[k]);
     } else {
       s[k] = static_cast<float*>(t.state[k]) + lo;
     }
@@ -142,8 +132,10 @@ __attribute__((always_inline)) inline void sgd_body(const StepHyper& h, const St
 
 // The update of one block: everything it reads is in locals and restrict pointers so that it
 // vectorises. Always inlined into the entry points below, so each is compiled for its target;
-// the rules it calls are inlined too, and any out-of-line copy stays baseline code.
-template <Rule kRule, int kStates, typename T>
+// the rules it calls are inlined too, and any out-of-line copy stays baseline code. With kRoot the
+// states are 8-bit ones in their stored form (state_form.h): the second moment is squared on the way
+// in and its root (which Adam's denominator computes anyway) stored on the way out.
+template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, const StepScalars& scalars,
                                                        T* __restrict param, const T* __restrict grad,
                                                        float* __restrict s1, float* __restrict s2, int cnt,
@@ -157,14 +149,17 @@ __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, c
       });
     }
   }
+  constexpr int kSlot = kRoot ? second_moment_slot(kRule) : -1;
   uint32_t max1 = 0;
   uint32_t max2 = 0;
   for (int i = 0; i < cnt; ++i) {
     float p = to_float(param[i]);
-    float v1 = kStates > 0 ? s1[i] : 0.f;
-    float v2 = kStates > 1 ? s2[i] : 0.f;
+    float v1 = kStates > 0 ? state_value(s1[i], kSlot == 0) : 0.f;
+    float v2 = kStates > 1 ? state_value(s2[i], kSlot == 1) : 0.f;
     apply_rule(kRule, h, sc, p, to_float(grad[i]), v1, v2);
     param[i] = from_float<T>(p);
+    v1 = stored_form(v1, kSlot == 0);
+    v2 = stored_form(v2, kSlot == 1);
     if (kStates > 0) {
       s1[i] = v1;
       max1 = std::max(max1, abs_bits(v1));
@@ -178,41 +173,41 @@ __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, c
   max_bits[1] = max2;
 }
 
-template <Rule kRule, int kStates, typename T>
+template <Rule kRule, int kStates, bool kRoot, typename T>
 void update_baseline(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, float* s1, float* s2,
                      int cnt, uint32_t* max_bits) {
-  update_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 // 8-wide division and square root where the CPU has AVX2 (no FMA: same IEEE results as baseline).
-template <Rule kRule, int kStates, typename T>
+template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((target("avx2"))) void update_avx2(const StepHyper& h, const StepScalars& sc, T* param,
                                                  const T* grad, float* s1, float* s2, int cnt,
                                                  uint32_t* max_bits) {
-  update_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
 }
 
 // 16-wide where the CPU has AVX-512F and avx512_active() allows it (same IEEE results again).
-template <Rule kRule, int kStates, typename T>
+template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((target("avx512f"))) void update_avx512(const StepHyper& h, const StepScalars& sc, T* param,
                                                       const T* grad, float* s1, float* s2, int cnt,
                                                       uint32_t* max_bits) {
-  update_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
 }
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
 // The update of one block, compiled for the widest vector unit in use.
-template <Rule kRule, int kStates, typename T>
+template <Rule kRule, int kStates, bool kRoot, typename T>
 void update(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, float* s1, float* s2, int cnt,
             uint32_t* max_bits) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (avx512_active()) return update_avx512<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
-  if (kHasAvx2) return update_avx2<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  if (avx512_active()) return update_avx512<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  if (kHasAvx2) return update_avx2<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
 #endif
-  update_baseline<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  update_baseline<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
 }
 
 // How the 8-bit states of a call are encoded and decoded: map indexes, the VBMI decoder's byte planes
@@ -223,25 +218,34 @@ struct StateCoders {
   bool gather = false;
 };
 
+// Calls fn(std::bool_constant<root>{}), root: the states are 8-bit ones of a rule with a second moment,
+// in their stored form (only then is the root variant of the loops instantiated).
+template <Rule kRule, typename Fn>
+LB_ALWAYS_INLINE inline void with_root(bool eight_bit, Fn&& fn) {
+  if constexpr (second_moment_slot(kRule) >= 0) {
+    if (eight_bit) return fn(std::true_type{});
+  }
+  fn(std::false_type{});
+}
+
 template <Rule kRule, int kStates, typename T>
 void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders) {
   const int64_t lo = block * a.block_size;
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
   float decoded[2][kMaxBlock];
   float* s[2];
-  block_states<kRule, kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
+  block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   uint32_t max_bits[2];
-  update<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
+  with_root<kRule>(t.eight_bit, [&](auto root) {
+    update<kRule, kStates, decltype(root)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
+  });
   if (t.eight_bit) {
     if (max_bits[0] >= kNonFiniteBits || max_bits[1] >= kNonFiniteBits) {
       restart_nonfinite(s[0], s[1], kStates, cnt, max_bits);
     }
-    for (int k = 0; k < kStates; ++k) {
-      store_state(t, k, block, lo, cnt, max_bits[k], coders.index[k], coders.gather, k == second_moment_slot(kRule),
-                  s[k]);
-    }
+    for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], coders.index[k], coders.gather, s[k]);
   }
 }
 
@@ -260,7 +264,7 @@ __attribute__((always_inline)) inline void sgd_norm_terms(const StepHyper& h, co
   }
 }
 
-template <Rule kRule, int kStates, typename T>
+template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((always_inline)) inline void norm_terms_body(const StepHyper& hyper, const StepScalars& scalars,
                                                            const T* __restrict param, const T* __restrict grad,
                                                            const float* __restrict s1, const float* __restrict s2,
@@ -274,34 +278,35 @@ __attribute__((always_inline)) inline void norm_terms_body(const StepHyper& hype
       });
     }
   }
+  constexpr int kSlot = kRoot ? second_moment_slot(kRule) : -1;  // as in update_body
   for (int i = 0; i < cnt; ++i) {
     const float p = to_float(param[i]);
-    float v1 = kStates > 0 ? s1[i] : 0.f;
-    float v2 = kStates > 1 ? s2[i] : 0.f;
+    float v1 = kStates > 0 ? state_value(s1[i], kSlot == 0) : 0.f;
+    float v2 = kStates > 1 ? state_value(s2[i], kSlot == 1) : 0.f;
     p_out[i] = p;
     u_out[i] = rule_step(kRule, h, sc, p, effective_grad(h, sc, to_float(grad[i])), v1, v2);
   }
 }
 
-template <Rule kRule, int kStates, typename T>
+template <Rule kRule, int kStates, bool kRoot, typename T>
 void norm_terms_baseline(const StepHyper& h, const StepScalars& sc, const T* param, const T* grad, const float* s1,
                          const float* s2, int cnt, float* p_out, float* u_out) {
-  norm_terms_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
+  norm_terms_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
-template <Rule kRule, int kStates, typename T>
+template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((target("avx2"))) void norm_terms_avx2(const StepHyper& h, const StepScalars& sc, const T* param,
                                                      const T* grad, const float* s1, const float* s2, int cnt,
                                                      float* p_out, float* u_out) {
-  norm_terms_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
+  norm_terms_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
 }
 
-template <Rule kRule, int kStates, typename T>
+template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((target("avx512f"))) void norm_terms_avx512(const StepHyper& h, const StepScalars& sc, const T* param,
                                                           const T* grad, const float* s1, const float* s2, int cnt,
                                                           float* p_out, float* u_out) {
-  norm_terms_body<kRule, kStates>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
+  norm_terms_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
 }
 #endif
 
@@ -327,22 +332,25 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
   float decoded[2][kMaxBlock];
   float* s[2];
-  block_states<kRule, kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
+  block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   const T* param = static_cast<const T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   float p_val[kMaxBlock];
   float u_val[kMaxBlock];
+  with_root<kRule>(t.eight_bit, [&](auto root) {
+    constexpr bool kRoot = decltype(root)::value;
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (avx512_active()) {
-    norm_terms_avx512<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
-  } else if (kHasAvx2) {
-    norm_terms_avx2<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
-  } else {
-    norm_terms_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
-  }
+    if (avx512_active()) {
+      norm_terms_avx512<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+    } else if (kHasAvx2) {
+      norm_terms_avx2<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+    } else {
+      norm_terms_baseline<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+    }
 #else
-  norm_terms_baseline<kRule, kStates>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+    norm_terms_baseline<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
 #endif
+  });
   sums[0] = sum_squares(p_val, cnt);
   sums[1] = sum_squares(u_val, cnt);
 }
@@ -436,7 +444,7 @@ void update_fp32(Rule rule, int n_states, const StepHyper& h, const StepScalars&
                  float* s1, float* s2, int cnt, uint32_t* max_bits) {
   dispatch_rule(rule, [&](auto r) {
     with_states(n_states, [&](auto states) {
-      update<decltype(r)::value, decltype(states)::value>(h, sc, param, grad, s1, s2, cnt, max_bits);
+      update<decltype(r)::value, decltype(states)::value, false>(h, sc, param, grad, s1, s2, cnt, max_bits);
     });
   });
 }
