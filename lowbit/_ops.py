@@ -687,6 +687,90 @@ def _optimizer_step_impl(
     )
 
 
+def _check_step_call(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    scalars: list[float],
+    grad_scales: Optional[Tensor],
+    map1: Tensor,
+    map2: Tensor,
+    hyper: list[float],
+    norm_mode: int,
+    n_states: int,
+    block_size: int,
+    update_scales: Optional[Tensor],
+) -> list[int]:
+    """Every check of an optimizer step's arguments; returns each tensor's state width (8 or 32)."""
+    _check(0 <= n_states <= 2, f"n_states must be 0, 1 or 2, got {n_states}")
+    _check(norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {norm_mode}")
+    _check_blocksize(block_size)
+    _check(block_size > 0, "block_size must be positive for optimizer states")
+    _check(len(hyper) == 9, f"hyper must hold 9 values, got {len(hyper)}")
+    _check(len(scalars) == _SCALAR_COLS * len(params), "scalars must hold 3 values per tensor")
+    for name, t, dtype in (
+        ("grad_scales", grad_scales, torch.float32),
+        ("update_scales", update_scales, torch.float32),
+    ):
+        if t is not None:
+            _check_input(name, t, (dtype,))
+            _check(t.numel() == len(params), f"{name} must hold one value per tensor")
+    states, absmaxes = [state1, state2], [absmax1, absmax2]
+    widths = _step_widths(params, grads, states, absmaxes, n_states, block_size)
+    if widths is None:
+        widths = _check_step_tensors(params, grads, states, absmaxes, n_states, block_size)
+    if params:
+        for name, t in (("map1", map1), ("map2", map2), ("grad_scales", grad_scales), ("update_scales", update_scales)):
+            if t is not None:
+                _check_same_device("params[0]", params[0], **{name: t})
+        _check_map(map1, 8)
+        _check_map(map2, 8)
+    return widths
+
+
+def check_optimizer_step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    state1: list[Tensor],
+    state2: list[Tensor],
+    absmax1: list[Tensor],
+    absmax2: list[Tensor],
+    scalars: list[float],
+    grad_scales: Optional[Tensor],
+    map1: Tensor,
+    map2: Tensor,
+    rule: int,
+    hyper: list[float],
+    flags: int,
+    norm_mode: int,
+    n_states: int,
+    block_size: int,
+    update_scales: Optional[Tensor] = None,
+) -> None:
+    """The checks of ``lowbit::optimizer_step_`` alone (same arguments): an optimizer that steps several
+    fused calls checks them all before the first one writes."""
+    _check_step_call(
+        params,
+        grads,
+        state1,
+        state2,
+        absmax1,
+        absmax2,
+        scalars,
+        grad_scales,
+        map1,
+        map2,
+        hyper,
+        norm_mode,
+        n_states,
+        block_size,
+        update_scales,
+    )
+
+
 def _optimizer_call(
     params: list[Tensor],
     grads: list[Tensor],
@@ -708,31 +792,27 @@ def _optimizer_call(
     update_scales: Optional[Tensor],
 ) -> None:
     """The checks and the native call behind optimizer_step_ and optimizer_norms."""
-    _check(0 <= n_states <= 2, f"n_states must be 0, 1 or 2, got {n_states}")
-    _check(norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {norm_mode}")
-    _check_blocksize(block_size)
-    _check(block_size > 0, "block_size must be positive for optimizer states")
-    _check(len(hyper) == 9, f"hyper must hold 9 values, got {len(hyper)}")
-    _check(len(scalars) == _SCALAR_COLS * len(params), "scalars must hold 3 values per tensor")
-    for name, t, dtype in (
-        ("grad_scales", grad_scales, torch.float32),
-        ("update_scales", update_scales, torch.float32),
-    ):
-        if t is not None:
-            _check_input(name, t, (dtype,))
-            _check(t.numel() == len(params), f"{name} must hold one value per tensor")
-    states, absmaxes = [state1, state2], [absmax1, absmax2]
-    widths = _step_widths(params, grads, states, absmaxes, n_states, block_size)
-    if widths is None:
-        widths = _check_step_tensors(params, grads, states, absmaxes, n_states, block_size)
+    widths = _check_step_call(
+        params,
+        grads,
+        state1,
+        state2,
+        absmax1,
+        absmax2,
+        scalars,
+        grad_scales,
+        map1,
+        map2,
+        hyper,
+        norm_mode,
+        n_states,
+        block_size,
+        update_scales,
+    )
     if not params:
         return
+    states, absmaxes = [state1, state2], [absmax1, absmax2]
     device = params[0].device
-    for name, t in (("map1", map1), ("map2", map2), ("grad_scales", grad_scales), ("update_scales", update_scales)):
-        if t is not None:
-            _check_same_device("params[0]", params[0], **{name: t})
-    _check_map(map1, 8)
-    _check_map(map2, 8)
     rows = []
     first_block = 0
     for i, p in enumerate(params):

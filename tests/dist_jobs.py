@@ -194,6 +194,7 @@ def worker(rank: int, world: int, init_file: str, out: str, job: dict[str, Any])
         if rank == 0:
             Path(out).write_text(json.dumps(result))
         dist.barrier()
+        Path(f"{out}.done{rank}").touch()
     finally:
         dist.destroy_process_group()
 
@@ -208,9 +209,17 @@ def launch(world: int, job: dict[str, Any], tmp: Path, timeout: float = 240.0) -
         worker, args=(world, str(init_file), str(out), job), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
-        if time.monotonic() >= deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"distributed job {job} did not finish in {timeout} s")
+    try:
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"distributed job {job} did not finish in {timeout} s")
+    except mp.ProcessExitedException:
+        # gloo can abort a rank while it tears down ("terminate called without an active exception"),
+        # after every rank has passed the final barrier: the job itself finished.
+        if not all(Path(f"{out}.done{rank}").exists() for rank in range(world)):
+            raise
+        for p in ctx.processes:
+            p.join()
     return json.loads(out.read_text())

@@ -50,6 +50,9 @@ GNORM_HISTORY = 100
 
 _MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 
+# Options that decide how states are stored: an optimizer keeps its own when it loads a state dict.
+LAYOUT_OPTIONS = ("optim_bits", "block_size", "min_8bit_size")
+
 # The form of stored second moments, kept in every param group so that a state dict says which it holds:
 # 1: v on the unsigned dynamic map (lowbit 0.1.0 before the zero-point fix); 2: sqrt(v) on the zero-free
 # map (include/lowbit/state_form.h). Loading format 1 re-encodes the second moments.
@@ -301,58 +304,81 @@ class LowbitOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
+
+        A step that raises leaves the optimizer and the parameters as they were: every fused call is
+        prepared and checked before any of them writes, and state created by the failed step is removed.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            base = self._group_config(group)
-            # Parameters with the same overrides (usually none) share one fused call.
-            batches: dict[tuple[Any, ...], tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any]]]]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if is_traceable_wrapper_subclass(p) and not isinstance(p, DTensor):
-                    raise NotImplementedError(
-                        f"lowbit: {type(self).__name__} steps plain tensors and DTensors, got a {type(p).__name__}"
-                    )
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"lowbit: {type(self).__name__} does not support sparse gradients")
-                overrides = get_override(p)
-                key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
-                if key not in batches:
-                    batches[key] = (self._merge(base, overrides), [])
-                config, items = batches[key]
-                state = self.state[p]
-                if not state:
-                    state.update(self._init_state(p, config))
-                elif not self._layout_matches(p, state, config):
-                    self._relayout(p, state, config)
-                items.append((p, state))
-            for config, items in batches.values():
-                torch._foreach_add_([state["step"] for _, state in items], 1.0)
-                self._fused_step(config, items)
+        runs: list[Callable[[], None]] = []
+        created: list[Tensor] = []
+        try:
+            for group in self.param_groups:
+                runs += self._prepare_group(group, created)
+        except BaseException:
+            for p in created:
+                del self.state[p]
+            raise
+        for run in runs:
+            run()
         return loss
 
-    def _grad_scales(self, config: dict[str, Any], grads: list[Tensor], originals: list[Tensor]) -> Optional[Tensor]:
-        """Per-tensor gradient multipliers of percentile clipping (None when it is off)."""
+    def _prepare_group(self, group: dict[str, Any], created: list[Tensor]) -> list[Callable[[], None]]:
+        """The fused calls of one param group, prepared and checked; parameters whose state this creates
+        are appended to ``created``."""
+        base = self._group_config(group)
+        # Parameters with the same overrides (usually none) share one fused call.
+        batches: dict[tuple[Any, ...], tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any]]]]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if is_traceable_wrapper_subclass(p) and not isinstance(p, DTensor):
+                raise NotImplementedError(
+                    f"lowbit: {type(self).__name__} steps plain tensors and DTensors, got a {type(p).__name__}"
+                )
+            if p.grad.is_sparse:
+                raise RuntimeError(f"lowbit: {type(self).__name__} does not support sparse gradients")
+            overrides = get_override(p)
+            key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
+            if key not in batches:
+                batches[key] = (self._merge(base, overrides), [])
+            config, items = batches[key]
+            state = self.state[p]
+            if not state:
+                created.append(p)
+                state.update(self._init_state(p, config))
+            elif not self._layout_matches(p, state, config):
+                self._relayout(p, state, config)
+            items.append((p, state))
+        return [self._prepare_step(config, items) for config, items in batches.values()]
+
+    def _grad_scales(
+        self, config: dict[str, Any], grads: list[Tensor], originals: list[Tensor], steps: list[int]
+    ) -> tuple[Optional[Tensor], list[Tensor]]:
+        """Per-tensor gradient multipliers of percentile clipping (None when it is off) at step numbers
+        ``steps``, and each tensor's gradient-norm history with this step's norm recorded (to be stored
+        once the step has succeeded)."""
         percentile = config["percentile_clipping"]
         if percentile >= 100:
-            return None
+            return None, []
         norms = self._norms(grads, originals)
-        scales = []
-        for p, g, norm in zip(originals, grads, norms, strict=True):
-            state = self.state[p]
-            history = state.setdefault("gnorm_vec", torch.zeros(GNORM_HISTORY, dtype=torch.float32, device=g.device))
-            step = int(state["step"].item())
+        scales, histories = [], []
+        for p, g, norm, step in zip(originals, grads, norms, steps, strict=True):
+            old = self.state[p].get("gnorm_vec")
+            history = torch.zeros(GNORM_HISTORY, dtype=torch.float32, device=g.device) if old is None else old.clone()
             history[(step - 1) % GNORM_HISTORY] = norm.float()
             recorded = history[: min(step, GNORM_HISTORY)]
             clip = torch.quantile(recorded, percentile / 100.0)
             scales.append(torch.where(norm > clip, clip / norm, torch.ones_like(clip)))
-        return torch.stack(scales).float()
+            histories.append(history)
+        return torch.stack(scales).float(), histories
 
-    def _fused_step(self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]]) -> None:
+    def _prepare_step(self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]]) -> Callable[[], None]:
+        """The fused call of ``batch``, checked and ready: the returned function steps the parameters and
+        their states and advances the step counters."""
         n_states = self._n_states(config)
         hyper, flags = self._hyper(config)
         hyper = [*hyper, config["max_unorm"]]
@@ -364,21 +390,26 @@ class LowbitOptimizer(torch.optim.Optimizer):
         params, grads, scalars = [], [], []
         states: list[list[Tensor]] = [[], []]
         absmaxes: list[list[Tensor]] = [[], []]
-        steps = torch.stack([state["step"] for _, state in batch]).tolist()
+        # The step numbers this step takes; the counters advance once the native call has succeeded.
+        steps = [int(s) + 1 for s in torch.stack([state["step"] for _, state in batch]).tolist()]
+        copied: list[tuple[Tensor, Tensor]] = []
         for (p, state), step in zip(batch, steps, strict=True):
             # FSDP2: the local shards of the parameter, its gradient and its states.
             shard, grad = _ops.local(p), _ops.local(p.grad)
+            if not shard.is_contiguous():
+                # channels_last or strided parameters: a contiguous copy is stepped (states are in the
+                # parameter's logical order, as for a contiguous one) and written back.
+                copied.append((shard, shard.contiguous()))
+                shard = copied[-1][1]
             params.append(shard)
             grads.append(grad.contiguous() if grad.dtype == shard.dtype else grad.to(shard.dtype).contiguous())
-            scalars += self._step_scalars(config, int(step))
+            scalars += self._step_scalars(config, step)
             for k in range(n_states):
                 states[k].append(_ops.local(state[f"state{k + 1}"]))
                 absmaxes[k].append(state[f"absmax{k + 1}"])
-        if not all(p.is_contiguous() for p in params):
-            raise ValueError("lowbit: parameters must be contiguous")
         device = params[0].device
         originals = [p for p, _ in batch]
-        grad_scales = self._grad_scales(config, grads, originals)
+        grad_scales, histories = self._grad_scales(config, grads, originals, steps)
         grads, grad_scales = self._adjust_grads(config, params, grads, grad_scales, originals)
         args = (
             params,
@@ -404,9 +435,20 @@ class LowbitOptimizer(torch.optim.Optimizer):
             # takes the scales computed from them.
             sums = _sum_over_shards(_ops.optimizer_norms(*args), originals)
             update_scales = _update_scales(sums, hyper, norm_mode)
-        # Eager steps skip the dispatcher's per-tensor bookkeeping; traced ones go through the op.
-        step_op = _ops.optimizer_step_ if torch.compiler.is_compiling() else _ops.optimizer_step_eager
-        step_op(*args, update_scales)
+        _ops.check_optimizer_step(*args, update_scales)
+
+        def run() -> None:
+            # Eager steps skip the dispatcher's per-tensor bookkeeping; traced ones go through the op.
+            step_op = _ops.optimizer_step_ if torch.compiler.is_compiling() else _ops.optimizer_step_eager
+            step_op(*args, update_scales)
+            for shard, work in copied:
+                shard.copy_(work)
+            torch._foreach_add_([state["step"] for _, state in batch], 1.0)
+            if histories:
+                for (_, state), history in zip(batch, histories, strict=True):
+                    state["gnorm_vec"] = history
+
+        return run
 
     # -- state dict -------------------------------------------------------------------------------
 
@@ -427,22 +469,37 @@ class LowbitOptimizer(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict; 8-bit codes and fp32 states keep their dtype whatever the param dtype.
-        8-bit second moments saved in format 1 (``STATE_FORMAT``) are re-encoded."""
+        """Load a state dict of this optimizer, of another lowbit layout, or of the torch.optim optimizer
+        of the same algorithm (``torch.optim.AdamW().state_dict()`` into ``AdamW8bit``).
+
+        Hyperparameters come from the state dict, as in torch.optim. The layout options
+        (``optim_bits``, ``block_size``, ``min_8bit_size``) stay this optimizer's: states saved in another
+        layout, or under torch.optim's names, are converted to it (an ``Adam8bit`` stays 8-bit). 8-bit
+        codes and fp32 states keep their dtype whatever the param dtype; 8-bit second moments saved in
+        format 1 (``STATE_FORMAT``) are re-encoded.
+        """
         for group in state_dict["param_groups"]:
             check_state_format(self, group)
+        layouts = [{k: group[k] for k in LAYOUT_OPTIONS} for group in self.param_groups]
         super().load_state_dict(state_dict)
         restore_state_dtypes(self, state_dict)
-        for group in self.param_groups:
+        for group, layout in zip(self.param_groups, layouts, strict=True):
             if group.get("state_format", 1) != STATE_FORMAT:
                 for p in group["params"]:
                     self._upgrade_second_moments(p)
-                group["state_format"] = STATE_FORMAT
-        # FSDP2 parameters arrive with dequantized states (state_dict): store them as configured.
-        for group in self.param_groups:
+            for key, value in self.defaults.items():  # torch.optim's groups lack lowbit's options
+                group.setdefault(key, value)
+            group.update(layout, state_format=STATE_FORMAT)
             for p in group["params"]:
-                if isinstance(p, DTensor) and self.state.get(p):
-                    self._relayout(p, self.state[p], self._config(group, p))
+                state = self.state.get(p)
+                if not state:
+                    continue
+                config = self._config(group, p)
+                if "state1" not in state and not state.keys().isdisjoint(self._state_names):
+                    self.load_dequantized_state(p, state)
+                elif isinstance(p, DTensor) or not self._layout_matches(p, state, config):
+                    # FSDP2 parameters arrive with dequantized states (state_dict).
+                    self._relayout(p, state, config)
 
     def _upgrade_second_moments(self, p: Tensor) -> None:
         state = self.state.get(p, {})

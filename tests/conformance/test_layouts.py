@@ -1,0 +1,85 @@
+"""Non-contiguous and channels_last parameters step exactly like contiguous ones and keep their layout,
+and a step that raises leaves the optimizer as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import lowbit.optim as O
+
+NAMES = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "LAMB", "LARS"]
+KW = {"SGD": dict(momentum=0.9), "LARS": dict(momentum=0.9)}
+# torch.optim twins of lowbit's 32-bit optimizers (Lion, LAMB and LARS have none).
+TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
+
+
+def _layouts() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "channels_last": torch.randn(16, 8, 3, 3, generator=gen).to(memory_format=torch.channels_last),
+        "transposed": torch.randn(40, 30, generator=gen).t(),
+        "sliced": torch.randn(30, 80, generator=gen)[:, ::2],
+    }
+
+
+def _like(value: torch.Tensor, strides_of: torch.Tensor) -> torch.Tensor:
+    """A copy of ``value`` with the strides of ``strides_of`` (gaps included), as autograd lays out a
+    parameter's gradient."""
+    return torch.empty_strided(strides_of.shape, strides_of.stride()).copy_(value)
+
+
+def _train(
+    cls: type, value: torch.Tensor, grads: list[torch.Tensor], **kw
+) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+    p = nn.Parameter(_like(value, value))
+    opt = cls([p], **kw)
+    for g in grads:
+        p.grad = _like(g, value)
+        opt.step()
+    return p.detach(), opt
+
+
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced"])
+def test_strided_parameters_step_like_contiguous_ones(layout, name, bits):
+    # Used to raise "parameters must be contiguous" (without naming the parameter), after the step
+    # had already created state and counted the step.
+    value = _layouts()[layout]
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(value.shape, generator=gen) for _ in range(3)]
+    cls = getattr(O, f"{name}{bits}bit")
+    kw = dict(KW.get(name, {}), min_8bit_size=0)
+    got, opt = _train(cls, value, grads, **kw)
+    want, _ = _train(cls, value.contiguous(), grads, **kw)
+    assert got.stride() == value.stride()
+    assert torch.equal(got, want)
+    assert float(opt.state[opt.param_groups[0]["params"][0]]["step"]) == 3
+    if bits == 32 and name in TORCH:
+        ref, _ = _train(TORCH[name], value, grads, foreach=False, **KW.get(name, {}))
+        # The same fp32 formulas as torch's single-tensor path (tests/test_optim.py: 2e-6 after 30 steps).
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_failed_step_leaves_the_optimizer_as_it_was():
+    # LAMB scales its update by the trust ratio, so max_unorm (here through an override of b) raises in
+    # step(). The old step had already stepped a, created b's state and counted the steps.
+    a, b = nn.Parameter(torch.randn(100)), nn.Parameter(torch.randn(100))
+    opt = O.LAMB8bit([a, b], min_8bit_size=0)
+    a.grad = torch.randn(100)
+    opt.step()
+    before = {k: v.clone() for k, v in opt.state[a].items()}
+    value_a, value_b = a.detach().clone(), b.detach().clone()
+    O.override(b, max_unorm=1.0)
+    try:
+        a.grad, b.grad = torch.randn(100), torch.randn(100)
+        with pytest.raises(ValueError, match="max_unorm"):
+            opt.step()
+    finally:
+        O.clear_override(b)
+    assert b not in opt.state
+    assert opt.state[a].keys() == before.keys()
+    assert all(torch.equal(opt.state[a][k], v) for k, v in before.items())
+    assert torch.equal(a.detach(), value_a) and torch.equal(b.detach(), value_b)
