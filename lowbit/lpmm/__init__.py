@@ -29,6 +29,7 @@ modules) cannot be converted and raise; FSDP2 meshes must be one-dimensional (no
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -148,6 +149,15 @@ class _Materialize(torch.autograd.Function):
         return (torch.zeros_like(lp.handle) if lp.shards is None else None), None
 
 
+# Every live storage, so that checks that only matter once a model is converted cost nothing before.
+_LIVE: weakref.WeakSet[LowPrecisionParameter] = weakref.WeakSet()
+
+
+def any_alive() -> bool:
+    """Whether any :class:`LowPrecisionParameter` exists in this process."""
+    return len(_LIVE) > 0
+
+
 class LowPrecisionParameter(nn.Module):
     """One parameter stored as bit-packed k-bit linear codes with one fp32 absmax per group.
 
@@ -186,6 +196,7 @@ class LowPrecisionParameter(nn.Module):
         if not isinstance(value, Tensor) or value.dtype not in _ops.FLOAT_DTYPES:
             got = value.dtype if isinstance(value, Tensor) else type(value).__name__
             raise TypeError(f"lowbit.lpmm: value must be a float32, float16 or bfloat16 tensor, got {got}")
+        _LIVE.add(self)
         if isinstance(value, DTensor):
             raise TypeError("lowbit.lpmm: value is a DTensor; convert the model before fully_shard")
         self.bits = _check_bits("bits", bits)

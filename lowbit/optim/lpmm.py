@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lowbit import _ops
-from lowbit.lpmm import LowPrecisionParameter, check_rounding, draw_seed
+from lowbit.lpmm import LowPrecisionParameter, any_alive, check_rounding, draw_seed
 from lowbit.optim.optimizer import (
     FLAG_DECOUPLED,
     FLAG_NESTEROV,
@@ -47,6 +48,24 @@ def storage_of(p: Tensor) -> Optional[LowPrecisionParameter]:
     """The low-precision storage that the handle ``p`` stands for, or None for an ordinary tensor."""
     lp = getattr(p, "_lpmm", None)
     return lp if isinstance(lp, LowPrecisionParameter) else None
+
+
+def _refuse_other_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Global step pre-hook: any other optimizer would silently skip a converted parameter, whose
+    gradient lives in its low-precision accumulator (the handle's ``.grad`` stays None)."""
+    if isinstance(optimizer, LPMMOptimizer) or not any_alive():
+        return
+    for gi, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if storage_of(p) is not None:
+                raise TypeError(
+                    f"lowbit: {type(optimizer).__name__} cannot step param_groups[{gi}]['params'][{i}] (shape "
+                    f"{tuple(p.shape)}): it belongs to a model converted with lowbit.lpmm.convert, whose gradients "
+                    "live in low-precision accumulators; optimize it with lowbit.optim.LPMMSGD or LPMMAdamW"
+                )
+
+
+register_optimizer_step_pre_hook(_refuse_other_optimizers)
 
 
 class LPMMOptimizer(torch.optim.Optimizer):
