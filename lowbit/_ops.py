@@ -687,7 +687,7 @@ def _optimizer_step_impl(
     )
 
 
-def _check_step_call(
+def check_optimizer_step(
     params: list[Tensor],
     grads: list[Tensor],
     state1: list[Tensor],
@@ -698,13 +698,17 @@ def _check_step_call(
     grad_scales: Optional[Tensor],
     map1: Tensor,
     map2: Tensor,
+    rule: int,
     hyper: list[float],
+    flags: int,
     norm_mode: int,
     n_states: int,
     block_size: int,
-    update_scales: Optional[Tensor],
+    update_scales: Optional[Tensor] = None,
 ) -> list[int]:
-    """Every check of an optimizer step's arguments; returns each tensor's state width (8 or 32)."""
+    """The checks of ``lowbit::optimizer_step_`` (same arguments; ``rule`` and ``flags`` are the native
+    side's to read); returns each tensor's state width (8 or 32). An optimizer that steps several fused
+    calls checks every one before the first one writes."""
     _check(0 <= n_states <= 2, f"n_states must be 0, 1 or 2, got {n_states}")
     _check(norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {norm_mode}")
     _check_blocksize(block_size)
@@ -731,46 +735,6 @@ def _check_step_call(
     return widths
 
 
-def check_optimizer_step(
-    params: list[Tensor],
-    grads: list[Tensor],
-    state1: list[Tensor],
-    state2: list[Tensor],
-    absmax1: list[Tensor],
-    absmax2: list[Tensor],
-    scalars: list[float],
-    grad_scales: Optional[Tensor],
-    map1: Tensor,
-    map2: Tensor,
-    rule: int,
-    hyper: list[float],
-    flags: int,
-    norm_mode: int,
-    n_states: int,
-    block_size: int,
-    update_scales: Optional[Tensor] = None,
-) -> None:
-    """The checks of ``lowbit::optimizer_step_`` alone (same arguments): an optimizer that steps several
-    fused calls checks them all before the first one writes."""
-    _check_step_call(
-        params,
-        grads,
-        state1,
-        state2,
-        absmax1,
-        absmax2,
-        scalars,
-        grad_scales,
-        map1,
-        map2,
-        hyper,
-        norm_mode,
-        n_states,
-        block_size,
-        update_scales,
-    )
-
-
 def _optimizer_call(
     params: list[Tensor],
     grads: list[Tensor],
@@ -792,7 +756,7 @@ def _optimizer_call(
     update_scales: Optional[Tensor],
 ) -> None:
     """The checks and the native call behind optimizer_step_ and optimizer_norms."""
-    widths = _check_step_call(
+    widths = check_optimizer_step(
         params,
         grads,
         state1,
@@ -803,7 +767,9 @@ def _optimizer_call(
         grad_scales,
         map1,
         map2,
+        rule,
         hyper,
+        flags,
         norm_mode,
         n_states,
         block_size,

@@ -20,6 +20,7 @@ import lowbit.optim as O
 from lowbit import _ops
 from lowbit.functional import create_dynamic_map
 from lowbit.optim.optimizer import state_map
+from tests.blocks import block_absmax
 
 
 def _two_gradient_block(cls: type, **kw) -> torch.Tensor:
@@ -268,16 +269,12 @@ def test_format1_checkpoint_second_moments_are_reencoded(marker):
     assert fresh.param_groups[0]["state_format"] == 2
     # Each re-encoded root is within one map step of the format-1 value's root: for v at least 1e-3 of
     # its block's largest, a factor below 1.07 (the unsigned map above 0.03), so v within 1.07^2.
-    big = v_old >= 1e-3 * _block_max(v_old, 256)
+    big = v_old >= 1e-3 * block_absmax(v_old, 256)
     ratio = got[big] / v_old[big]
     assert float(ratio.max()) < 1.15 and float(ratio.min()) > 1 / 1.15
     assert bool((got > 0).all()) and torch.equal(
         fresh.dequantized_state(p)["exp_avg"], opt.dequantized_state(p)["exp_avg"]
     )
-
-
-def _block_max(x: torch.Tensor, block: int) -> torch.Tensor:
-    return x.reshape(-1, block).amax(1).repeat_interleave(block)
 
 
 def test_state_dict_from_a_newer_format_is_refused():
@@ -315,6 +312,6 @@ def test_lpmm_format1_checkpoint_second_moments_are_reencoded():
     got = _ops.dequantize_blockwise(
         st["state2"], st["absmax2"], state_map(False, torch.device("cpu")), 8, 256, 4096, torch.float32
     ).square()
-    big = v >= 1e-3 * _block_max(v, 256)
+    big = v >= 1e-3 * block_absmax(v, 256)
     ratio = got[big] / v[big]
     assert float(ratio.max()) < 1.15 and float(ratio.min()) > 1 / 1.15

@@ -25,6 +25,7 @@ from torch import nn
 import lowbit.optim as O
 from lowbit import lpmm
 from lowbit.optim.optimizer import state_map
+from tests.blocks import block_absmax
 
 
 def _largest_code_ratio(signed: bool) -> float:
@@ -95,12 +96,6 @@ def _gradient(kind: str, n: int, gen: torch.Generator) -> torch.Tensor:
     return g
 
 
-def _block_max(x: torch.Tensor, block: int) -> torch.Tensor:
-    n = x.numel()
-    padded = torch.cat([x, x.new_zeros(-n % block)])
-    return padded.view(-1, block).amax(1).repeat_interleave(block)[:n]
-
-
 sequences = st.tuples(
     st.integers(0, 2**31 - 1),
     st.sampled_from([257, 1000, 4097]),
@@ -136,7 +131,9 @@ def test_8bit_trajectory_stays_within_the_quantization_bound(seq, dtype):
                 opt.step()
             after = p32.detach().double()
             u32 = (before * decay - after).abs().nan_to_num(0.0, 0.0, 0.0)
-            u8 = torch.as_tensor(step_bound(Bounds(t, _block_max(gmax, block), pnorm, pnorm_max)), dtype=torch.float64)
+            u8 = torch.as_tensor(
+                step_bound(Bounds(t, block_absmax(gmax, block), pnorm, pnorm_max)), dtype=torch.float64
+            )
             allowed = allowed + u8 + u32 + unit * 2 * (after.abs().nan_to_num(0.0, 0.0, 0.0) + allowed + u8 + u32)
         # A non-finite element is non-finite in both (the step is torch's fp32 arithmetic); LAMB and
         # LARS make the whole tensor NaN through its norm.
@@ -181,7 +178,7 @@ def test_lpmm_adamw_trajectory_stays_within_the_quantization_bound(seq):
         u32 = (before * decay - after).abs()
         u8 = RHO * _adam_step_bound(t)
         allowed = allowed + u8 + u32
-        allowed = allowed + _block_max(after.abs() + allowed, block) / (2 * 32767) + 2.0**-23 * after.abs()
+        allowed = allowed + block_absmax(after.abs() + allowed, block) / (2 * 32767) + 2.0**-23 * after.abs()
     got = lpmm.export_float(model)["w"].double()
     diff = (got - ref.w.detach().double()).abs()
     assert bool((diff <= allowed).all()), (float((diff - allowed).max()), kinds)

@@ -83,16 +83,15 @@ def upgrade_second_moment(codes: Tensor, absmax: Tensor, bits: int, block: int, 
     return new_codes.view(codes.shape), new_absmax
 
 
-def check_state_format(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
-    """The state format of a loaded param group (1 when the state dict predates the marker); a format
-    from a newer lowbit raises."""
+def check_state_format(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+    """Refuse a loaded param group whose state format (1 when the state dict predates the marker) comes
+    from a newer lowbit."""
     form = group.get("state_format", 1)
     if form not in (1, STATE_FORMAT):
         raise ValueError(
             f"lowbit: this {type(optimizer).__name__} state dict has state_format={form!r}, written by a newer "
             f"lowbit; this one reads formats 1 and {STATE_FORMAT}"
         )
-    return form
 
 
 def like_param(p: Tensor, value: Tensor) -> Tensor:

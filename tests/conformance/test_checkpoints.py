@@ -9,6 +9,7 @@ from torch import nn
 
 import lowbit.optim as O
 from lowbit.optim.optimizer import state_map
+from tests.blocks import block_absmax
 
 # (torch.optim class, lowbit name, hyperparameters)
 TWINS = [
@@ -59,11 +60,6 @@ def test_torch_state_dict_loads_into_the_lowbit_twin(tcls, name, kw, bits):
         assert float((step_got - step_ref).norm() / step_ref.norm()) < 0.03
 
 
-def _block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
-    padded = torch.cat([x.abs(), x.new_zeros(-x.numel() % block)])
-    return padded.view(-1, block).amax(1).repeat_interleave(block)[: x.numel()]
-
-
 def _half_gap(signed: bool) -> float:
     """Half the largest gap between adjacent codes of a state map: the most nearest rounding moves a
     normalised value."""
@@ -82,10 +78,10 @@ def test_32bit_state_dict_keeps_an_8bit_optimizer_8bit():
     assert opt.state[p]["state1"].dtype == torch.uint8 and opt.state[p]["state2"].dtype == torch.uint8
     want, got = src.dequantized_state(p), opt.dequantized_state(p)
     m, v = want["exp_avg"], want["exp_avg_sq"]
-    assert bool(((got["exp_avg"] - m).abs() <= _half_gap(True) * _block_absmax(m, 256) * (1 + 1e-6)).all())
+    assert bool(((got["exp_avg"] - m).abs() <= _half_gap(True) * block_absmax(m, 256) * (1 + 1e-6)).all())
     # v is stored as its root w: |w^2 - w'^2| <= |w - w'| (2 w + |w - w'|), with |w - w'| <= h * absmax(w).
     h = _half_gap(False)
-    amax_w = _block_absmax(v.sqrt(), 256)
+    amax_w = block_absmax(v.sqrt(), 256)
     bound = h * amax_w * (2 * v.sqrt() + h * amax_w)
     assert bool(((got["exp_avg_sq"] - v).abs() <= bound * (1 + 1e-5)).all())
 
@@ -102,4 +98,4 @@ def test_state_dict_of_another_block_size_is_relaid_out():
     # Re-encoding the decoded 256-block values into 128-blocks moves each by at most half a code gap.
     m = src.dequantized_state(p)["exp_avg"]
     got = opt.dequantized_state(p)["exp_avg"]
-    assert bool(((got - m).abs() <= _half_gap(True) * _block_absmax(m, 128) * (1 + 1e-6)).all())
+    assert bool(((got - m).abs() <= _half_gap(True) * block_absmax(m, 128) * (1 + 1e-6)).all())
