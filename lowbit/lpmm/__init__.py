@@ -29,6 +29,7 @@ modules) cannot be converted and raise; FSDP2 meshes must be one-dimensional (no
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ __all__ = [
     "LowPrecisionParameter",
     "MemoryReport",
     "check_rounding",
+    "clip_grad_norm_",
+    "clip_grad_value_",
     "convert",
     "draw_seed",
     "export_float",
@@ -149,6 +152,186 @@ class _Materialize(torch.autograd.Function):
         return (torch.zeros_like(lp.handle) if lp.shards is None else None), None
 
 
+_TENSOR_GRAD = torch._C.TensorBase.grad
+
+
+def _grad_error(what: str) -> RuntimeError:
+    return RuntimeError(
+        f"lowbit.lpmm: {what} cannot be applied to the .grad of a converted parameter: its gradient lives in a "
+        "low-precision accumulator and .grad is an empty placeholder. Use lowbit.lpmm.clip_grad_norm_ or "
+        "lowbit.lpmm.clip_grad_value_ to clip, or LowPrecisionParameter.grad to read the value"
+    )
+
+
+def _storage(t: Any) -> Optional[LowPrecisionParameter]:
+    return t._lpmm_storage if isinstance(t, _AccumulatorGrad) else None
+
+
+def _split(tensors: Any) -> tuple[list[int], list[Any]]:
+    """Positions of placeholders in ``tensors`` and the other entries."""
+    tensors = list(tensors)
+    mine = [i for i, t in enumerate(tensors) if isinstance(t, _AccumulatorGrad)]
+    return mine, [t for t in tensors if not isinstance(t, _AccumulatorGrad)]
+
+
+def _plain(func: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _grad_norm(t: _AccumulatorGrad, ord: float = 2.0, dtype: Optional[torch.dtype] = None) -> Tensor:
+    lp = t._lpmm_storage
+    g = lp.grad
+    value = torch.zeros((), device=lp.device) if g is None else torch.linalg.vector_norm(g, ord)
+    return value.to(dtype or t.dtype)
+
+
+def _vector_norm(x: Tensor, ord: float = 2.0, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Tensor:
+    if dim is not None or keepdim:
+        raise _grad_error("torch.linalg.vector_norm with dim or keepdim")
+    return _grad_norm(x, ord, dtype)  # type: ignore[arg-type]
+
+
+def _foreach_norm(tensors: Any, ord: float = 2.0, dtype: Any = None) -> list[Tensor]:
+    tensors = list(tensors)
+    mine, other = _split(tensors)
+    rest = iter(_plain(torch._foreach_norm, other, ord, dtype=dtype) if other else [])
+    return [_grad_norm(t, ord, dtype) if i in mine else next(rest) for i, t in enumerate(tensors)]
+
+
+def _check_scalar(factor: Any) -> Any:
+    if isinstance(factor, Tensor) and factor.numel() != 1:
+        raise _grad_error("an elementwise multiplication by a non-scalar")
+    if not isinstance(factor, (Tensor, int, float)) or isinstance(factor, bool):
+        raise _grad_error(f"a multiplication by {type(factor).__name__}")
+    return factor
+
+
+def _mul_(t: Tensor, factor: Any) -> Tensor:
+    t._lpmm_storage._scale_grad_(_check_scalar(factor))  # type: ignore[attr-defined]
+    return t
+
+
+def _foreach_mul_(tensors: Any, factor: Any) -> None:
+    tensors = list(tensors)
+    mine, other = _split(tensors)
+    if isinstance(factor, (list, tuple)):
+        for i in mine:
+            _mul_(tensors[i], factor[i])
+        if other:
+            _plain(torch._foreach_mul_, other, [f for i, f in enumerate(factor) if i not in mine])
+        return
+    for i in mine:
+        _mul_(tensors[i], factor)
+    if other:
+        _plain(torch._foreach_mul_, other, factor)
+
+
+def _zero_(t: Tensor) -> Tensor:
+    t._lpmm_storage.zero_grad_(set_to_none=False)  # type: ignore[attr-defined]
+    return t
+
+
+def _foreach_zero_(tensors: Any) -> None:
+    _, other = _split(tensors)
+    for t in tensors:
+        if isinstance(t, _AccumulatorGrad):
+            _zero_(t)
+    if other:
+        _plain(torch._foreach_zero_, other)
+
+
+def _unscale_(tensors: Any, found_inf: Tensor, inv_scale: Tensor) -> None:
+    """GradScaler's ``unscale_``: flags a non-finite accumulated gradient in ``found_inf`` and multiplies the
+    accumulators by ``inv_scale`` (exact for GradScaler's power-of-two scales: only group absmaxes change)."""
+    tensors = list(tensors)
+    _, other = _split(tensors)
+    for t in tensors:
+        lp = _storage(t)
+        if lp is None or not lp.has_grad:
+            continue
+        if not bool(torch.isfinite(lp.grad_absmax).all()):
+            found_inf.fill_(1.0)
+        lp._scale_grad_(inv_scale)
+    if other:
+        _plain(torch._amp_foreach_non_finite_check_and_unscale_, other, found_inf, inv_scale)
+
+
+_GRAD_OPS: dict[Any, Callable[..., Any]] = {
+    Tensor.zero_: _zero_,
+    torch._foreach_zero_: _foreach_zero_,
+    Tensor.mul_: _mul_,
+    torch._foreach_mul_: _foreach_mul_,
+    torch.linalg.vector_norm: _vector_norm,
+    torch._foreach_norm: _foreach_norm,
+    torch._amp_foreach_non_finite_check_and_unscale_: _unscale_,
+}
+# Metadata and autograd bookkeeping that zero_grad, GradScaler and torch.compile (wrapping the placeholder
+# while tracing model.zero_grad) read; everything else raises.
+_GRAD_PASSTHROUGH = {
+    "__get__", "requires_grad_", "detach_", "__repr__", "__format__", "size", "dim", "numel",
+    "stride", "storage_offset", "untyped_storage", "_is_view", "is_conj", "is_neg",
+}  # fmt: skip
+_GRAD_CLAMPS = {"clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "clamp_max_", "clip", "clip_"}
+
+
+class _AccumulatorGrad(Tensor):
+    """What ``handle.grad`` returns for a converted parameter: an empty tensor standing for the accumulated
+    gradient. The in-place operations of ``zero_grad``, ``clip_grad_norm_`` and ``GradScaler`` act on the
+    accumulator; anything else raises rather than silently reading an empty tensor."""
+
+    _lpmm_storage: LowPrecisionParameter
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Optional[dict[str, Any]] = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        handler = _GRAD_OPS.get(func)
+        if handler is not None:
+            return handler(*args, **kwargs)
+        name = getattr(func, "__name__", str(func))
+        if name in _GRAD_PASSTHROUGH:
+            return _plain(func, *args, **kwargs)
+        if name.lstrip("_").removeprefix("foreach_") in _GRAD_CLAMPS:
+            raise _grad_error(f"torch.{name} (clip_grad_value_)")
+        raise _grad_error(f"torch.{name}")
+
+
+class _Handle(nn.Parameter):
+    """The parameter that stands for a :class:`LowPrecisionParameter` in ``model.parameters()``. Its
+    ``.grad`` is None or an :class:`_AccumulatorGrad` placeholder, and setting it to None (``zero_grad``)
+    empties the accumulator, so a discarded gradient is never applied."""
+
+    @property  # type: ignore[override]
+    def grad(self) -> Optional[Tensor]:
+        g = _TENSOR_GRAD.__get__(self)
+        lp = self.__dict__.get("_lpmm")
+        if g is None or lp is None:
+            return g
+        placeholder = torch.Tensor._make_subclass(_AccumulatorGrad, g)
+        placeholder._lpmm_storage = lp
+        return placeholder
+
+    @grad.setter
+    def grad(self, value: Optional[Tensor]) -> None:
+        lp = self.__dict__.get("_lpmm")
+        if value is not None and lp is not None:
+            if _storage(value) is not lp:
+                raise TypeError(
+                    "lowbit.lpmm: cannot assign a gradient to a converted parameter: its gradient lives in a "
+                    "low-precision accumulator (LowPrecisionParameter.accumulate_ adds to it)"
+                )
+            return
+        _TENSOR_GRAD.__set__(self, value)
+        if lp is not None:
+            lp.zero_grad_()
+
+    @grad.deleter
+    def grad(self) -> None:
+        self.grad = None
+
+
 # Every live storage, so that checks that only matter once a model is converted cost nothing before.
 _LIVE: weakref.WeakSet[LowPrecisionParameter] = weakref.WeakSet()
 
@@ -218,7 +401,7 @@ class LowPrecisionParameter(nn.Module):
         # overwrite a rank's partly accumulated gradient.
         self.grad_codes = torch.zeros(_ops.packed_bytes(n, grad_bits), dtype=torch.uint8, device=value.device)
         self.grad_absmax = torch.zeros(_ops.num_blocks(n, group_size), dtype=torch.float32, device=value.device)
-        self.handle = nn.Parameter(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=requires_grad)
+        self.handle = _Handle(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=requires_grad)
 
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
@@ -445,10 +628,28 @@ class LowPrecisionParameter(nn.Module):
         )
         return flat if self.shards is not None else flat.view(self.shape)
 
-    def zero_grad_(self) -> None:
-        """Empty the accumulator (an absmax of 0 reads as zeros)."""
+    def zero_grad_(self, set_to_none: bool = True) -> None:
+        """Empty the accumulator (an absmax of 0 reads as zeros). ``set_to_none=False`` keeps an accumulated
+        gradient as zeros, which the next step applies, as torch steps a zeroed ``.grad``."""
         self.grad_absmax.zero_()
-        self.has_grad = False
+        if set_to_none:
+            self.has_grad = False
+
+    def _scale_grad_(self, factor: Tensor | float) -> None:
+        """Multiply the accumulated gradient by the scalar ``factor``: each group's absmax is multiplied (in
+        fp32, rounded to nearest) and the codes stay, so no element is re-rounded."""
+        if isinstance(factor, Tensor):
+            factor = factor.to(device=self.grad_absmax.device, dtype=torch.float32)
+        self.grad_absmax.mul_(factor)
+
+    def _clamp_grad_(self, clip_value: float) -> None:
+        """Clamp the accumulated gradient to ``[-clip_value, clip_value]`` and re-encode it against the
+        clamped groups' absmaxes with this tensor's rounding (stochastic: unbiased, within one step)."""
+        grad = self.grad
+        if grad is None:
+            return
+        self.zero_grad_()
+        self._accumulate_local(grad.reshape(-1).clamp_(-clip_value, clip_value), draw_seed(self.generator))
 
     # -- nn.Module plumbing -----------------------------------------------------------------------
 
@@ -738,6 +939,125 @@ def convert(
 def low_precision_parameters(model: nn.Module) -> dict[str, LowPrecisionParameter]:
     """The distinct low-precision parameters of ``model`` by qualified name (first name of a tied one)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionParameter)}
+
+
+def _storages(model_or_params: nn.Module | Tensor | Any) -> list[LowPrecisionParameter]:
+    """The distinct storages of a converted model, or of the handles among ``model_or_params``; ordinary
+    parameters are refused (their gradients are clipped by torch.nn.utils)."""
+    if isinstance(model_or_params, nn.Module):
+        params: list[Any] = list(model_or_params.parameters())
+    elif isinstance(model_or_params, Tensor):
+        params = [model_or_params]
+    else:
+        params = list(model_or_params)
+    out: dict[int, LowPrecisionParameter] = {}
+    for i, p in enumerate(params):
+        lp = getattr(p, "_lpmm", None)
+        if not isinstance(lp, LowPrecisionParameter):
+            raise TypeError(
+                f"lowbit.lpmm: parameter {i} ({type(p).__name__} of shape {tuple(getattr(p, 'shape', ()))}) is not a "
+                "converted parameter; clip ordinary parameters with torch.nn.utils"
+            )
+        out.setdefault(id(lp), lp)
+    return list(out.values())
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    model_or_params: nn.Module | Tensor | Any,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for the gradient accumulators of converted parameters.
+
+    The total norm is torch's: the ``norm_type`` norm of the per-parameter norms of the accumulated (fp32,
+    dequantized) gradients; under FSDP2 the sharded accumulators' contributions are all-reduced over
+    their mesh, so every rank gets the global norm (every rank must call it). Each accumulator is then
+    multiplied by ``min(max_norm / (total + 1e-6), 1)``: the factor multiplies its group absmaxes (fp32,
+    round to nearest) and the codes stay, so the clipped gradient equals torch's clip of the dequantized
+    one within 4 fp32 roundoffs relative (no element is re-rounded, stochastic rounding is not needed).
+    ``torch.nn.utils.clip_grad_norm_`` on the handles of an unsharded model does the same.
+
+    Args:
+        model_or_params: a converted model, or handles of converted parameters (``model.parameters()``).
+        max_norm: maximum norm of the gradients.
+        norm_type: order of the norm (``math.inf`` for the max norm); sharded storage needs ``> 0``.
+        error_if_nonfinite: raise if the total norm is NaN or infinite (the accumulators are left as they are).
+        foreach: accepted for torch's signature; the accumulators are scaled per parameter either way.
+
+    Returns:
+        The total norm of the gradients, a 0-dim fp32 tensor.
+    """
+    if foreach not in (None, True, False):
+        raise TypeError(f"lowbit.lpmm: foreach must be a bool or None, got {foreach!r}")
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    lps = _storages(model_or_params)
+    if not lps:
+        return torch.tensor(0.0)
+    device = lps[0].device
+    whole: list[Tensor] = []
+    sharded: dict[Any, list[Tensor]] = {}
+    for lp in lps:
+        g = lp.grad
+        if lp.shards is not None:
+            local = torch.zeros(0, device=lp.device) if g is None else g
+            sharded.setdefault(lp.shards.group, []).append(torch.linalg.vector_norm(local, norm_type))
+        elif g is not None:
+            whole.append(torch.linalg.vector_norm(g, norm_type))
+    if sharded and not norm_type > 0:
+        raise ValueError(f"lowbit.lpmm: norm_type must be > 0 for sharded storage, got {norm_type}")
+    norms = [n.to(device) for n in whole]
+    for group, parts in sharded.items():
+        local = torch.linalg.vector_norm(torch.stack(parts), norm_type)
+        if math.isinf(norm_type):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+            norms.append(local.to(device))
+        else:
+            local = local.pow(norm_type)
+            dist.all_reduce(local, group=group)
+            norms.append(local.pow(1.0 / norm_type).to(device))
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        raise RuntimeError(
+            f"lowbit.lpmm: the total norm of order {norm_type} of the gradients is non-finite, so it cannot be "
+            "clipped; to scale the gradients by the non-finite norm anyway, set error_if_nonfinite=False"
+        )
+    # torch.nn.utils.clip_grads_with_norm_'s factor, computed the same way.
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for lp in lps:
+        if lp.has_grad:
+            lp._scale_grad_(coef)
+    return total
+
+
+@torch.no_grad()
+def clip_grad_value_(
+    model_or_params: nn.Module | Tensor | Any, clip_value: float, foreach: Optional[bool] = None
+) -> None:
+    """``torch.nn.utils.clip_grad_value_`` for the gradient accumulators of converted parameters.
+
+    Each accumulated gradient is dequantized, clamped to ``[-clip_value, clip_value]`` and re-encoded
+    against the clamped groups' absmaxes (at most ``clip_value``) with the parameter's rounding:
+    stochastic (unbiased) or nearest, within one (stochastic) or half a (nearest) quantization step
+    ``absmax / (2**(grad_bits - 1) - 1)`` of torch's clamp of the dequantized gradient. Elements
+    clamped to the bound are exact. Local to each rank under FSDP2.
+
+    Args:
+        model_or_params: a converted model, or handles of converted parameters (``model.parameters()``).
+        clip_value: maximum absolute value of the gradients (non-negative).
+        foreach: accepted for torch's signature.
+    """
+    if foreach not in (None, True, False):
+        raise TypeError(f"lowbit.lpmm: foreach must be a bool or None, got {foreach!r}")
+    clip_value = float(clip_value)
+    if not clip_value >= 0:
+        raise ValueError(f"lowbit.lpmm: clip_value must be >= 0, got {clip_value}")
+    for lp in _storages(model_or_params):
+        lp._clamp_grad_(clip_value)
 
 
 def export_float(model: nn.Module) -> dict[str, Tensor]:

@@ -15,7 +15,8 @@ the shared output. The backward pass evaluates ``f'(f^-1(y))`` by the tables of 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -93,8 +94,46 @@ def _check_layer_input(layer: nn.Module, x: object, table: Tensor) -> None:
         )
 
 
-class FewBitActivation(nn.Module):
+_T = TypeVar("_T", bound="_TableLayer")
+
+
+class _TableLayer(nn.Module):
+    """A layer whose only tensors are fp32 lookup tables fixed by its configuration.
+
+    The tables are non-persistent buffers, so ``.to(device)`` moves them and ``torch.compile`` sees them
+    as module state, but they are constants, not data: they are created on the default device (meta
+    under ``torch.device("meta")``) and re-derived after every ``_apply``, because ``to_empty`` leaves
+    them uninitialised and ``half()``/``double()`` would cast them to a dtype the kernels reject.
+    """
+
+    def _table_values(self) -> dict[str, Tensor]:
+        """The tables as CPU fp32 tensors, by buffer name."""
+        raise NotImplementedError
+
+    def _fill_tables(self, device: Optional[torch.device] = None) -> None:
+        for key, value in self._table_values().items():
+            where = device if device is not None else self._buffers[key].device  # type: ignore[union-attr]
+            self.register_buffer(key, value.to(where, copy=True), persistent=False)
+
+    def _apply(self: _T, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _T:
+        super()._apply(fn, recurse)
+        self._fill_tables()
+        return self
+
+    def reset_parameters(self) -> None:
+        """Re-derives the lookup tables on their device; the layer has no parameters.
+
+        ``to_empty`` already does this, so it is only needed by code that calls ``reset_parameters`` on
+        every module holding tensors (FSDP's meta-device initialisation).
+        """
+        self._fill_tables()
+
+
+class FewBitActivation(_TableLayer):
     """Activation ``name`` whose backward pass saves ``bits`` bits per element.
+
+    The level tables are non-persistent fp32 buffers (not in the state dict); they follow ``.to(device)``,
+    keep fp32 under ``.half()``/``.double()``, and are rebuilt by ``to_empty`` (meta-device initialisation).
 
     Args:
         name: one of :data:`lowbit.nn.fewbit.ACTIVATIONS` (torch's default parameters).
@@ -107,16 +146,22 @@ class FewBitActivation(nn.Module):
 
     def __init__(self, name: str, bits: int = 3, weight: str = "normal") -> None:
         super().__init__()
-        boundaries, levels = _table_tensors(name, bits, weight, torch.device("cpu"))
         self.name, self.bits, self.weight = name, bits, weight
-        # Derived from (name, bits, weight): not part of the state dict, but moved by .to(device).
-        self.register_buffer("boundaries", boundaries, persistent=False)
-        self.register_buffer("levels", levels, persistent=False)
+        self._fill_tables(torch.get_default_device())
+
+    def _table_values(self) -> dict[str, Tensor]:
+        boundaries, levels = _table_tensors(self.name, self.bits, self.weight, torch.device("cpu"))
+        return {"boundaries": boundaries, "levels": levels}
 
     def forward(self, x: Tensor) -> Tensor:
         """The activation of ``x``; the tables follow the module's device."""
+        return self._activation(x, inplace=False)
+
+    def _activation(self, x: Tensor, inplace: bool) -> Tensor:
         _check_layer_input(self, x, self.levels)
-        return _FewBitFunction.apply(x, self.name, self.boundaries, self.levels, self.bits)
+        y = _FewBitFunction.apply(x, self.name, self.boundaries, self.levels, self.bits)
+        # The backward needs only the codes, so x may be overwritten; copy_'s backward routes the gradient to y.
+        return x.copy_(y) if inplace else y
 
     def extra_repr(self) -> str:
         """Name, bits and weight."""
@@ -226,6 +271,22 @@ class _InvActFunction(torch.autograd.Function):
         return dx, None, None, None, None
 
 
+class _InvActInPlaceFunction(torch.autograd.Function):
+    """:class:`_InvActFunction` writing y into x, as torch's ``inplace=True``: x is returned and saved as
+    the output, so a next layer that saves its input shares the storage, as with the out-of-place form."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, name: str, threshold: Tensor, coeffs: Tensor, params: Tensor) -> Tensor:
+        bits = _ops.fewbit_encode(x.contiguous(), threshold, 1)
+        x.copy_(fewbit.activation_fn(name)(x))
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, bits)
+        ctx.coeffs, ctx.params = coeffs, params
+        return x
+
+    backward = _InvActFunction.backward
+
+
 def _invact_tensors(name: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     t = invact.table(name)
     return t.threshold_tensor.to(device), t.coeffs.to(device), t.params.to(device)
@@ -245,8 +306,11 @@ def inv_act(x: Tensor, name: str) -> Tensor:
     return _InvActFunction.apply(x, name, *_invact_tensors(name, x.device))
 
 
-class InvActivation(nn.Module):
+class InvActivation(_TableLayer):
     """Activation ``name`` that saves its output and 1 bit per element for backward.
+
+    The coefficient tables are non-persistent fp32 buffers (not in the state dict); they follow
+    ``.to(device)``, keep fp32 under ``.half()``/``.double()``, and are rebuilt by ``to_empty``.
 
     Args:
         name: one of :data:`lowbit.nn.invact.ACTIVATIONS` (``gelu``, ``gelu_tanh``, ``silu``, ``mish``).
@@ -258,17 +322,21 @@ class InvActivation(nn.Module):
 
     def __init__(self, name: str) -> None:
         super().__init__()
-        threshold, coeffs, params = _invact_tensors(name, torch.device("cpu"))
         self.name = name
-        # Derived from the name: not part of the state dict, but moved by .to(device).
-        self.register_buffer("threshold", threshold.clone(), persistent=False)
-        self.register_buffer("coeffs", coeffs.clone(), persistent=False)
-        self.register_buffer("params", params.clone(), persistent=False)
+        self._fill_tables(torch.get_default_device())
+
+    def _table_values(self) -> dict[str, Tensor]:
+        threshold, coeffs, params = _invact_tensors(self.name, torch.device("cpu"))
+        return {"threshold": threshold, "coeffs": coeffs, "params": params}
 
     def forward(self, x: Tensor) -> Tensor:
         """The activation of ``x``; the tables follow the module's device."""
+        return self._activation(x, inplace=False)
+
+    def _activation(self, x: Tensor, inplace: bool) -> Tensor:
         _check_layer_input(self, x, self.coeffs)
-        return _InvActFunction.apply(x, self.name, self.threshold, self.coeffs, self.params)
+        fn = _InvActInPlaceFunction if inplace else _InvActFunction
+        return fn.apply(x, self.name, self.threshold, self.coeffs, self.params)
 
     def extra_repr(self) -> str:
         """The activation's name."""

@@ -8,18 +8,25 @@ F.silu``), and Hugging Face ``transformers.activations`` modules that call the t
 model is unchanged bit for bit. Activations written as Python formulas (``NewGELUActivation``,
 ``FastGELUActivation``, ...) round differently from torch's kernels; they are replaced only with
 ``strict=False``.
+
+A function attribute keeps the function's calling convention: a call with extra arguments
+(``self.act(x, negative_slope=0.01)``, ``approximate="tanh"``, ``inplace=True``) runs a lowbit layer when
+they select a function lowbit has a table for (in-place calls write the result into their input), and
+otherwise the original function, unchanged, with a warning once per attribute and an entry in
+:attr:`CompressionReport.fallbacks`.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from lowbit.nn import fewbit, invact
 from lowbit.nn.activations import FewBitActivation, InvActivation
@@ -72,6 +79,28 @@ _HF_EXACT = {
 }
 _HF_FORMULA = {"NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh"}
 
+# The calling convention of each function in _FUNCTIONS after ``input``: (positional-or-keyword names,
+# keyword-only names, defaults), one entry per key of _FUNCTIONS. A call is bound against it the way
+# Python would bind it.
+_SIGNATURES: dict[Any, tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]]] = {
+    F.gelu: ((), ("approximate",), {"approximate": "none"}),
+    F.silu: (("inplace",), (), {"inplace": False}),
+    F.mish: (("inplace",), (), {"inplace": False}),
+    torch.sigmoid: ((), ("out",), {"out": None}),
+    F.sigmoid: ((), (), {}),
+    torch.tanh: ((), ("out",), {"out": None}),
+    F.tanh: ((), (), {}),
+    F.selu: (("inplace",), (), {"inplace": False}),
+    torch.selu: ((), (), {}),
+    F.elu: (("alpha", "inplace"), (), {"alpha": 1.0, "inplace": False}),
+    F.softplus: (("beta", "threshold"), (), {"beta": 1.0, "threshold": 20.0}),
+    F.hardswish: (("inplace",), (), {"inplace": False}),
+    F.leaky_relu: (("negative_slope", "inplace"), (), {"negative_slope": 0.01, "inplace": False}),
+    F.relu: (("inplace",), (), {"inplace": False}),
+    torch.relu: ((), (), {}),
+}
+_GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
+
 
 @dataclass(frozen=True)
 class Replacement:
@@ -84,10 +113,19 @@ class Replacement:
 
 @dataclass
 class CompressionReport:
-    """What :func:`compress_activations` replaced, and what it left alone and why."""
+    """What :func:`compress_activations` replaced, and what it left alone and why.
+
+    Attributes:
+        replaced: every swapped activation.
+        skipped: ``(path, reason)`` of each recognised activation left alone.
+        fallbacks: ``(path, reason)`` of each replaced function attribute that was later called with
+            arguments no lowbit layer implements, so that it ran the original function; filled in while
+            the model runs, once per attribute and set of such arguments (a warning says the same).
+    """
 
     replaced: list[Replacement] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    fallbacks: list[tuple[str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [f"replaced {len(self.replaced)} activation(s)"]
@@ -95,6 +133,9 @@ class CompressionReport:
         if self.skipped:
             lines.append(f"left {len(self.skipped)} alone")
             lines += [f"  {p}: {why}" for p, why in self.skipped]
+        if self.fallbacks:
+            lines.append(f"{len(self.fallbacks)} call(s) ran the original function")
+            lines += [f"  {p}: {why}" for p, why in self.fallbacks]
         return "\n".join(lines)
 
 
@@ -133,6 +174,104 @@ def _module_name(m: nn.Module, strict: bool) -> tuple[Optional[str], Optional[st
     return None, None
 
 
+class _FunctionCall(nn.Module):
+    """Called like the function attribute it replaces: ``(input, *args, **kwargs)`` with that function's
+    signature. Mixed into a lowbit layer; the layer's own ``forward`` serves calls with the defaults."""
+
+    name: str
+    _activation: Callable[[Tensor, bool], Tensor]
+    _fn: Any
+    _path: str
+    _report: CompressionReport
+    _warned: set
+
+    def _setup(self, fn: Any, path: str, report: CompressionReport, alternates: dict[str, nn.Module]) -> None:
+        # Underscored: _walk skips these, so compressing the model again leaves this layer as it is.
+        self._fn, self._path, self._report, self._warned = fn, path, report, set()
+        if alternates:
+            self.alternates = nn.ModuleDict(alternates)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        """``fn(*args, **kwargs)`` for the replaced function ``fn``: by a lowbit layer when the arguments
+        select a function lowbit implements, else by ``fn`` itself."""
+        fn, call_args, call_kwargs = self._fn, args, kwargs
+        if isinstance(fn, functools.partial):
+            fn, call_args, call_kwargs = fn.func, fn.args + args, {**fn.keywords, **kwargs}
+        bound = _bind(_SIGNATURES[fn], call_args, call_kwargs)
+        if bound is None or not isinstance(bound["input"], Tensor):
+            return self._fn(*args, **kwargs)  # whatever the original does with it, errors included
+        x = bound.pop("input")
+        inplace = bool(bound.pop("inplace", False))
+        variant = self.name
+        if fn is F.gelu:
+            approximate = bound.pop("approximate")
+            variant = _GELU_APPROXIMATE.get(approximate) if isinstance(approximate, str) else None
+            if variant is None:
+                return self._fn(*args, **kwargs)  # an invalid value: the original raises
+        other = sorted(k for k, v in bound.items() if not _is_default(v, _SIGNATURES[fn][2][k]))
+        if other:
+            self._fall_back(other, bound)
+            return self._fn(*args, **kwargs)
+        layer = self if variant == self.name else self.alternates[variant]
+        return layer._activation(x, inplace)
+
+    def _describe(self) -> str:
+        # The report names the public layer; the alternates are an implementation detail.
+        base = InvActivation if isinstance(self, InvActivation) else FewBitActivation
+        return f"{base.__name__}({self.extra_repr()})"
+
+    def _fall_back(self, names: list[str], bound: dict[str, Any]) -> None:
+        key = tuple(names)
+        if key in self._warned:
+            return
+        self._warned.add(key)
+        given = ", ".join(f"{k}={bound[k]!r}" for k in names)
+        fn_name = getattr(self._fn, "__name__", repr(self._fn))
+        why = f"called with {given}, which lowbit has no table for: runs the original {fn_name}, saving its input"
+        self._report.fallbacks.append((self._path, why))
+        warnings.warn(f"lowbit: {self._path} {why}", UserWarning, stacklevel=3)
+
+
+class _FewBitFunctionCall(_FunctionCall, FewBitActivation):
+    """A :class:`FewBitActivation` standing in for a function attribute (see :class:`_FunctionCall`)."""
+
+
+class _InvFunctionCall(_FunctionCall, InvActivation):
+    """An :class:`InvActivation` standing in for a function attribute (see :class:`_FunctionCall`)."""
+
+
+def _bind(
+    signature: tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]], args: tuple, kwargs: dict[str, Any]
+) -> Optional[dict[str, Any]]:
+    """Every argument by name, defaults filled in, or None where Python would reject the call."""
+    positional, keyword_only, defaults = signature
+    names = ("input", *positional)
+    if len(args) > len(names):
+        return None
+    bound = dict(zip(names, args, strict=False))  # fewer args than names: the rest by keyword or default
+    for key, value in kwargs.items():
+        if key in bound or (key not in names and key not in keyword_only):
+            return None
+        bound[key] = value
+    if "input" not in bound:
+        return None
+    return {**defaults, **bound}
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether ``value`` computes exactly what ``default`` does (a number equal to a numeric default)."""
+    if default is None:
+        return value is None
+    if isinstance(default, str):
+        return isinstance(value, str) and value == default
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == default
+
+
+def _fewbit_bits(name: str, bits: int) -> int:
+    # ReLU and LeakyReLU are exact at 1 bit, their only table.
+    return 1 if fewbit.table_bits(name) == (1,) else bits
+
+
 def _make(
     name: str, method: str, bits: int, weight: str, device: torch.device
 ) -> tuple[Optional[nn.Module], Optional[str]]:
@@ -140,9 +279,26 @@ def _make(
         if name not in invact.ACTIVATIONS:
             return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish)"
         return InvActivation(name).to(device), None
-    # ReLU and LeakyReLU are exact at 1 bit, their only table.
-    b = 1 if fewbit.table_bits(name) == (1,) else bits
-    return FewBitActivation(name, b, weight).to(device), None
+    return FewBitActivation(name, _fewbit_bits(name, bits), weight).to(device), None
+
+
+def _make_call(
+    fn: Any, name: str, path: str, report: CompressionReport, method: str, bits: int, weight: str, device: torch.device
+) -> tuple[Optional[nn.Module], Optional[str]]:
+    """The layer for function attribute ``fn``; for GELU also the other approximation, which a call may ask
+    for with ``approximate=``."""
+    if method == "invact" and name not in invact.ACTIVATIONS:
+        return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish)"
+    alternates = {}
+    if name in _GELU_APPROXIMATE.values():
+        other = "gelu_tanh" if name == "gelu" else "gelu"
+        alternates[other], _ = _make(other, method, bits, weight, device)
+    if method == "invact":
+        new: _FunctionCall = _InvFunctionCall(name)
+    else:
+        new = _FewBitFunctionCall(name, _fewbit_bits(name, bits), weight)
+    new._setup(fn, path, report, alternates)
+    return new.to(device), None
 
 
 def compress_activations(
@@ -191,12 +347,13 @@ def _walk(module: nn.Module, prefix: str, how: tuple, strict: bool, report: Comp
         if name is None:
             continue
         path = f"{prefix}.{attr}" if prefix else attr
-        new, reason = _make(name, *how)
+        new, reason = _make_call(value, name, path, report, *how)
         if new is None:
             report.skipped.append((path, reason or ""))
             continue
         setattr(module, attr, new)
-        report.replaced.append(Replacement(path, getattr(value, "__name__", repr(value)), repr(new)))
+        after = new._describe() if isinstance(new, _FunctionCall) else repr(new)
+        report.replaced.append(Replacement(path, getattr(value, "__name__", repr(value)), after))
     for child_name, child in list(module._modules.items()):
         if child is None:
             continue

@@ -725,8 +725,9 @@ def _make_table(
     s: Sequence[float], y: Sequence[float], bits: int, err: float, weight: str, interval: tuple[float, float]
 ) -> FewBitTable:
     return FewBitTable(
-        boundaries=torch.tensor(s, dtype=torch.float32),
-        levels=torch.tensor(y, dtype=torch.float32),
+        # On the CPU whatever the default device: tables are constants, built under torch.device("meta") too.
+        boundaries=torch.tensor(s, dtype=torch.float32, device="cpu"),
+        levels=torch.tensor(y, dtype=torch.float32, device="cpu"),
         bits=bits,
         error=float(err),
         weight=weight,

@@ -71,7 +71,7 @@ class InvActTable:
     @property
     def threshold_tensor(self) -> Tensor:
         """``[threshold]`` as an fp32 tensor: the boundary of ``fewbit_encode(x, ., 1)``."""
-        return torch.tensor([self.threshold], dtype=torch.float32)
+        return torch.tensor([self.threshold], dtype=torch.float32, device="cpu")
 
 
 def _check_name(name: object) -> str:
@@ -163,8 +163,9 @@ def _load() -> dict[str, InvActTable]:
         name: InvActTable(
             name,
             float(e["threshold"]),
-            torch.tensor(e["coeffs"], dtype=torch.float32),
-            torch.tensor(e["params"], dtype=torch.float32),
+            # On the CPU even when lowbit is first imported under a torch.device("meta") context.
+            torch.tensor(e["coeffs"], dtype=torch.float32, device="cpu"),
+            torch.tensor(e["params"], dtype=torch.float32, device="cpu"),
         )
         for name, e in data["tables"].items()
     }

@@ -14,6 +14,8 @@ from typing import Any, Union
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lowbit.optim.hyperparams import check_options
+
 __all__ = ["OVERRIDABLE", "clear_override", "get_override", "override"]
 
 #: Options that can be overridden per parameter. Hyperparameters must also exist in the optimizer's
@@ -58,13 +60,13 @@ def override(target: Target, **options: Any) -> None:
 
     Args:
         target: a module (all its parameters), a parameter, or an iterable of parameters.
-        **options: any of :data:`OVERRIDABLE`, e.g. ``optim_bits=32`` to keep 32-bit state.
+        **options: any of :data:`OVERRIDABLE`, e.g. ``optim_bits=32`` to keep 32-bit state; each is
+            validated as the optimizers' own arguments are, and a failed call changes no override.
     """
     unknown = sorted(set(options) - OVERRIDABLE)
     if unknown:
         raise ValueError(f"lowbit: cannot override {unknown}; overridable options: {sorted(OVERRIDABLE)}")
-    if "optim_bits" in options and options["optim_bits"] not in (8, 32):
-        raise ValueError(f"lowbit: optim_bits must be 8 or 32, got {options['optim_bits']!r}")
+    check_options(options, "lowbit.optim.override")
     for p in _params(target):
         _OVERRIDES.setdefault(p, {}).update(options)
 

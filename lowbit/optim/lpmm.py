@@ -20,21 +20,20 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lowbit import _ops
-from lowbit.lpmm import LowPrecisionParameter, any_alive, check_rounding, draw_seed
+from lowbit.lpmm import LowPrecisionParameter, any_alive, draw_seed
+from lowbit.optim.hyperparams import check_options, plain_lr
 from lowbit.optim.optimizer import (
     FLAG_DECOUPLED,
     FLAG_NESTEROV,
     RULE_CODES,
     STATE_FORMAT,
     Params,
-    check_finite_nonneg,
     check_state_format,
     decay_factor,
     restore_state_dtypes,
     state_map,
     upgrade_second_moment,
 )
-from lowbit.optim.optimizers import _check_betas
 
 __all__ = ["LPMMAdamW", "LPMMOptimizer", "LPMMSGD"]
 
@@ -105,20 +104,18 @@ class LPMMOptimizer(torch.optim.Optimizer):
         data_parallel: Optional[bool] = None,
         process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
-        if isinstance(momentum_bits, bool) or not isinstance(momentum_bits, int) or not 1 <= momentum_bits <= 8:
-            raise ValueError(f"lowbit: momentum_bits must be an int in 1..8, got {momentum_bits!r}")
-        check_rounding(rounding)
-        check_finite_nonneg("lr", defaults["lr"])
-        check_finite_nonneg("weight_decay", defaults["weight_decay"])
         self.generator = generator
         self.data_parallel = data_parallel
         self.process_group = process_group
         defaults = dict(defaults, momentum_bits=momentum_bits, rounding=rounding, state_format=STATE_FORMAT)
+        # Every group is validated as it is added (lowbit.optim.hyperparams), the first one included.
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a param group of low-precision parameters' handles; their states are created at once (zero),
         so that distributed checkpoints (``get_optimizer_state_dict``) see them before the first step."""
+        options = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        self._check_config(options, f"{type(self).__name__} param_groups[{len(self.param_groups)}]")
         super().add_param_group(param_group)
         gi, group = len(self.param_groups) - 1, self.param_groups[-1]
         for i, p in enumerate(group["params"]):
@@ -183,13 +180,41 @@ class LPMMOptimizer(torch.optim.Optimizer):
             lp.accumulate_(total.div_(world), seed=_stream_seed(base, 1 + i))
         return base
 
+    def _check_config(self, config: dict[str, Any], where: str) -> None:
+        """Raise ValueError naming ``where`` if an option of ``config`` (a group's, possibly edited in
+        place) is invalid; subclasses add their own rules."""
+        check_options(config, where)
+
+    def _check_state(self, lp: LowPrecisionParameter, state: dict[str, Any], group: dict[str, Any]) -> None:
+        for k in range(self._n_states(group)):
+            codes, absmax = state.get(f"state{k + 1}"), state.get(f"absmax{k + 1}")
+            if (
+                not isinstance(codes, Tensor)
+                or not isinstance(absmax, Tensor)
+                or isinstance(absmax, DTensor) != (lp.shards is not None)
+                or absmax.shape[0] != lp.num_groups
+            ):
+                raise RuntimeError(
+                    f"lowbit: the {type(self).__name__} state of a {tuple(lp.shape)} parameter does not match its "
+                    "storage layout or options; create the optimizer after fully_shard (FSDP2 reshards the storage)"
+                )
+
+    @torch._disable_dynamo  # torch.optim's own lazy form: torch._dynamo is imported at the first step, not here
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """One LPMM step for every parameter with an accumulated gradient; clears the accumulators."""
+        """One LPMM step for every parameter with an accumulated gradient; clears the accumulators.
+
+        Every option and state is checked first: a step that raises changes nothing."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for gi, group in enumerate(self.param_groups):
+            self._check_config(group, f"{type(self).__name__} param_groups[{gi}]")
+            for p in group["params"]:
+                lp, state = storage_of(p), self.state.get(p)
+                if lp is not None and state:
+                    self._check_state(lp, state, group)
         group = self._group()
         base = self._average_gradients(group) if group is not None else draw_seed(self.generator)
         calls = 0
@@ -217,23 +242,15 @@ class LPMMOptimizer(torch.optim.Optimizer):
         hyper, flags = self._hyper(group)
         scalars: list[float] = []
         for _, state in items:
-            state["step"] += 1.0
-            scalars += self._scalars(group, int(state["step"].item()))
+            scalars += self._scalars(group, int(state["step"].item()) + 1)
         bits = group["momentum_bits"]
         lists: dict[str, list[Tensor]] = {f"{name}{k}": [] for name in ("state", "absmax") for k in (1, 2)}
         for lp, state in items:
             for k in range(n_states):
-                codes, absmax = state[f"state{k + 1}"], state[f"absmax{k + 1}"]
-                if isinstance(absmax, DTensor) != (lp.shards is not None) or absmax.shape[0] != lp.num_groups:
-                    raise RuntimeError(
-                        f"lowbit: the {type(self).__name__} state of a {tuple(lp.shape)} parameter does not match its "
-                        "storage layout; create the optimizer after fully_shard (FSDP2 reshards the storage)"
-                    )
-                lists[f"state{k + 1}"].append(lp.local_view(codes, bits))
-                lists[f"absmax{k + 1}"].append(_ops.local(absmax))
+                lists[f"state{k + 1}"].append(lp.local_view(state[f"state{k + 1}"], bits))
+                lists[f"absmax{k + 1}"].append(_ops.local(state[f"absmax{k + 1}"]))
         device = lp0.device
-        step_op = _ops.lpmm_step_ if torch.compiler.is_compiling() else _ops.lpmm_step_eager
-        step_op(
+        _ops.lpmm_step_eager(
             [lp.local_codes() for lp, _ in items],
             [lp.local_absmax() for lp, _ in items],
             [lp.grad_codes for lp, _ in items],
@@ -258,17 +275,24 @@ class LPMMOptimizer(torch.optim.Optimizer):
             group["rounding"] == "stochastic",
             seed,
         )
-        for lp, _ in items:
+        for lp, state in items:
+            state["step"] += 1.0
             lp.version += 1
             lp.has_grad = False
 
+    @torch._disable_dynamo  # as torch.optim's zero_grad: the accumulators are not traceable tensors
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Empty the gradient accumulators of all parameters (the step also empties them)."""
+        """Discard the accumulated gradients, as ``torch.optim.Optimizer.zero_grad``: ``set_to_none=True``
+        empties the accumulators (the next step skips those parameters); ``False`` keeps them as zero
+        gradients, which the next step applies (counting the step, decaying the moments)."""
         for group in self.param_groups:
             for p in group["params"]:
                 lp = storage_of(p)
-                if lp is not None:
-                    lp.zero_grad_()
+                if lp is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                lp.zero_grad_(set_to_none)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict; codes and absmaxes keep their dtypes whatever the compute dtype, and states
@@ -346,11 +370,7 @@ class LPMMSGD(LPMMOptimizer):
         data_parallel: Optional[bool] = None,
         process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"lowbit: momentum must be in [0, 1), got {momentum!r}")
-        if nesterov and momentum <= 0:
-            raise ValueError("lowbit: Nesterov momentum requires momentum > 0")
-        defaults = dict(lr=lr, momentum=float(momentum), weight_decay=weight_decay, nesterov=bool(nesterov))
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(
             params,
             defaults,
@@ -361,15 +381,23 @@ class LPMMSGD(LPMMOptimizer):
             process_group=process_group,
         )
 
+    def _check_config(self, config: dict[str, Any], where: str) -> None:
+        super()._check_config(config, where)
+        momentum = config["momentum"]
+        if not (isinstance(momentum, (int, float)) and not isinstance(momentum, bool) and 0 <= momentum < 1):
+            raise ValueError(f"lowbit: {where}: invalid momentum value ({momentum!r}); expected a number in [0, 1)")
+        if config["nesterov"] and momentum <= 0:
+            raise ValueError(f"lowbit: {where}: Nesterov momentum requires momentum > 0")
+
     def _n_states(self, group: dict[str, Any]) -> int:
         return 1 if group["momentum"] > 0 else 0
 
     def _hyper(self, group: dict[str, Any]) -> tuple[list[float], int]:
-        hyper = [group["lr"], group["momentum"], 0.0, 1.0, 0.0, 0.0, group["weight_decay"], 1.0]
+        hyper = [plain_lr(group["lr"]), group["momentum"], 0.0, 1.0, 0.0, 0.0, group["weight_decay"], 1.0]
         return hyper, FLAG_NESTEROV if group["nesterov"] else 0
 
     def _scalars(self, group: dict[str, Any], step: int) -> list[float]:
-        return [group["lr"], 1.0, float(step == 1)]
+        return [plain_lr(group["lr"]), 1.0, float(step == 1)]
 
 
 class LPMMAdamW(LPMMOptimizer):
@@ -409,8 +437,7 @@ class LPMMAdamW(LPMMOptimizer):
         data_parallel: Optional[bool] = None,
         process_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
-        check_finite_nonneg("eps", eps)
-        defaults = dict(lr=lr, betas=_check_betas(betas), eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(
             params,
             defaults,
@@ -422,9 +449,9 @@ class LPMMAdamW(LPMMOptimizer):
         )
 
     def _hyper(self, group: dict[str, Any]) -> tuple[list[float], int]:
-        lr, (b1, b2), wd = group["lr"], group["betas"], group["weight_decay"]
+        lr, (b1, b2), wd = plain_lr(group["lr"]), group["betas"], group["weight_decay"]
         return [lr, b1, b2, 1.0 - b1, 1.0 - b2, group["eps"], wd, decay_factor(lr, wd)], FLAG_DECOUPLED
 
     def _scalars(self, group: dict[str, Any], step: int) -> list[float]:
         b1, b2 = group["betas"]
-        return [group["lr"] / (1.0 - b1**step), math.sqrt(1.0 - b2**step), float(step == 1)]
+        return [plain_lr(group["lr"]) / (1.0 - b1**step), math.sqrt(1.0 - b2**step), float(step == 1)]

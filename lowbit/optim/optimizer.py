@@ -24,7 +24,6 @@ behave identically.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Optional, Union
 
@@ -37,6 +36,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from lowbit import _ops
 from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise, quantize_blockwise
 from lowbit.optim.config import get_override
+from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_options, plain_lr
+from lowbit.optim.loaded_state import check_loaded_state
 
 __all__ = ["LowbitOptimizer"]
 
@@ -46,12 +47,9 @@ Params = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 RULE_CODES = {"adam": 0, "sgd": 1, "lion": 2, "rmsprop": 3, "adagrad": 4, "lamb": 5}
 FLAG_DECOUPLED, FLAG_NESTEROV, FLAG_MAXIMIZE = 1, 2, 4
 NORM_NONE, NORM_TRUST, NORM_CLIP = 0, 1, 2
-GNORM_HISTORY = 100
 
 _MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 
-# Options that decide how states are stored: an optimizer keeps its own when it loads a state dict.
-LAYOUT_OPTIONS = ("optim_bits", "block_size", "min_8bit_size")
 
 # The form of stored second moments, kept in every param group so that a state dict says which it holds:
 # 1: v on the unsigned dynamic map (lowbit 0.1.0 before the zero-point fix); 2: sqrt(v) on the zero-free
@@ -102,15 +100,6 @@ def like_param(p: Tensor, value: Tensor) -> Tensor:
     return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
-def _check_block_size(block_size: object) -> None:
-    if (
-        isinstance(block_size, bool)
-        or not isinstance(block_size, int)
-        or not (64 <= block_size <= 4096 and block_size & (block_size - 1) == 0)
-    ):
-        raise ValueError(f"lowbit: block_size must be a power of two in 64..4096, got {block_size!r}")
-
-
 class LowbitOptimizer(torch.optim.Optimizer):
     """Base class of lowbit's optimizers; the options below are keyword arguments of every optimizer.
 
@@ -153,31 +142,33 @@ class LowbitOptimizer(torch.optim.Optimizer):
         max_unorm: float = 0.0,
         percentile_clipping: int = 100,
     ) -> None:
-        if optim_bits not in (8, 32) or isinstance(optim_bits, bool):
-            raise ValueError(f"lowbit: optim_bits must be 8 or 32, got {optim_bits!r}")
-        _check_block_size(block_size)
-        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-            raise ValueError(f"lowbit: min_8bit_size must be a non-negative int, got {min_8bit_size!r}")
-        check_finite_nonneg("max_unorm", max_unorm)
-        if isinstance(percentile_clipping, bool) or not isinstance(percentile_clipping, int):
-            raise ValueError(f"lowbit: percentile_clipping must be an int in 1..100, got {percentile_clipping!r}")
-        if not 1 <= percentile_clipping <= 100:
-            raise ValueError(f"lowbit: percentile_clipping must be in 1..100, got {percentile_clipping}")
         defaults = dict(
             defaults,
             optim_bits=optim_bits,
             block_size=block_size,
             min_8bit_size=min_8bit_size,
-            max_unorm=float(max_unorm),
+            max_unorm=max_unorm,
             percentile_clipping=percentile_clipping,
             state_format=STATE_FORMAT,
         )
+        # Every group is validated as it is added (lowbit.optim.hyperparams), the first one included.
         super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's ``add_param_group``; the group's options are validated before it is added."""
+        options = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
+        self._check_config(options, f"{type(self).__name__} param_groups[{len(self.param_groups)}]")
+        super().add_param_group(param_group)
 
     # -- subclass hooks -------------------------------------------------------------------------
 
     def _n_states(self, config: dict[str, Any]) -> int:
         return len(self._state_names)
+
+    def _check_config(self, config: dict[str, Any], where: str) -> None:
+        """Raise ValueError naming ``where`` if an option of ``config`` is invalid; subclasses add the
+        checks that combine options."""
+        check_options(config, where)
 
     def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
         """(lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * wd), flags."""
@@ -215,10 +206,13 @@ class LowbitOptimizer(torch.optim.Optimizer):
         """The options in force for ``p``: its group's, overlaid with its overrides."""
         return self._merge(self._group_config(group), get_override(p))
 
-    @staticmethod
-    def _group_config(group: dict[str, Any]) -> dict[str, Any]:
+    def _group_config(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The validated options of ``group`` (which may have been edited since it was added), with a
+        tensor learning rate read as a float."""
         config = {k: v for k, v in group.items() if k != "params"}
-        _check_block_size(config["block_size"])
+        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        self._check_config(config, f"{type(self).__name__} param_groups[{index}]")
+        config["lr"] = plain_lr(config["lr"])
         return config
 
     def _merge(self, config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -228,7 +222,8 @@ class LowbitOptimizer(torch.optim.Optimizer):
         if unknown:
             raise ValueError(f"lowbit: {type(self).__name__} has no option {unknown} (set by lowbit.optim.override)")
         merged = {**config, **overrides}
-        _check_block_size(merged["block_size"])
+        self._check_config(merged, f"{type(self).__name__}, an option set by lowbit.optim.override")
+        merged["lr"] = plain_lr(merged["lr"])
         return merged
 
     def _eight_bit(self, config: dict[str, Any], p: Tensor) -> bool:
@@ -301,12 +296,17 @@ class LowbitOptimizer(torch.optim.Optimizer):
 
     # -- step -------------------------------------------------------------------------------------
 
+    @torch._disable_dynamo  # torch.optim's own lazy form: torch._dynamo is imported at the first step, not here
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
 
         A step that raises leaves the optimizer and the parameters as they were: every fused call is
         prepared and checked before any of them writes, and state created by the failed step is removed.
+        Under ``torch.compile`` the step runs eagerly (a graph break; ``fullgraph=True`` raises, as it
+        does for torch.optim's optimizers): it is already one fused native call per param group, and
+        its step-dependent scalars are host arithmetic that would otherwise recompile as the
+        learning rate changes.
         """
         loss = None
         if closure is not None:
@@ -383,7 +383,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
         hyper = [*hyper, config["max_unorm"]]
         norm_mode = self._norm_mode
         if config["max_unorm"] > 0:
-            if norm_mode != NORM_NONE:
+            if norm_mode != NORM_NONE:  # LAMB and LARS refuse it when it is set; this catches later edits
                 raise ValueError(f"lowbit: {type(self).__name__} scales its update itself; max_unorm must be 0")
             norm_mode = NORM_CLIP
         params, grads, scalars = [], [], []
@@ -437,9 +437,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
         _ops.check_optimizer_step(*args, update_scales)
 
         def run() -> None:
-            # Eager steps skip the dispatcher's per-tensor bookkeeping; traced ones go through the op.
-            step_op = _ops.optimizer_step_ if torch.compiler.is_compiling() else _ops.optimizer_step_eager
-            step_op(*args, update_scales)
+            _ops.optimizer_step_eager(*args, update_scales)
             for shard, work in copied:
                 shard.copy_(work)
             torch._foreach_add_([state["step"] for _, state in batch], 1.0)
@@ -475,8 +473,10 @@ class LowbitOptimizer(torch.optim.Optimizer):
         (``optim_bits``, ``block_size``, ``min_8bit_size``) stay this optimizer's: states saved in another
         layout, or under torch.optim's names, are converted to it (an ``Adam8bit`` stays 8-bit). 8-bit
         codes and fp32 states keep their dtype whatever the param dtype; 8-bit second moments saved in
-        format 1 (``STATE_FORMAT``) are re-encoded.
+        format 1 (``STATE_FORMAT``) are re-encoded. Every group and state entry is validated first
+        (:mod:`lowbit.optim.loaded_state`): a state dict that does not fit raises and changes nothing.
         """
+        check_loaded_state(self, state_dict)
         for group in state_dict["param_groups"]:
             check_state_format(self, group)
         layouts = [{k: group[k] for k in LAYOUT_OPTIONS} for group in self.param_groups]
@@ -600,9 +600,3 @@ def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str,
 def decay_factor(lr: float, weight_decay: float) -> float:
     """1 - lr * weight_decay, computed in double as torch.optim does."""
     return 1.0 - lr * weight_decay
-
-
-def check_finite_nonneg(name: str, value: float) -> None:
-    """torch.optim-style validation of a non-negative hyperparameter."""
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"lowbit: invalid {name}: {value!r} (expected a finite number >= 0)")

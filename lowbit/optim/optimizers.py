@@ -20,7 +20,6 @@ from lowbit.optim.optimizer import (
     NORM_TRUST,
     LowbitOptimizer,
     Params,
-    check_finite_nonneg,
     decay_factor,
 )
 
@@ -50,15 +49,6 @@ __all__ = [
     "RMSprop8bit",
     "RMSprop32bit",
 ]
-
-
-def _check_betas(betas: Any) -> tuple[float, float]:
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"lowbit: betas must be a pair of floats, got {betas!r}")
-    for i, b in enumerate(betas):
-        if not isinstance(b, (int, float)) or isinstance(b, bool) or not 0.0 <= b < 1.0:
-            raise ValueError(f"lowbit: invalid beta parameter at index {i}: {b!r} (expected 0 <= beta < 1)")
-    return float(betas[0]), float(betas[1])
 
 
 def _flags(config: dict[str, Any], decoupled: bool = False, nesterov: bool = False) -> int:
@@ -101,10 +91,6 @@ class Adam(LowbitOptimizer):
         maximize: bool = False,
         **options: Any,
     ) -> None:
-        check_finite_nonneg("learning rate", lr)
-        check_finite_nonneg("epsilon value", eps)
-        check_finite_nonneg("weight_decay value", weight_decay)
-        betas = _check_betas(betas)
         if amsgrad:
             raise ValueError(f"lowbit: {type(self).__name__} does not support amsgrad=True")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
@@ -184,13 +170,6 @@ class SGD(LowbitOptimizer):
         maximize: bool = False,
         **options: Any,
     ) -> None:
-        check_finite_nonneg("learning rate", lr)
-        check_finite_nonneg("momentum value", momentum)
-        check_finite_nonneg("weight_decay value", weight_decay)
-        if not isinstance(dampening, (int, float)) or not math.isfinite(dampening):
-            raise ValueError(f"lowbit: invalid dampening value: {dampening!r}")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("lowbit: Nesterov momentum requires a momentum and zero dampening")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -203,6 +182,11 @@ class SGD(LowbitOptimizer):
 
     def _n_states(self, config: dict[str, Any]) -> int:
         return 1 if config["momentum"] != 0 else 0
+
+    def _check_config(self, config: dict[str, Any], where: str) -> None:
+        super()._check_config(config, where)
+        if config["nesterov"] and (config["momentum"] <= 0 or config["dampening"] != 0):
+            raise ValueError(f"lowbit: {where}: Nesterov momentum requires a momentum and zero dampening")
 
     def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
         hyper = [config["lr"], config["momentum"], 0.0, 1.0 - config["dampening"], 0.0, 0.0]
@@ -237,9 +221,6 @@ class Lion(LowbitOptimizer):
         maximize: bool = False,
         **options: Any,
     ) -> None:
-        check_finite_nonneg("learning rate", lr)
-        check_finite_nonneg("weight_decay value", weight_decay)
-        betas = _check_betas(betas)
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=bool(maximize))
         super().__init__(params, defaults, **options)
 
@@ -281,10 +262,6 @@ class RMSprop(LowbitOptimizer):
         maximize: bool = False,
         **options: Any,
     ) -> None:
-        for name, value in (("learning rate", lr), ("epsilon value", eps), ("momentum value", momentum)):
-            check_finite_nonneg(name, value)
-        check_finite_nonneg("weight_decay value", weight_decay)
-        check_finite_nonneg("alpha value", alpha)
         if centered:
             raise ValueError(f"lowbit: {type(self).__name__} does not support centered=True")
         defaults = dict(
@@ -332,14 +309,6 @@ class Adagrad(LowbitOptimizer):
         maximize: bool = False,
         **options: Any,
     ) -> None:
-        for name, value in (
-            ("learning rate", lr),
-            ("lr_decay value", lr_decay),
-            ("weight_decay value", weight_decay),
-            ("initial_accumulator_value", initial_accumulator_value),
-            ("epsilon value", eps),
-        ):
-            check_finite_nonneg(name, value)
         defaults = dict(
             lr=lr,
             lr_decay=lr_decay,
@@ -383,6 +352,11 @@ class LAMB(LowbitOptimizer):
     _state_signed = (True, False)
     _norm_mode = NORM_TRUST
 
+    def _check_config(self, config: dict[str, Any], where: str) -> None:
+        super()._check_config(config, where)
+        if config["max_unorm"]:
+            raise ValueError(f"lowbit: {where}: LAMB scales its update by the trust ratio; max_unorm must be 0")
+
     def __init__(
         self,
         params: Params,
@@ -394,12 +368,6 @@ class LAMB(LowbitOptimizer):
         maximize: bool = False,
         **options: Any,
     ) -> None:
-        check_finite_nonneg("learning rate", lr)
-        check_finite_nonneg("epsilon value", eps)
-        check_finite_nonneg("weight_decay value", weight_decay)
-        betas = _check_betas(betas)
-        if options.get("max_unorm", 0.0):
-            raise ValueError("lowbit: LAMB scales its update by the trust ratio; max_unorm must be 0")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
         super().__init__(params, defaults, **options)
 
@@ -445,13 +413,13 @@ class LARS(SGD):
         maximize: bool = False,
         **options: Any,
     ) -> None:
-        check_finite_nonneg("trust_coefficient", trust_coefficient)
-        check_finite_nonneg("epsilon value", eps)
+        self._lars_defaults = dict(trust_coefficient=trust_coefficient, eps=eps)
         super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize, **options)
-        for group in self.param_groups:
-            group.setdefault("trust_coefficient", trust_coefficient)
-            group.setdefault("eps", eps)
-        self.defaults.update(trust_coefficient=trust_coefficient, eps=eps)
+        self.defaults.update(self._lars_defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's ``add_param_group``, with LARS's own options' defaults filled in."""
+        super().add_param_group({**self._lars_defaults, **param_group})
 
     def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
         hyper, flags = super()._hyper(config)

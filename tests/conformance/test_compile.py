@@ -1,0 +1,189 @@
+"""torch.compile, LR schedulers, tensor learning rates and GradScaler with lowbit's optimizers.
+
+A lowbit step under torch.compile runs eagerly (a graph break, see ``LowbitOptimizer.step``), so a
+compiled training step must give bit for bit what the eager one gives, whatever the backend, and must
+not recompile when a scheduler changes the learning rate.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+import lowbit.lpmm
+import lowbit.optim as O
+
+OPTIMIZERS = {
+    "AdamW8bit": lambda p, lr: O.AdamW8bit(p, lr=lr, min_8bit_size=0),
+    "AdamW32bit": lambda p, lr: O.AdamW32bit(p, lr=lr),
+    "SGD8bit": lambda p, lr: O.SGD8bit(p, lr=lr, momentum=0.9, min_8bit_size=0),
+    "Lion8bit": lambda p, lr: O.Lion8bit(p, lr=lr, min_8bit_size=0),
+}
+
+
+class ConvNet(nn.Module):
+    """A small conv net in channels_last, the layout compiled vision models train in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.conv(x)).flatten(1))
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return ConvNet().to(memory_format=torch.channels_last)
+
+
+def _batches(n: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 3, 8, 8, generator=gen).to(memory_format=torch.channels_last) for _ in range(n)]
+
+
+def _train(make, compiled: bool, backend: str, tensor_lr: bool, steps: int = 4) -> tuple[list[torch.Tensor], list]:
+    """Parameters after ``steps`` steps of a StepLR-scheduled run, and the graph count after each step."""
+    model = _model()
+    # The tensor learning rate is fp32, the float one its value: StepLR's halvings are exact in both.
+    opt = make(model.parameters(), torch.tensor(0.01) if tensor_lr else float(torch.tensor(0.01)))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    def train_step(x: torch.Tensor) -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+    fn = torch.compile(train_step, backend=backend) if compiled else train_step
+    graphs = []
+    for x in _batches(steps):
+        fn(x)
+        graphs.append(counters["stats"]["unique_graphs"])
+    return [p.detach().clone() for p in model.parameters()], graphs
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_compiled_training_step_matches_eager(name, backend):
+    # Used to fail at the second compiled call (the float[] op argument received SymFloats), and the
+    # inductor backend failed on the traced step scalars.
+    torch._dynamo.reset()
+    counters.clear()
+    make = OPTIMIZERS[name]
+    want, _ = _train(make, compiled=False, backend=backend, tensor_lr=True)
+    got, graphs = _train(make, compiled=True, backend=backend, tensor_lr=True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    # The learning rate halves every step: no step after the first two may compile anything new.
+    assert graphs[1] == graphs[-1], graphs
+
+
+def test_compiled_step_of_lowbit_and_torch_refuse_fullgraph_alike():
+    # torch.optim's own step breaks the graph (torch._dynamo.graph_break in torch.optim); lowbit's
+    # raises the same error kind, with its reason, instead of tracing into host arithmetic.
+    for make in (lambda p: torch.optim.AdamW(p), lambda p: O.AdamW8bit(p, min_8bit_size=0)):
+        torch._dynamo.reset()
+        model = _model()
+        opt = make(model.parameters())
+        model(_batches(1)[0]).sum().backward()
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            torch.compile(opt.step, fullgraph=True, backend="eager")()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_tensor_lr_steps_like_the_float_lr(name):
+    # Used to raise "invalid learning rate: tensor(0.0100)", although torch.optim accepts it.
+    make = OPTIMIZERS[name]
+    want, _ = _train(make, compiled=False, backend="eager", tensor_lr=False)
+    got, _ = _train(make, compiled=False, backend="eager", tensor_lr=True)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_tensor_lr_matches_torch_adamw():
+    # Same bound as tests/test_optim.py::test_fp32_states_match_torch (fp32 formulas in another order).
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(300))
+    b = nn.Parameter(a.detach().clone())
+    oa = O.AdamW32bit([a], lr=torch.tensor(0.01))
+    ob = torch.optim.AdamW([b], lr=torch.tensor(0.01), foreach=False)
+    for _ in range(10):
+        a.grad = b.grad = torch.randn(300)
+        oa.step()
+        ob.step()
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([0.1, 0.2]), torch.tensor(-0.1), torch.tensor(1)])
+def test_bad_tensor_lr_is_refused(bad):
+    with pytest.raises(ValueError, match="learning rate"):
+        O.AdamW8bit([nn.Parameter(torch.zeros(3))], lr=bad)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_grad_scaler_unscales_and_skips_non_finite_steps(name):
+    # A power-of-two loss scale unscales exactly, so the scaled run must equal the unscaled one bit for
+    # bit, with the step whose gradient holds an inf skipped (parameters and states untouched).
+    make = OPTIMIZERS[name]
+    batches = _batches(4)
+
+    def run(scaled: bool) -> tuple[list[torch.Tensor], torch.optim.Optimizer, float]:
+        model = _model()
+        opt = make(model.parameters(), 0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
+        for i, x in enumerate(batches):
+            scaler.scale(model(x).square().mean()).backward()
+            if i == 2:
+                model.conv.weight.grad[0, 0, 0, 0] = float("inf")
+                if not scaled:  # the reference skips the poisoned step by hand
+                    opt.zero_grad()
+                    continue
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], opt, scaler.get_scale()
+
+    got, opt, scale = run(scaled=True)
+    want, ref_opt, _ = run(scaled=False)
+    assert scale == 2.0**9  # halved once, at the skipped step
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    for p, q in zip(opt.param_groups[0]["params"], ref_opt.param_groups[0]["params"], strict=True):
+        assert float(opt.state[p]["step"]) == float(ref_opt.state[q]["step"]) == 3
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, ref_opt.state[q][key]), key
+
+
+@pytest.mark.parametrize("zero_grad", ["optimizer", "model"])
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_compiled_lpmm_training_step_matches_eager(backend, zero_grad):
+    # Used to fail: the compiled step traced the native call's scalars, and a traced zero_grad read the
+    # accumulator placeholders of the converted parameters.
+    def run(compiled: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        lowbit.lpmm.convert(model, generator=torch.Generator().manual_seed(1))
+        opt = O.LPMMAdamW(model.parameters(), lr=torch.tensor(0.01), generator=torch.Generator().manual_seed(2))
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+        def train_step(x: torch.Tensor) -> None:
+            model(x).square().mean().backward()
+            opt.step()
+            (opt if zero_grad == "optimizer" else model).zero_grad()
+            sched.step()
+
+        fn = torch.compile(train_step, backend=backend) if compiled else train_step
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(4):
+            fn(torch.randn(8, 16, generator=gen))
+        return lowbit.lpmm.export_float(model)
+
+    torch._dynamo.reset()
+    want, got = run(compiled=False), run(compiled=True)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
