@@ -274,6 +274,14 @@ def _sqrt32(x: Tensor) -> Tensor:
     return torch.sqrt(x.double()).to(torch.float32)
 
 
+def _torch_lerp(m: Tensor, g: Tensor, w: float) -> Tensor:
+    """optim_rules.h's torch_lerp: ATen's lerp formula, which switches form at |w| = 0.5."""
+    f32 = torch.float32
+    if abs(float(torch.tensor(w, dtype=f32))) < 0.5:
+        return m + torch.tensor(w, dtype=f32) * (g - m)
+    return g + (torch.tensor(w, dtype=f32) - 1.0) * (g - m)
+
+
 def _rule_step(
     rule: int, h: list[float], flags: int, sc: Tensor, p: Tensor, g: Tensor, s1: Tensor, s2: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -284,7 +292,7 @@ def _rule_step(
     if rule in (_RULE_ADAM, _RULE_LAMB):
         if rule == _RULE_ADAM and wd != 0 and not flags & _DECOUPLED:
             g = g + torch.tensor(wd, dtype=f32) * p
-        s1 = s1 + torch.tensor(omb1, dtype=f32) * (g - s1)
+        s1 = _torch_lerp(s1, g, omb1)
         s2 = s2 * torch.tensor(b2, dtype=f32) + torch.tensor(omb2, dtype=f32) * g * g
         if rule == _RULE_ADAM:
             denom = _sqrt32(s2) / torch.tensor(bias2_sqrt, dtype=f32) + torch.tensor(eps, dtype=f32)

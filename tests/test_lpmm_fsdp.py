@@ -164,3 +164,19 @@ def test_two_dimensional_mesh_raises(one_rank):
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
     with pytest.raises(NotImplementedError, match="HSDP is not supported"):
         fully_shard(model, mesh=mesh)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_clip_grad_norm_of_sharded_storage_matches_plain(one_rank, norm_type):
+    # lowbit.lpmm.clip_grad_norm_ all-reduces the sharded accumulators' norms (one rank: the all-reduce
+    # runs, over one member); torch's clip_grad_norm_ sees no gradients on FSDP2 handles.
+    plain, sharded = _model(0, shard=False), _model(0, shard=True)
+    x = torch.randn(16, 40, generator=torch.Generator().manual_seed(1))
+    for model in (plain, sharded):
+        torch.manual_seed(3)  # the same accumulation rounding draws
+        model(x).square().sum().backward()
+    totals = [lowbit.lpmm.clip_grad_norm_(m, 0.5, norm_type=norm_type) for m in (plain, sharded)]
+    assert torch.equal(totals[0], totals[1]) and float(totals[0]) > 0.5
+    lps = low_precision_parameters(plain)
+    for name, lp in low_precision_parameters(sharded).items():
+        assert torch.equal(lp.grad.reshape(-1)[: lp.numel()], lps[name].grad.reshape(-1)), name

@@ -52,6 +52,14 @@ struct StepScalars {
   float update_scale;  // from the norm pre-pass (NormMode), 1 otherwise
 };
 
+// torch.optim's exp_avg.lerp_(g, w), as ATen's lerp computes it: m + w (g - m) for |w| < 0.5, else
+// g - (g - m) (1 - w). The second form is exact at w = 1 (beta1 = 0), where the first cancels to 0
+// once |m| >> |g|. The branch is on a per-call constant, so it is a blend in the vectorised loops.
+LB_HD float torch_lerp(float m, float g, float w) {
+  const bool small = fabsf(w) < 0.5f;
+  return (small ? m : g) + (small ? w : w - 1.f) * (g - m);
+}
+
 // Each rule updates its states and returns the step u that is subtracted from the parameter:
 // p <- p - update_scale * u, after decoupled decay. Multiplying by an update_scale of 1 is exact,
 // so without a norm mode the arithmetic is torch.optim's.
@@ -59,7 +67,7 @@ struct StepScalars {
 // torch.optim.Adam / AdamW: s1 = exp_avg, s2 = exp_avg_sq.
 LB_HD float adam_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v) {
   if (h.weight_decay != 0.f && !(h.flags & kDecoupled)) g = g + h.weight_decay * p;
-  m = m + h.one_minus_beta1 * (g - m);
+  m = torch_lerp(m, g, h.one_minus_beta1);
   v = v * h.beta2 + h.one_minus_beta2 * g * g;
   const float denom = sqrtf(v) / s.bias2_sqrt + h.eps;
   return s.step_size * m / denom;
@@ -67,7 +75,7 @@ LB_HD float adam_step(const StepHyper& h, const StepScalars& s, float p, float g
 
 // LAMB (You et al. 2020): the Adam direction plus weight decay, scaled by the trust ratio.
 LB_HD float lamb_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v) {
-  m = m + h.one_minus_beta1 * (g - m);
+  m = torch_lerp(m, g, h.one_minus_beta1);
   v = v * h.beta2 + h.one_minus_beta2 * g * g;
   const float r = (m * s.step_size) / (sqrtf(v) / s.bias2_sqrt + h.eps) + h.weight_decay * p;
   return h.lr * r;

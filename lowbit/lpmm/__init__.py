@@ -661,12 +661,22 @@ class LowPrecisionParameter(nn.Module):
             if probe.dtype not in _ops.FLOAT_DTYPES:
                 raise TypeError(f"lowbit.lpmm: compute dtype must be float32, float16 or bfloat16, got {probe.dtype}")
             self.dtype = probe.dtype
+        # From the meta device (converted under torch.device("meta"), then to_empty) the storage stays
+        # uninitialised, as to_empty leaves ordinary parameters (load a state dict next), and the gradient
+        # accumulator starts empty (zero absmaxes).
         for name in ("codes", "absmax"):
-            self._buffers[name] = self._buffers[name].to(probe.device)
+            t = self._buffers[name]
+            self._buffers[name] = torch.empty_like(t, device=probe.device) if t.is_meta else t.to(probe.device)
+        if self.grad_codes.is_meta:
+            self.grad_codes = torch.zeros_like(self.grad_codes, device=probe.device)
+            self.grad_absmax = torch.zeros_like(self.grad_absmax, device=probe.device)
+            self.has_grad = False
         self.grad_codes = self.grad_codes.to(probe.device)
         self.grad_absmax = self.grad_absmax.to(probe.device)
         handle = self._parameters["handle"]
-        if not isinstance(handle, DTensor):  # FSDP2 manages a sharded handle
+        if handle.is_meta:  # a new handle, as torch's to_empty gives a meta parameter
+            self.handle = _Handle(torch.empty(0, dtype=self.dtype, device=probe.device), handle.requires_grad)
+        elif not isinstance(handle, DTensor):  # FSDP2 manages a sharded handle
             handle.data = torch.empty(0, dtype=self.dtype, device=probe.device)
         return self
 

@@ -284,15 +284,32 @@ class LowbitOptimizer(torch.optim.Optimizer):
         This is how a changed ``optim_bits`` or ``block_size`` (param group or override) is honoured
         for a parameter that already has state; missing states start at their initial value.
         """
-        eight_bit = self._eight_bit(config, p)  # by the global element count of an FSDP2 parameter
+        values = []
         for k in range(self._n_states(config)):
             if f"state{k + 1}" in state:
-                value = self._unpack(k, p, state).clone()
+                values.append(self._unpack(k, p, state).clone())
             else:
                 shard = _ops.local(p)
-                value = torch.full(shard.shape, self._init_value(k, config), dtype=torch.float32, device=shard.device)
-            codes, state[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
-            state[f"state{k + 1}"] = like_param(p, codes)
+                values.append(
+                    torch.full(shard.shape, self._init_value(k, config), dtype=torch.float32, device=shard.device)
+                )
+        state.update(self._store(p, values, config))
+
+    def _store(self, p: Tensor, values: list[Tensor], config: dict[str, Any]) -> dict[str, Tensor]:
+        """``state{k}``/``absmax{k}`` entries holding ``values`` (fp32, shaped like the local shard of
+        ``p``) in the layout ``config`` asks for. In 8-bit layout an element with a non-finite state
+        restarts all its states from zero, as the step does (module docstring): one NaN would otherwise
+        become its block's scale and spoil the block."""
+        eight_bit = self._eight_bit(config, p)  # by the global element count of an FSDP2 parameter
+        if eight_bit and values:
+            bad = ~torch.stack([v.isfinite() for v in values]).all(0)
+            if bool(bad.any()):
+                values = [v.masked_fill(bad, 0.0) for v in values]
+        out: dict[str, Tensor] = {}
+        for k, value in enumerate(values):
+            codes, out[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
+            out[f"state{k + 1}"] = like_param(p, codes)
+        return out
 
     # -- step -------------------------------------------------------------------------------------
 
@@ -524,15 +541,19 @@ class LowbitOptimizer(torch.optim.Optimizer):
         """Set the state of ``p`` from torch.optim's layout (e.g. ``torch.optim.Adam().state[p]``)."""
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         config = self._config(group, p)
-        eight_bit = self._eight_bit(config, p)
         # torch.optim.SGD keeps no step count; a momentum buffer means at least one step was taken.
         step = state.get("step", float(any(name in state for name in self._state_names)))
         new: dict[str, Any] = {"step": torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()}
         shard = _ops.local(p)
-        for k in range(self._n_states(config)):
-            value = _ops.local(state[self._state_names[k]]).detach().to(shard.device, torch.float32)
-            codes, new[f"absmax{k + 1}"] = self._pack(k, value.reshape(shard.shape).clone(), config, eight_bit)
-            new[f"state{k + 1}"] = like_param(p, codes)
+        values = [
+            _ops.local(state[self._state_names[k]])
+            .detach()
+            .to(shard.device, torch.float32)
+            .reshape(shard.shape)
+            .clone()
+            for k in range(self._n_states(config))
+        ]
+        new.update(self._store(p, values, config))
         self.state[p] = new
 
 

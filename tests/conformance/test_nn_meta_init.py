@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import lowbit.lpmm
 import lowbit.nn as lnn
+import lowbit.optim
 from lowbit.nn import fewbit, invact
 
 
@@ -175,3 +177,25 @@ def test_dtype_casts_keep_the_tables(cls, args, kwargs, make_input, cast):
     _assert_same_run(got, want, x)
     _assert_same_run(got, want, x.half())
     _assert_same_run(copy.deepcopy(got), want, x.bfloat16())
+
+
+def test_lpmm_model_converted_on_meta_loads_after_to_empty():
+    # Used to fail in to_empty ("Cannot copy out of meta tensor"): the storage and its handle were moved
+    # with .to(), which a meta tensor cannot do.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    weights = ref.state_dict()
+    lowbit.lpmm.convert(ref, rounding="nearest")
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    lowbit.lpmm.convert(model, rounding="nearest")
+    model.to_empty(device="cpu")
+    model.load_state_dict(weights)
+    x = torch.randn(4, 8)
+    assert torch.equal(model(x), ref(x))
+    for m in (model, ref):
+        opt = lowbit.optim.LPMMAdamW(m.parameters(), lr=0.1, rounding="nearest")
+        m(x).square().sum().backward()
+        assert all(not lp.grad_absmax.isnan().any() for lp in lowbit.lpmm.low_precision_parameters(m).values())
+        opt.step()
+    assert torch.equal(model(x), ref(x))

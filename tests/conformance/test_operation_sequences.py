@@ -1,0 +1,399 @@
+"""Random sequences of optimizer operations on a lowbit optimizer and on its torch.optim reference: steps
+with fresh, partly zero or non-finite gradients, ``zero_grad`` both ways, hyperparameter edits through
+``param_groups`` (refused ones included), tensor learning rates, state dict round trips (in memory and
+through ``torch.save``) into fresh optimizers, and loading the reference's state dict.
+
+Each run keeps three optimizers on three copies of the parameters: ``main`` takes every operation,
+``plain`` the same ones except the round trips of its own state and the refused edits, and ``ref`` is
+torch.optim. ``main`` must stay bit-identical to ``plain`` (a round trip or a refused step changes
+nothing), and both must follow ``ref``: fp32 states to rounding, 8-bit states within the measured drift
+bound, with the same step counters and state names.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import lowbit.optim as O
+from tests.test_optim import DEFAULT_BOUNDS, _grad, _relative
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    cls: type
+    tcls: type
+    kw: dict[str, Any]
+    edits: tuple[str, ...]
+
+
+TWINS = [
+    Case(O.Adam32bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas")),
+    Case(O.AdamW32bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), ("lr", "weight_decay", "betas")),
+    Case(O.SGD32bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.1), ("lr", "weight_decay")),
+    Case(O.RMSprop32bit, torch.optim.RMSprop, dict(lr=1e-3, momentum=0.9), ("lr", "weight_decay")),
+    Case(
+        O.Adagrad32bit,
+        torch.optim.Adagrad,
+        dict(lr=1e-2, lr_decay=1e-3, initial_accumulator_value=0.1),
+        ("lr", "weight_decay"),
+    ),
+]
+EIGHT_BIT = [
+    Case(O.Adam8bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas")),
+    Case(O.AdamW8bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), ("lr", "weight_decay", "betas")),
+    Case(O.SGD8bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), ("lr", "weight_decay")),
+]
+
+# 8-bit parameters' drift from torch, relative to how far torch moved them: tests/test_optim.py's
+# 100-step bound (DEFAULT_BOUNDS[1], twice the worst measured drift of Adam, SGD and the others). These
+# sequences are at most 14 steps long, and loading torch's state only re-syncs the states.
+DRIFT_BOUND = DEFAULT_BOUNDS[1]
+
+LR_FACTORS = (0.1, 0.5, 2.0)
+EDIT_VALUES = {
+    "weight_decay": (0.0, 0.01, 0.1),
+    "betas": ((0.9, 0.999), (0.8, 0.99), (0.95, 0.9999), (0.0, 0.99)),
+}
+# Values every lowbit optimizer refuses when step() reads them from a param group.
+BAD_EDITS = [("lr", -1e-3), ("lr", float("nan")), ("weight_decay", -0.1), ("betas", (1.0, 0.999))]
+# Gradient kinds: "keep" leaves the gradient as it is (None after zero_grad(set_to_none=True), zeros
+# after zero_grad(set_to_none=False)).
+GRAD_KINDS = ("dense", "dense", "rows", "nonfinite", "keep")
+
+
+def _ops(case: Case, eight_bit: bool) -> st.SearchStrategy[list[tuple]]:
+    # A gradient element of 1e21 overflows its square: torch then freezes the element (v = inf), while an
+    # 8-bit state element restarts from zero (optimizer.py's policy), so 1e21 is only fed to fp32 twins.
+    nonfinite = (float("nan"), float("inf"), float("-inf")) + (() if eight_bit else (1e21,))
+    kinds = st.sampled_from(GRAD_KINDS)
+    edits = [("lr", f) for f in LR_FACTORS] + [(k, v) for k in case.edits if k != "lr" for v in EDIT_VALUES[k]]
+    bad = [(k, v) for k, v in BAD_EDITS if k in case.edits]
+    return st.lists(
+        st.one_of(
+            st.tuples(st.just("step"), st.tuples(kinds, kinds), st.integers(0, 2**31 - 1), st.sampled_from(nonfinite)),
+            st.tuples(st.just("zero_grad"), st.booleans()),
+            st.tuples(st.just("edit"), st.integers(0, 1), st.sampled_from(edits)),
+            st.tuples(st.just("bad_edit"), st.integers(0, 1), st.sampled_from(bad)),
+            st.tuples(st.just("round_trip"), st.booleans()),
+            st.tuples(st.just("load_torch")),
+        ),
+        min_size=1,
+        max_size=14,
+    )
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, case: Case, eight_bit: bool) -> dict[str, Any]:
+    return dict(
+        shapes=[
+            (draw(st.integers(5, 30)), draw(st.sampled_from([61, 128]))),
+            (draw(st.sampled_from([300, 1000, 4097])),),
+        ],
+        seed=draw(st.integers(0, 2**31 - 1)),
+        tensor_lr=draw(st.booleans()),
+        block_size=draw(st.sampled_from([64, 256, 2048])),
+        ops=draw(_ops(case, eight_bit)),
+    )
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Bit-for-bit equality of tensors (NaNs included), else ``==``."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(_bits(a), _bits(b))
+        )
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return type(a) is type(b) and a == b
+
+
+class Run:
+    """The three optimizers of one scenario and the step counts torch.optim would keep."""
+
+    def __init__(self, case: Case, eight_bit: bool, scenario: dict[str, Any]) -> None:
+        self.case, self.eight_bit = case, eight_bit
+        self.block_size = scenario["block_size"]
+        self.options = dict(min_8bit_size=0, block_size=self.block_size) if eight_bit else {}
+        gen = torch.Generator().manual_seed(scenario["seed"])
+        self.p0 = [torch.randn(s, generator=gen) * 0.1 for s in scenario["shapes"]]
+        self.tensor_lr = scenario["tensor_lr"]
+        self.main_params, self.plain_params, self.ref_params = (
+            [nn.Parameter(p.clone()) for p in self.p0] for _ in range(3)
+        )
+        self.main = self._make(case.cls, self.main_params, self.options)
+        self.plain = self._make(case.cls, self.plain_params, self.options)
+        self.ref = self._make(case.tcls, self.ref_params, dict(foreach=False))
+        self.steps = [0] * len(self.p0)
+
+    def _lr(self, value: float) -> Any:
+        return torch.tensor(value) if self.tensor_lr else value
+
+    def _make(self, cls: type, params: list[nn.Parameter], options: dict[str, Any]) -> torch.optim.Optimizer:
+        kw = dict(self.case.kw, lr=self._lr(self.case.kw["lr"]))
+        # The second group has its own learning rate.
+        groups = [{"params": [params[0]]}, {"params": [params[1]], "lr": self._lr(self.case.kw["lr"] * 0.5)}]
+        return cls(groups, **kw, **options)
+
+    def _fresh(self, params: list[nn.Parameter], state_dict: dict[str, Any]) -> torch.optim.Optimizer:
+        # Built with the class defaults: the hyperparameters must come from the state dict.
+        opt = self.case.cls([{"params": [p]} for p in params], **self.options)
+        opt.load_state_dict(state_dict)
+        return opt
+
+    def _all(self) -> list[tuple[torch.optim.Optimizer, list[nn.Parameter]]]:
+        return [(self.main, self.main_params), (self.plain, self.plain_params), (self.ref, self.ref_params)]
+
+    # -- operations ------------------------------------------------------------------------------
+
+    def apply(self, op: tuple) -> None:
+        getattr(self, f"_{op[0]}")(*op[1:])
+        self.check()
+
+    def _step(self, kinds: tuple[str, str], seed: int, bad_value: float) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        injected = []
+        for j, (kind, p0) in enumerate(zip(kinds, self.p0, strict=True)):
+            if kind == "keep":
+                continue
+            g = _grad(gen, p0.numel())
+            if kind == "rows":  # all-zero rows (spans of 16 elements in the 1-D parameter)
+                rows = g.view(p0.shape[0], -1) if p0.dim() > 1 else g.view(-1, 1)
+                keep = torch.rand(rows.shape[0], generator=gen) < 0.3
+                if p0.dim() == 1:
+                    keep = (torch.rand((rows.shape[0] + 15) // 16, generator=gen) < 0.3).repeat_interleave(16)
+                    keep = keep[: rows.shape[0]]
+                rows[~keep] = 0.0
+            if kind == "nonfinite":
+                i = int(torch.randint(0, p0.numel(), (1,), generator=gen))
+                g[i] = bad_value
+                injected.append((j, i))
+            for _, params in self._all():
+                params[j].grad = g.view(p0.shape).clone()
+        for opt, _ in self._all():
+            opt.step()
+        for j, p in enumerate(self.main_params):
+            self.steps[j] += p.grad is not None
+        for j, i in injected:
+            if not math.isfinite(bad_value):  # torch.optim makes the element non-finite, and so does lowbit
+                assert not bool(self.ref_params[j].view(-1)[i].isfinite())
+                assert not bool(self.main_params[j].view(-1)[i].isfinite())
+            if self.eight_bit:
+                self._check_restart(self.main_params[j], i)
+
+    def _check_restart(self, p: nn.Parameter, i: int) -> None:
+        # optimizer.py: an 8-bit state element that becomes non-finite restarts from zero (a second moment,
+        # on the zero-free map, at its block's smallest value); the rest of the block keeps finite values.
+        state = self.main.dequantized_state(p)
+        block = slice(i - i % self.block_size, i - i % self.block_size + self.block_size)
+        for name, signed in zip(self.main._state_names, self.main._state_signed, strict=True):
+            value = state[name].view(-1)
+            assert bool(value[block].isfinite().all()), name
+            if signed:
+                assert float(value[i]) == 0.0, name
+            else:
+                assert float(value[i]) == float(value[block].min()), name
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        for opt, _ in self._all():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def _edit(self, index: int, edit: tuple[str, Any]) -> None:
+        key, value = edit
+        if key == "lr":
+            value = self.case.kw["lr"] * value
+        for opt, _ in self._all():
+            group = opt.param_groups[index]
+            if key == "lr" and isinstance(group["lr"], Tensor):
+                group["lr"].fill_(value)
+            else:
+                group[key] = value
+
+    def _bad_edit(self, index: int, edit: tuple[str, Any]) -> None:
+        key, value = edit
+        group = self.main.param_groups[index]
+        old = group[key]
+        group[key] = value
+        before = self._snapshot()
+        with pytest.raises(ValueError, match=key if key != "betas" else "beta"):
+            self.main.step()
+        self._assert_snapshot(before)
+        group[key] = old
+
+    def _round_trip(self, via_bytes: bool) -> None:
+        sd = self.main.state_dict()
+        if via_bytes:
+            buf = io.BytesIO()
+            torch.save(sd, buf)
+            buf.seek(0)
+            sd = torch.load(buf, weights_only=True)
+        self.main = self._fresh(self.main_params, sd)
+
+    def _load_torch(self) -> None:
+        self.main = self._fresh(self.main_params, self.ref.state_dict())
+        self.plain = self._fresh(self.plain_params, self.ref.state_dict())
+        for j, p in enumerate(self.ref_params):
+            state = self.ref.state[p]
+            # torch.optim.SGD keeps no step count: lowbit counts a loaded momentum buffer as one step.
+            self.steps[j] = int(state["step"]) if "step" in state else int(bool(state))
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def _snapshot(self) -> tuple:
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in self.main.param_groups]
+        states = [{k: copy.deepcopy(v) for k, v in self.main.state[p].items()} for p in self.main_params]
+        return [p.detach().clone() for p in self.main_params], states, groups
+
+    def _assert_snapshot(self, before: tuple) -> None:
+        params, states, groups = before
+        for p, q in zip(self.main_params, params, strict=True):
+            assert _same(p.detach(), q)
+        for p, state in zip(self.main_params, states, strict=True):
+            now = self.main.state[p] if p in self.main.state else {}
+            assert set(now) == set(state)
+            assert all(_same(now[k], state[k]) for k in state), sorted(state)
+        for g, saved in zip(self.main.param_groups, groups, strict=True):
+            assert set(g) - {"params"} == set(saved)
+            assert all(_same(g[k], v) for k, v in saved.items()), saved
+
+    def check(self) -> None:
+        self._check_main_is_plain()
+        for j, (a, b) in enumerate(zip(self.main_params, self.ref_params, strict=True)):
+            self._check_state(j, a, b)
+            self._check_param(j, a.detach(), b.detach())
+
+    def _check_main_is_plain(self) -> None:
+        for a, b in zip(self.main_params, self.plain_params, strict=True):
+            assert _same(a.detach(), b.detach())
+            sa = self.main.state[a] if a in self.main.state else {}
+            sb = self.plain.state[b] if b in self.plain.state else {}
+            assert set(sa) == set(sb)
+            for key in sa:
+                assert _same(sa[key], sb[key]), key
+        for ga, gb in zip(self.main.param_groups, self.plain.param_groups, strict=True):
+            # torch.optim.Optimizer.load_state_dict adds torch's "differentiable" (False) to loaded groups.
+            assert set(gb) <= set(ga) <= set(gb) | {"differentiable"}
+            for key in gb:
+                if key != "params":
+                    assert _same(ga[key], gb[key]), (key, ga[key], gb[key])
+
+    def _check_state(self, j: int, a: nn.Parameter, b: nn.Parameter) -> None:
+        ours = self.main.state[a] if a in self.main.state else {}
+        theirs = self.ref.state[b] if b in self.ref.state else {}
+        if "step" in theirs:
+            assert float(theirs["step"]) == self.steps[j]
+        if not ours:
+            # torch.optim.Adagrad creates its states (step 0) in its constructor, lowbit at the first step.
+            assert self.steps[j] == 0 and (not theirs or isinstance(self.ref, torch.optim.Adagrad))
+            return
+        assert theirs
+        assert float(ours["step"]) == self.steps[j]
+        deq = self.main.dequantized_state(a)
+        assert set(deq) - {"step"} == set(theirs) - {"step"}
+        assert "step" in deq
+        if self.eight_bit:
+            assert all(ours[f"state{k + 1}"].dtype == torch.uint8 for k in range(len(deq) - 1))
+            return
+        for name in set(theirs) - {"step"}:
+            # The fp32 states are torch's to the bound of the parameters, and non-finite where torch's are.
+            # Not always the same non-finite value: with beta1 = 0 and an infinite gradient, torch's lerp_
+            # gives a NaN first moment where lowbit's b1 * m + (1 - b1) * g gives inf (the element's
+            # parameter is NaN in both).
+            finite = theirs[name].isfinite()
+            assert torch.equal(deq[name].isfinite(), finite), name
+            torch.testing.assert_close(deq[name][finite], theirs[name][finite], rtol=1e-5, atol=1e-5)
+
+    def _check_param(self, j: int, a: Tensor, b: Tensor) -> None:
+        finite = b.isfinite()
+        assert torch.equal(a.isfinite(), finite)
+        if not self.eight_bit:
+            # tests/test_optim.py::test_fp32_states_match_torch's bound.
+            torch.testing.assert_close(a[finite], b[finite], rtol=1e-5, atol=1e-5)
+            return
+        moved, ref_moved = (a - self.p0[j])[finite], (b - self.p0[j])[finite]
+        if float(ref_moved.norm()) == 0.0:
+            assert torch.equal(moved, ref_moved)
+        else:
+            assert _relative(moved, ref_moved) < DRIFT_BOUND, _relative(moved, ref_moved)
+
+
+def _run(case: Case, eight_bit: bool, scenario: dict[str, Any]) -> None:
+    run = Run(case, eight_bit, scenario)
+    for op in scenario["ops"]:
+        run.apply(op)
+
+
+def _name(case: Case) -> str:
+    return case.cls.__name__
+
+
+@pytest.mark.parametrize("case", TWINS, ids=_name)
+@settings(max_examples=30, deadline=None)
+@given(data=st.data())
+def test_32bit_twins_follow_torch_through_operation_sequences(case, data):
+    _run(case, False, data.draw(scenarios(case, False)))
+
+
+@pytest.mark.parametrize("case", EIGHT_BIT, ids=_name)
+@settings(max_examples=50, deadline=None)
+@given(data=st.data())
+def test_8bit_optimizers_follow_torch_through_operation_sequences(case, data):
+    _run(case, True, data.draw(scenarios(case, True)))
+
+
+@pytest.mark.parametrize("case", EIGHT_BIT, ids=_name)
+def test_loading_a_torch_state_with_a_nonfinite_element_keeps_the_rest_of_its_block(case):
+    # The smallest sequence the property test above finds: one step of torch.optim with a NaN gradient
+    # element, then its state dict loaded into the 8-bit optimizer. torch's state holds a NaN at that
+    # element only; lowbit must not let it take the block's scale (optimizer.py: an 8-bit state element
+    # that is not finite restarts from zero, the rest of its block keeps its values).
+    p, q = nn.Parameter(torch.zeros(256)), nn.Parameter(torch.zeros(256))
+    ref = case.tcls([q], foreach=False, **case.kw)
+    q.grad = torch.ones(256)
+    q.grad[0] = float("nan")
+    ref.step()
+    opt = case.cls([p], min_8bit_size=0, **case.kw)
+    opt.load_state_dict(ref.state_dict())
+    for k in range(len(case.cls._state_names)):
+        assert bool(opt.state[p][f"absmax{k + 1}"].isfinite().all())
+    # Its own state dict loads back, and the next step leaves the other 255 parameters finite, as torch's.
+    case.cls([nn.Parameter(torch.zeros(256))], min_8bit_size=0).load_state_dict(opt.state_dict())
+    with torch.no_grad():
+        p.copy_(q)
+    p.grad, q.grad = torch.ones(256), torch.ones(256)
+    opt.step()
+    ref.step()
+    assert torch.equal(p.isfinite(), q.isfinite())
+
+
+@pytest.mark.parametrize("case", TWINS[:2], ids=_name)
+def test_first_moment_with_a_small_beta1_is_torchs_lerp(case):
+    # The smallest sequence the 32-bit property test finds (beta1 edited to 0, a 1e21 gradient element,
+    # then an ordinary one): torch.optim's exp_avg.lerp_(g, 1 - beta1) computes g - (g - m) * beta1 when
+    # 1 - beta1 >= 0.5, so with beta1 = 0 the first moment is g exactly, where m + (1 - beta1) * (g - m)
+    # cancels to 0 once |m| >> |g|.
+    p, q = nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(4))
+    kw = dict(case.kw, betas=(0.0, 0.999))
+    opt, ref = case.cls([p], **kw), case.tcls([q], foreach=False, **kw)
+    for g in ([1e8, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]):
+        p.grad, q.grad = torch.tensor(g), torch.tensor(g)
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(opt.dequantized_state(p)["exp_avg"], ref.state[q]["exp_avg"], rtol=1e-5, atol=1e-5)
