@@ -72,13 +72,14 @@ lowbit::BlpaArgs blpa_args(const std::vector<uintptr_t>& t, int64_t n, int64_t c
 
 // hyper: lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay, max_unorm.
 lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states,
-                             int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars,
-                             uintptr_t grad_scales, int64_t count, int64_t total_blocks, uintptr_t norm_sums = 0,
-                             uintptr_t update_scales = 0) {
-  if (rule < 0 || rule > static_cast<int>(lowbit::Rule::Lamb)) {
+                             int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t map3, uintptr_t meta,
+                             uintptr_t scalars, uintptr_t grad_scales, int64_t count, int64_t total_blocks,
+                             uintptr_t norm_sums = 0, uintptr_t update_scales = 0) {
+  if (rule < 0 || rule > lowbit::kMaxRule) {
     throw std::invalid_argument("lowbit: unknown optimizer rule " + std::to_string(rule));
   }
   if (hyper.size() != 9) throw std::invalid_argument("lowbit: optimizer hyper must hold 9 values");
+  if (n_states < 0 || n_states > 3) throw std::invalid_argument("lowbit: an optimizer has 0 to 3 states");
   if (norm_mode < lowbit::kNormNone || norm_mode > lowbit::kNormClip) {
     throw std::invalid_argument("lowbit: unknown norm mode " + std::to_string(norm_mode));
   }
@@ -90,6 +91,7 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
       block_size,
       ptr<const float>(map1),
       ptr<const float>(map2),
+      ptr<const float>(map3),
       ptr<const int64_t>(meta),
       ptr<const float>(scalars),
       ptr<const float>(grad_scales),
@@ -110,7 +112,7 @@ lowbit::LpmmArgs lpmm_args(int rule, const std::vector<float>& hyper, int flags,
   if (bits.size() != 3 || stochastic.size() != 2) {
     throw std::invalid_argument("lowbit: lpmm_step takes 3 bit widths and 2 rounding flags");
   }
-  const auto o = optim_args(rule, hyper, flags, lowbit::kNormNone, n_states, group_size, map1, map2, 0, 0, 0, 0, 0);
+  const auto o = optim_args(rule, hyper, flags, lowbit::kNormNone, n_states, group_size, map1, map2, 0, 0, 0, 0, 0, 0);
   return lowbit::LpmmArgs{o.rule,   o.hyper,     n_states,      group_size,    bits[0],
                           bits[1],  bits[2],     o.map1,        o.map2,        stochastic[0],
                           stochastic[1], seed,   ptr<const int64_t>(meta), ptr<const float>(scalars), count,
@@ -232,10 +234,10 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "optimizer_step_cpu",
       [](int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states, int64_t block_size,
-         uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales, int64_t count,
-         int64_t total_blocks, uintptr_t norm_sums, uintptr_t update_scales, int threads) {
-        lowbit::cpu::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, meta,
-                                               scalars, grad_scales, count, total_blocks, norm_sums,
+         uintptr_t map1, uintptr_t map2, uintptr_t map3, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales,
+         int64_t count, int64_t total_blocks, uintptr_t norm_sums, uintptr_t update_scales, int threads) {
+        lowbit::cpu::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, map3,
+                                               meta, scalars, grad_scales, count, total_blocks, norm_sums,
                                                update_scales),
                                     threads);
       },
@@ -282,10 +284,11 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "optimizer_step_cuda",
       [](int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states, int64_t block_size,
-         uintptr_t map1, uintptr_t map2, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales, int64_t count,
-         int64_t total_blocks, uintptr_t norm_sums, uintptr_t update_scales, int device, uintptr_t stream) {
-        lowbit::cuda::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, meta,
-                                                scalars, grad_scales, count, total_blocks, norm_sums,
+         uintptr_t map1, uintptr_t map2, uintptr_t map3, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales,
+         int64_t count, int64_t total_blocks, uintptr_t norm_sums, uintptr_t update_scales, int device,
+         uintptr_t stream) {
+        lowbit::cuda::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, map3,
+                                                meta, scalars, grad_scales, count, total_blocks, norm_sums,
                                                 update_scales),
                                      device, stream);
       },

@@ -107,16 +107,18 @@ struct BlpaArgs {
 
 // One fused optimizer step over a list of tensors. Row t of `meta` (int64, kMetaCols columns)
 // describes tensor t; row t of `scalars` (float32, kScalarCols columns) holds its StepScalars.
-// States with state_bits == 8 are uint8 codes into map1/map2 (signed/unsigned per rule) with one
-// fp32 absmax per block of block_size elements; with state_bits == 32 they are fp32 tensors.
+// States with state_bits == 8 are uint8 codes into map1/map2/map3 (signed/unsigned per rule and slot)
+// with one fp32 absmax per block of block_size elements; with state_bits == 32 they are fp32 tensors.
 // kFirstBlock is the running count of blocks before tensor t; total_blocks is the count for all.
 enum MetaCol : int {
   kParam,
   kGrad,
   kState1,
   kState2,
+  kState3,
   kAbsmax1,
   kAbsmax2,
+  kAbsmax3,
   kNumel,
   kDtype,
   kStateBits,
@@ -132,6 +134,7 @@ struct OptimArgs {
   int64_t block_size;
   const float* map1;
   const float* map2;
+  const float* map3;
   const int64_t* meta;
   const float* scalars;
   const float* grad_scales;  // one gradient multiplier per tensor, or null for none
@@ -159,6 +162,9 @@ LB_HD int64_t last_row_at_most(const int64_t* table, int64_t count, int cols, in
   }
   return lo;
 }
+
+// The map of state slot k (0, 1 or 2).
+LB_HD const float* state_map(const OptimArgs& a, int k) { return k == 0 ? a.map1 : (k == 1 ? a.map2 : a.map3); }
 
 LB_HD int64_t tensor_of_block(const OptimArgs& a, int64_t b) {
   return last_row_at_most(a.meta, a.count, kMetaCols, kFirstBlock, b);

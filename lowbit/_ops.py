@@ -536,7 +536,8 @@ def _(
 # ---------------------------------------------------------------------------------------------
 
 # Column layout of the per-tensor tables (csrc/kernels.h: MetaCol, ScalarCol).
-_META_COLS = 10
+_META_COLS = 12
+_MAX_STATES = 3
 _SCALAR_COLS = 3
 
 
@@ -640,12 +641,15 @@ def _optimizer_step_impl(
     grads: list[Tensor],
     state1: list[Tensor],
     state2: list[Tensor],
+    state3: list[Tensor],
     absmax1: list[Tensor],
     absmax2: list[Tensor],
+    absmax3: list[Tensor],
     scalars: list[float],
     grad_scales: Optional[Tensor],
     map1: Tensor,
     map2: Tensor,
+    map3: Tensor,
     rule: int,
     hyper: list[float],
     flags: int,
@@ -660,8 +664,9 @@ def _optimizer_step_impl(
     the first step); ``grad_scales`` (optional, fp32, one per tensor, on the params' device) multiplies
     each gradient; ``hyper`` holds lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay,
     1 - lr * weight_decay, max_unorm; ``norm_mode`` selects LAMB's trust ratio (1) or max_unorm
-    clipping (2). A state is either uint8 codes into ``map1``/``map2`` with one fp32 absmax per block
-    of ``block_size`` elements, or an fp32 tensor (then its absmax entry is unused). ``update_scales``
+    clipping (2). Each of the ``n_states`` states (up to 3, in the rule's slot order) is either uint8
+    codes into its map (``map1``..``map3``) with one fp32 absmax per block of ``block_size`` elements,
+    or an fp32 tensor (then its absmax entry is unused). ``update_scales``
     (optional, fp32, one per tensor, on the params' device) replaces the norm mode's own per-tensor
     scales: the step of tensors whose norms span ranks (see :func:`optimizer_norms`).
     """
@@ -670,12 +675,15 @@ def _optimizer_step_impl(
         grads,
         state1,
         state2,
+        state3,
         absmax1,
         absmax2,
+        absmax3,
         scalars,
         grad_scales,
         map1,
         map2,
+        map3,
         rule,
         hyper,
         flags,
@@ -692,12 +700,15 @@ def check_optimizer_step(
     grads: list[Tensor],
     state1: list[Tensor],
     state2: list[Tensor],
+    state3: list[Tensor],
     absmax1: list[Tensor],
     absmax2: list[Tensor],
+    absmax3: list[Tensor],
     scalars: list[float],
     grad_scales: Optional[Tensor],
     map1: Tensor,
     map2: Tensor,
+    map3: Tensor,
     rule: int,
     hyper: list[float],
     flags: int,
@@ -709,7 +720,7 @@ def check_optimizer_step(
     """The checks of ``lowbit::optimizer_step_`` (same arguments; ``rule`` and ``flags`` are the native
     side's to read); returns each tensor's state width (8 or 32). An optimizer that steps several fused
     calls checks every one before the first one writes."""
-    _check(0 <= n_states <= 2, f"n_states must be 0, 1 or 2, got {n_states}")
+    _check(0 <= n_states <= _MAX_STATES, f"n_states must be 0 to {_MAX_STATES}, got {n_states}")
     _check(norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {norm_mode}")
     _check_blocksize(block_size)
     _check(block_size > 0, "block_size must be positive for optimizer states")
@@ -722,16 +733,17 @@ def check_optimizer_step(
         if t is not None:
             _check_input(name, t, (dtype,))
             _check(t.numel() == len(params), f"{name} must hold one value per tensor")
-    states, absmaxes = [state1, state2], [absmax1, absmax2]
+    states, absmaxes = [state1, state2, state3], [absmax1, absmax2, absmax3]
     widths = _step_widths(params, grads, states, absmaxes, n_states, block_size)
     if widths is None:
         widths = _check_step_tensors(params, grads, states, absmaxes, n_states, block_size)
     if params:
-        for name, t in (("map1", map1), ("map2", map2), ("grad_scales", grad_scales), ("update_scales", update_scales)):
+        maps = (("map1", map1), ("map2", map2), ("map3", map3))
+        for name, t in (*maps, ("grad_scales", grad_scales), ("update_scales", update_scales)):
             if t is not None:
                 _check_same_device("params[0]", params[0], **{name: t})
-        _check_map(map1, 8)
-        _check_map(map2, 8)
+        for _, t in maps:
+            _check_map(t, 8)
     return widths
 
 
@@ -740,12 +752,15 @@ def _optimizer_call(
     grads: list[Tensor],
     state1: list[Tensor],
     state2: list[Tensor],
+    state3: list[Tensor],
     absmax1: list[Tensor],
     absmax2: list[Tensor],
+    absmax3: list[Tensor],
     scalars: list[float],
     grad_scales: Optional[Tensor],
     map1: Tensor,
     map2: Tensor,
+    map3: Tensor,
     rule: int,
     hyper: list[float],
     flags: int,
@@ -761,12 +776,15 @@ def _optimizer_call(
         grads,
         state1,
         state2,
+        state3,
         absmax1,
         absmax2,
+        absmax3,
         scalars,
         grad_scales,
         map1,
         map2,
+        map3,
         rule,
         hyper,
         flags,
@@ -777,13 +795,13 @@ def _optimizer_call(
     )
     if not params:
         return
-    states, absmaxes = [state1, state2], [absmax1, absmax2]
+    states, absmaxes = [state1, state2, state3], [absmax1, absmax2, absmax3]
     device = params[0].device
     rows = []
     first_block = 0
     for i, p in enumerate(params):
-        ptrs = [states[k][i].data_ptr() if k < n_states else 0 for k in range(2)]
-        amax = [absmaxes[k][i].data_ptr() if k < n_states and widths[i] == 8 else 0 for k in range(2)]
+        ptrs = [states[k][i].data_ptr() if k < n_states else 0 for k in range(_MAX_STATES)]
+        amax = [absmaxes[k][i].data_ptr() if k < n_states and widths[i] == 8 else 0 for k in range(_MAX_STATES)]
         n = p.numel()
         rows.append([p.data_ptr(), grads[i].data_ptr(), *ptrs, *amax, n, _DTYPE_CODES[p.dtype], widths[i], first_block])
         first_block += num_blocks(n, block_size)
@@ -800,6 +818,7 @@ def _optimizer_call(
         block_size,
         map1.data_ptr(),
         map2.data_ptr(),
+        map3.data_ptr(),
         meta.data_ptr(),
         scal.data_ptr(),
         grad_scales.data_ptr() if grad_scales is not None else 0,
@@ -811,7 +830,9 @@ def _optimizer_call(
 
 
 optimizer_step_ = torch.library.custom_op(
-    "lowbit::optimizer_step_", _optimizer_step_impl, mutates_args=("params", "state1", "state2", "absmax1", "absmax2")
+    "lowbit::optimizer_step_",
+    _optimizer_step_impl,
+    mutates_args=("params", "state1", "state2", "state3", "absmax1", "absmax2", "absmax3"),
 )
 
 
@@ -820,8 +841,10 @@ def optimizer_step_eager(
     grads: list[Tensor],
     state1: list[Tensor],
     state2: list[Tensor],
+    state3: list[Tensor],
     absmax1: list[Tensor],
     absmax2: list[Tensor],
+    absmax3: list[Tensor],
     *rest: Any,
 ) -> None:
     """``lowbit::optimizer_step_`` without the dispatcher, for eager optimizer steps over many tensors.
@@ -831,8 +854,8 @@ def optimizer_step_eager(
     bumps the version counters of the tensors it writes, as the op does, so autograd still sees the
     in-place update.
     """
-    _optimizer_step_impl(params, grads, state1, state2, absmax1, absmax2, *rest)
-    torch.autograd.graph.increment_version([*params, *state1, *state2, *absmax1, *absmax2])
+    _optimizer_step_impl(params, grads, state1, state2, state3, absmax1, absmax2, absmax3, *rest)
+    torch.autograd.graph.increment_version([*params, *state1, *state2, *state3, *absmax1, *absmax2, *absmax3])
 
 
 @optimizer_step_.register_fake
@@ -841,12 +864,15 @@ def _(
     grads: list[Tensor],
     state1: list[Tensor],
     state2: list[Tensor],
+    state3: list[Tensor],
     absmax1: list[Tensor],
     absmax2: list[Tensor],
+    absmax3: list[Tensor],
     scalars: list[float],
     grad_scales: Optional[Tensor],
     map1: Tensor,
     map2: Tensor,
+    map3: Tensor,
     rule: int,
     hyper: list[float],
     flags: int,
@@ -864,12 +890,15 @@ def optimizer_norms(
     grads: list[Tensor],
     state1: list[Tensor],
     state2: list[Tensor],
+    state3: list[Tensor],
     absmax1: list[Tensor],
     absmax2: list[Tensor],
+    absmax3: list[Tensor],
     scalars: list[float],
     grad_scales: Optional[Tensor],
     map1: Tensor,
     map2: Tensor,
+    map3: Tensor,
     rule: int,
     hyper: list[float],
     flags: int,
@@ -891,12 +920,15 @@ def optimizer_norms(
         grads,
         state1,
         state2,
+        state3,
         absmax1,
         absmax2,
+        absmax3,
         scalars,
         grad_scales,
         map1,
         map2,
+        map3,
         rule,
         hyper,
         flags,
@@ -915,12 +947,15 @@ def _(
     grads: list[Tensor],
     state1: list[Tensor],
     state2: list[Tensor],
+    state3: list[Tensor],
     absmax1: list[Tensor],
     absmax2: list[Tensor],
+    absmax3: list[Tensor],
     scalars: list[float],
     grad_scales: Optional[Tensor],
     map1: Tensor,
     map2: Tensor,
+    map3: Tensor,
     rule: int,
     hyper: list[float],
     flags: int,

@@ -264,7 +264,7 @@ def nearest_oracle(xn: Tensor, code: Tensor) -> Tensor:
 
 # Optimizer rules (include/lowbit/optim_rules.h), elementwise in fp32: each torch op rounds once, as
 # each C++ operation does, so results agree bit for bit when no norm mode is used.
-_RULE_ADAM, _RULE_SGD, _RULE_LION, _RULE_RMSPROP, _RULE_ADAGRAD, _RULE_LAMB = range(6)
+_RULE_ADAM, _RULE_SGD, _RULE_LION, _RULE_RMSPROP, _RULE_ADAGRAD, _RULE_LAMB, _RULE_AMSGRAD, _RULE_CENTERED = range(8)
 _DECOUPLED, _NESTEROV, _MAXIMIZE = 1, 2, 4
 
 
@@ -283,9 +283,20 @@ def _torch_lerp(m: Tensor, g: Tensor, w: float) -> Tensor:
 
 
 def _rule_step(
-    rule: int, h: list[float], flags: int, sc: Tensor, p: Tensor, g: Tensor, s1: Tensor, s2: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(u, s1, s2) of optim_rules.h: the step subtracted from p and the updated states."""
+    rule: int,
+    h: list[float],
+    flags: int,
+    sc: Tensor,
+    p: Tensor,
+    g: Tensor,
+    s1: Tensor,
+    s2: Tensor,
+    s3: Tensor | None = None,
+) -> tuple[Tensor, ...]:
+    """(u, s1, s2) of optim_rules.h: the step subtracted from p and the updated states; (u, s1, s2, s3)
+    when ``s3`` is given."""
+    if s3 is not None:
+        return _rule_step3(rule, h, flags, sc, p, g, s1, s2, s3)
     lr, b1, b2, omb1, omb2, eps, wd = (float(v) for v in h[:7])
     step_size, bias2_sqrt, first = float(sc[0]), float(sc[1]), bool(sc[2])
     f32 = torch.float32
@@ -326,9 +337,50 @@ def _rule_step(
     return torch.tensor(step_size, dtype=f32) * g / (_sqrt32(s1) + torch.tensor(eps, dtype=f32)), s1, s2
 
 
+def _rule_step3(
+    rule: int, h: list[float], flags: int, sc: Tensor, p: Tensor, g: Tensor, s1: Tensor, s2: Tensor, s3: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(u, s1, s2, s3) of optim_rules.h's rules that keep up to three states."""
+    lr, b1, b2, omb1, omb2, eps, wd = (float(v) for v in h[:7])
+    f32 = torch.float32
+    if rule == _RULE_AMSGRAD:
+        if wd != 0 and not flags & _DECOUPLED:
+            g = g + torch.tensor(wd, dtype=f32) * p
+        s1 = _torch_lerp(s1, g, omb1)
+        s2 = s2 * torch.tensor(b2, dtype=f32) + torch.tensor(omb2, dtype=f32) * g * g
+        s3 = torch.maximum(s3, s2)
+        denom = _sqrt32(s3) / torch.tensor(float(sc[1]), dtype=f32) + torch.tensor(eps, dtype=f32)
+        return torch.tensor(float(sc[0]), dtype=f32) * s1 / denom, s1, s2, s3
+    if rule == _RULE_CENTERED:
+        if wd != 0:
+            g = g + torch.tensor(wd, dtype=f32) * p
+        s1 = s1 * torch.tensor(b2, dtype=f32) + torch.tensor(omb2, dtype=f32) * g * g
+        s2 = s2 + torch.tensor(omb2, dtype=f32) * (g - s2)
+        var = s1 - s2 * s2
+        avg = _sqrt32(torch.where(var < 0, torch.zeros_like(var), var)) + torch.tensor(eps, dtype=f32)
+        if b1 > 0:
+            s3 = s3 * torch.tensor(b1, dtype=f32) + g / avg
+            return torch.tensor(lr, dtype=f32) * s3, s1, s2, s3
+        return torch.tensor(lr, dtype=f32) * g / avg, s1, s2, s3
+    u, s1, s2 = _rule_step(rule, h, flags, sc, p, g, s1, s2)
+    return u, s1, s2, s3
+
+
 def _second_moment_slot(rule: int) -> int:
     """state_form.h: second_moment_slot, the state stored as its root at low precision (-1: none)."""
-    return {_RULE_ADAM: 1, _RULE_LAMB: 1, _RULE_RMSPROP: 0, _RULE_ADAGRAD: 0}.get(rule, -1)
+    return {
+        _RULE_ADAM: 1,
+        _RULE_LAMB: 1,
+        _RULE_AMSGRAD: 1,
+        _RULE_RMSPROP: 0,
+        _RULE_ADAGRAD: 0,
+        _RULE_CENTERED: 0,
+    }.get(rule, -1)
+
+
+def _root_slot(rule: int, k: int) -> bool:
+    """state_form.h: root_slot, whether state slot k is stored as its root at low precision."""
+    return k == _second_moment_slot(rule) or (rule == _RULE_AMSGRAD and k == 2)
 
 
 def _restart_nonfinite(values: list[Tensor]) -> list[Tensor]:
@@ -344,12 +396,15 @@ def optimizer_step_(
     grads: list[Tensor],
     state1: list[Tensor],
     state2: list[Tensor],
+    state3: list[Tensor],
     absmax1: list[Tensor],
     absmax2: list[Tensor],
+    absmax3: list[Tensor],
     scalars: list[float],
     grad_scales: Tensor | None,
     map1: Tensor,
     map2: Tensor,
+    map3: Tensor,
     rule: int,
     hyper: list[float],
     flags: int,
@@ -358,21 +413,20 @@ def optimizer_step_(
     block_size: int,
 ) -> None:
     """Twin of ``lowbit::optimizer_step_`` (same arguments, same in-place updates)."""
-    states, absmaxes, maps = [state1, state2], [absmax1, absmax2], [map1, map2]
+    states, absmaxes, maps = [state1, state2, state3], [absmax1, absmax2, absmax3], [map1, map2, map3]
     f32 = torch.float32
-    root = _second_moment_slot(rule)
     for i, p in enumerate(params):
         n = p.numel()
         eight = n_states > 0 and states[0][i].dtype == torch.uint8
         values = []
-        for k in range(2):
+        for k in range(3):
             if k >= n_states:
                 values.append(torch.zeros(n, dtype=f32))
             elif eight:
                 stored = dequantize_blockwise(
                     states[k][i].reshape(-1), absmaxes[k][i], maps[k], 8, block_size, n, torch.float32
                 )
-                values.append(stored * stored if k == root else stored)
+                values.append(stored * stored if _root_slot(rule, k) else stored)
             else:
                 values.append(states[k][i].reshape(-1).clone())
         sc = torch.tensor(scalars[3 * i : 3 * i + 3], dtype=f32)
@@ -382,7 +436,7 @@ def optimizer_step_(
             g = g * grad_scales[i].to(f32)
         if flags & _MAXIMIZE:
             g = -g
-        u, s1, s2 = _rule_step(rule, hyper, flags, sc, pf, g, values[0], values[1])
+        u, *updated = _rule_step(rule, hyper, flags, sc, pf, g, *values)
         scale = 1.0
         if norm_mode != 0:
             p_norm, u_norm = float(pf.double().norm()), float(u.double().norm())
@@ -397,13 +451,13 @@ def optimizer_step_(
             pf = pf * torch.tensor(float(hyper[7]), dtype=f32)
         pf = pf - torch.tensor(scale, dtype=f32) * u
         p.data.copy_(pf.reshape(p.shape).to(p.dtype))
-        new_states = list((s1, s2)[:n_states])
+        new_states = updated[:n_states]
         if eight and new_states:
             new_states = _restart_nonfinite(new_states)
         for k, value in enumerate(new_states):
             if eight:
                 codes, amax = quantize_blockwise(
-                    _sqrt32(value) if k == root else value, maps[k], 8, block_size, False, 0, 0
+                    _sqrt32(value) if _root_slot(rule, k) else value, maps[k], 8, block_size, False, 0, 0
                 )
                 states[k][i].copy_(codes.reshape(states[k][i].shape))
                 absmaxes[k][i].copy_(amax)

@@ -113,7 +113,25 @@ def test_dtensor_misuse_raises_instead_of_crashing(tmp_path):
         hyper = [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0]
         with pytest.raises(TypeError, match=r"params\[0\] is a DTensor"):
             _ops.optimizer_step_eager(
-                [p.detach()], [p.grad], [], [], [], [], [1e-3, 1.0, 1.0], None, code, code, 1, hyper, 0, 0, 0, 256
+                [p.detach()],
+                [p.grad],
+                [],
+                [],
+                [],
+                [],
+                [],
+                [],
+                [1e-3, 1.0, 1.0],
+                None,
+                code,
+                code,
+                code,
+                1,
+                hyper,
+                0,
+                0,
+                0,
+                256,
             )
     finally:
         dist.destroy_process_group()

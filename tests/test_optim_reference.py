@@ -22,8 +22,22 @@ RULES = {
     "rmsprop": (3, 2, 0, [1e-3, 0.9, 0.99, 0.0, 0.01, 1e-8, 1e-2, 1.0, 0.0]),
     "adagrad": (4, 1, 0, [1e-2, 0.0, 0.0, 0.0, 0.0, 1e-10, 0.0, 1.0, 0.0]),
     "lamb": (5, 2, 0, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-6, 0.01, 1.0, 0.0]),
+    "adam-amsgrad": (6, 3, 0, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-4, 0.0]),
+    "adamw-amsgrad-max": (6, 3, 5, [1e-3, 0.8, 0.99, 0.2, 0.01, 1e-6, 0.1, 1 - 1e-4, 0.0]),
+    "rmsprop-centered": (7, 2, 0, [1e-3, 0.0, 0.99, 0.0, 0.01, 1e-8, 1e-2, 1.0, 0.0]),
+    "rmsprop-centered-momentum": (7, 3, 4, [1e-3, 0.9, 0.9, 0.0, 0.1, 1e-8, 0.0, 1.0, 0.0]),
 }
-SIGNED = {0: (True, False), 1: (True,), 2: (True,), 3: (False, True), 4: (False,), 5: (True, False)}
+# Signed (first moment) or unsigned (second moment) map of each state slot, per rule code.
+SIGNED = {
+    0: (True, False),
+    1: (True,),
+    2: (True,),
+    3: (False, True),
+    4: (False,),
+    5: (True, False),
+    6: (True, False, False),
+    7: (False, True, True),
+}
 
 
 def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int) -> list:
@@ -31,7 +45,7 @@ def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int) -> list:
     sizes = [5000, 300, 4097, 64 * 70]
     params = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
     grads = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
-    states, absmax = [[], []], [[], []]
+    states, absmax = [[], [], []], [[], [], []]
     maps = [create_dynamic_map(signed=s) for s in (True, False)]
     for k in range(n_states):
         signed = SIGNED[rule][k]
@@ -46,12 +60,12 @@ def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int) -> list:
             else:
                 states[k].append(value)
                 absmax[k].append(torch.empty(0))
-    map1 = maps[0] if SIGNED[rule][0] else maps[1]
-    map2 = maps[1] if len(SIGNED[rule]) < 2 or not SIGNED[rule][1] else maps[0]
+    signed = [k < len(SIGNED[rule]) and SIGNED[rule][k] for k in range(3)]
+    map1, map2, map3 = (maps[0] if s else maps[1] for s in signed)
     scalars = []
     for i in range(len(sizes)):
         scalars += [1e-3 / (1 - 0.9 ** (i + 2)), (1 - 0.999 ** (i + 2)) ** 0.5, float(i == 0)]
-    return [params, grads, states[0], states[1], absmax[0], absmax[1], scalars, map1, map2]
+    return [params, grads, *states, *absmax, scalars, map1, map2, map3]
 
 
 # LAMB always uses its trust ratio: it is checked with the norm modes below.
@@ -60,11 +74,11 @@ def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int) -> list:
 @pytest.mark.parametrize("grad_scale", [False, True])
 def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, cpu_kernels):
     rule, n_states, flags, hyper = RULES[name]
-    params, grads, s1, s2, a1, a2, scalars, map1, map2 = _tensors(rule, n_states, dtype, seed=len(name))
+    params, grads, s1, s2, s3, a1, a2, a3, scalars, map1, map2, map3 = _tensors(rule, n_states, dtype, seed=len(name))
     scales = torch.tensor([0.5, 1.0, 2.0, 0.25]) if grad_scale else None
-    ours = copy.deepcopy((params, s1, s2, a1, a2))
-    ref = copy.deepcopy((params, s1, s2, a1, a2))
-    args = (scalars, scales, map1, map2, rule, hyper, flags, 0, n_states, 256)
+    ours = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
+    ref = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
+    args = (scalars, scales, map1, map2, map3, rule, hyper, flags, 0, n_states, 256)
     _ops.optimizer_step_(ours[0], grads, *ours[1:], *args)
     R.optimizer_step_(ref[0], grads, *ref[1:], *args)
     for got, want in zip(ours, ref, strict=True):
@@ -72,21 +86,24 @@ def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, cpu_k
             torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize(("name", "norm_mode"), [("lamb", 1), ("adam", 2), ("sgd-nesterov", 2)])
+@pytest.mark.parametrize(
+    ("name", "norm_mode"),
+    [("lamb", 1), ("adam", 2), ("sgd-nesterov", 2), ("adam-amsgrad", 2), ("rmsprop-centered-momentum", 2)],
+)
 def test_norm_modes_match_reference(name, norm_mode):
     rule, n_states, flags, hyper = RULES[name]
     hyper = list(hyper)
     hyper[8] = 0.01 if norm_mode == 2 else 0.0
-    params, grads, s1, s2, a1, a2, scalars, map1, map2 = _tensors(rule, n_states, torch.float32, seed=3)
-    ours = copy.deepcopy((params, s1, s2, a1, a2))
-    ref = copy.deepcopy((params, s1, s2, a1, a2))
-    args = (scalars, None, map1, map2, rule, hyper, flags, norm_mode, n_states, 256)
+    params, grads, s1, s2, s3, a1, a2, a3, scalars, map1, map2, map3 = _tensors(rule, n_states, torch.float32, seed=3)
+    ours = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
+    ref = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
+    args = (scalars, None, map1, map2, map3, rule, hyper, flags, norm_mode, n_states, 256)
     _ops.optimizer_step_(ours[0], grads, *ours[1:], *args)
     R.optimizer_step_(ref[0], grads, *ref[1:], *args)
     # The per-tensor norms are summed in a different order (blocks vs whole tensor, both in double),
     # so the scale can differ in its last fp32 bit: parameters agree to a few ulps.
     for g, w in zip(ours[0], ref[0], strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
-    for k in (1, 2, 3, 4):
+    for k in range(1, 7):
         for g, w in zip(ours[k], ref[k], strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0)

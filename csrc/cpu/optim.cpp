@@ -22,12 +22,13 @@ namespace lowbit::cpu {
 namespace {
 
 constexpr int kMaxBlock = 4096;
+constexpr int kMaxStates = 3;
 
 struct TensorView {
   void* param;
   const void* grad;
-  void* state[2];
-  float* absmax[2];
+  void* state[kMaxStates];
+  float* absmax[kMaxStates];
   int64_t n;
   int dtype;
   bool eight_bit;
@@ -40,8 +41,9 @@ TensorView view(const OptimArgs& a, int64_t t) {
   auto ptr = [](int64_t v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); };
   return TensorView{ptr(m[kParam]),
                     ptr(m[kGrad]),
-                    {ptr(m[kState1]), ptr(m[kState2])},
-                    {static_cast<float*>(ptr(m[kAbsmax1])), static_cast<float*>(ptr(m[kAbsmax2]))},
+                    {ptr(m[kState1]), ptr(m[kState2]), ptr(m[kState3])},
+                    {static_cast<float*>(ptr(m[kAbsmax1])), static_cast<float*>(ptr(m[kAbsmax2])),
+                     static_cast<float*>(ptr(m[kAbsmax3]))},
                     m[kNumel],
                     static_cast<int>(m[kDtype]),
                     m[kStateBits] == 8,
@@ -81,14 +83,16 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
 
 // s[k] = the fp32 values of state k of a block: 32-bit states in place, 8-bit ones decoded into
 // `decoded` (copying 32-bit states through a buffer instead costs as much as the whole update).
+// Only the first kStates buffers of `decoded` are used: the others' pointers are never dereferenced.
 template <int kStates>
 void block_states(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
-                  const BytePlanes* const* planes, float (&decoded)[2][kMaxBlock], float* (&s)[2]) {
-  for (int k = 0; k < 2; ++k) {
+                  const BytePlanes* const* planes, float (&decoded)[kMaxStates][kMaxBlock],
+                  float* (&s)[kMaxStates]) {
+  for (int k = 0; k < kMaxStates; ++k) {
     s[k] = decoded[k];
     if (k >= kStates) continue;
     if (t.eight_bit) {
-      load_state(t, k, block, lo, cnt, k == 0 ? a.map1 : a.map2, planes[k], s[k]);
+      load_state(t, k, block, lo, cnt, state_map(a, k), planes[k], s[k]);
     } else {
       s[k] = static_cast<float*>(t.state[k]) + lo;
     }
@@ -128,18 +132,20 @@ __attribute__((always_inline)) inline void sgd_body(const StepHyper& h, const St
   }
   max_bits[0] = max1;
   max_bits[1] = 0;
+  max_bits[2] = 0;
 }
 
 // The update of one block: everything it reads is in locals and restrict pointers so that it
 // vectorises. Always inlined into the entry points below, so each is compiled for its target;
 // the rules it calls are inlined too, and any out-of-line copy stays baseline code. With kRoot the
 // states are 8-bit ones in their stored form (state_form.h): the second moment is squared on the way
-// in and its root (which Adam's denominator computes anyway) stored on the way out.
+// in and its root (which Adam's denominator computes anyway) stored on the way out. s3 is only touched
+// by the three-state rules (kStates == 3), so the others compile to the two-state loop.
 template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, const StepScalars& scalars,
                                                        T* __restrict param, const T* __restrict grad,
-                                                       float* __restrict s1, float* __restrict s2, int cnt,
-                                                       uint32_t* max_bits) {
+                                                       float* __restrict s1, float* __restrict s2,
+                                                       float* __restrict s3, int cnt, uint32_t* max_bits) {
   const StepHyper h = hyper;
   const StepScalars sc = scalars;
   if constexpr (kRule == Rule::SGD && kStates == 1) {
@@ -149,17 +155,22 @@ __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, c
       });
     }
   }
-  constexpr int kSlot = kRoot ? second_moment_slot(kRule) : -1;
+  constexpr bool kRoot1 = kRoot && root_slot(kRule, 0);
+  constexpr bool kRoot2 = kRoot && root_slot(kRule, 1);
+  constexpr bool kRoot3 = kRoot && root_slot(kRule, 2);
   uint32_t max1 = 0;
   uint32_t max2 = 0;
+  uint32_t max3 = 0;
   for (int i = 0; i < cnt; ++i) {
     float p = to_float(param[i]);
-    float v1 = kStates > 0 ? state_value(s1[i], kSlot == 0) : 0.f;
-    float v2 = kStates > 1 ? state_value(s2[i], kSlot == 1) : 0.f;
-    apply_rule(kRule, h, sc, p, to_float(grad[i]), v1, v2);
+    float v1 = kStates > 0 ? state_value(s1[i], kRoot1) : 0.f;
+    float v2 = kStates > 1 ? state_value(s2[i], kRoot2) : 0.f;
+    float v3 = kStates > 2 ? state_value(s3[i], kRoot3) : 0.f;
+    apply_rule(kRule, h, sc, p, to_float(grad[i]), v1, v2, v3);
     param[i] = from_float<T>(p);
-    v1 = stored_form(v1, kSlot == 0);
-    v2 = stored_form(v2, kSlot == 1);
+    v1 = stored_form(v1, kRoot1);
+    v2 = stored_form(v2, kRoot2);
+    v3 = stored_form(v3, kRoot3);
     if (kStates > 0) {
       s1[i] = v1;
       max1 = std::max(max1, abs_bits(v1));
@@ -168,32 +179,37 @@ __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, c
       s2[i] = v2;
       max2 = std::max(max2, abs_bits(v2));
     }
+    if (kStates > 2) {
+      s3[i] = v3;
+      max3 = std::max(max3, abs_bits(v3));
+    }
   }
   max_bits[0] = max1;
   max_bits[1] = max2;
+  max_bits[2] = max3;
 }
 
 template <Rule kRule, int kStates, bool kRoot, typename T>
 void update_baseline(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, float* s1, float* s2,
-                     int cnt, uint32_t* max_bits) {
-  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
+                     float* s3, int cnt, uint32_t* max_bits) {
+  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 // 8-wide division and square root where the CPU has AVX2 (no FMA: same IEEE results as baseline).
 template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((target("avx2"))) void update_avx2(const StepHyper& h, const StepScalars& sc, T* param,
-                                                 const T* grad, float* s1, float* s2, int cnt,
+                                                 const T* grad, float* s1, float* s2, float* s3, int cnt,
                                                  uint32_t* max_bits) {
-  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
 }
 
 // 16-wide where the CPU has AVX-512F and avx512_active() allows it (same IEEE results again).
 template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((target("avx512f"))) void update_avx512(const StepHyper& h, const StepScalars& sc, T* param,
-                                                      const T* grad, float* s1, float* s2, int cnt,
+                                                      const T* grad, float* s1, float* s2, float* s3, int cnt,
                                                       uint32_t* max_bits) {
-  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
 }
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");
@@ -201,20 +217,20 @@ const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 
 // The update of one block, compiled for the widest vector unit in use.
 template <Rule kRule, int kStates, bool kRoot, typename T>
-void update(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, float* s1, float* s2, int cnt,
-            uint32_t* max_bits) {
+void update(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, float* s1, float* s2, float* s3,
+            int cnt, uint32_t* max_bits) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (avx512_active()) return update_avx512<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
-  if (kHasAvx2) return update_avx2<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  if (avx512_active()) return update_avx512<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
+  if (kHasAvx2) return update_avx2<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
 #endif
-  update_baseline<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, max_bits);
+  update_baseline<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
 }
 
 // How the 8-bit states of a call are encoded and decoded: map indexes, the VBMI decoder's byte planes
 // (null where it is not used) and the choice of encoder, all fixed before the parallel loop.
 struct StateCoders {
-  const MapIndex* index[2] = {nullptr, nullptr};
-  const BytePlanes* planes[2] = {nullptr, nullptr};
+  const MapIndex* index[kMaxStates] = {nullptr, nullptr, nullptr};
+  const BytePlanes* planes[kMaxStates] = {nullptr, nullptr, nullptr};
   bool gather = false;
 };
 
@@ -232,18 +248,18 @@ template <Rule kRule, int kStates, typename T>
 void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders) {
   const int64_t lo = block * a.block_size;
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
-  float decoded[2][kMaxBlock];
-  float* s[2];
+  float decoded[kMaxStates][kMaxBlock];
+  float* s[kMaxStates];
   block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
-  uint32_t max_bits[2];
+  uint32_t max_bits[kMaxStates];
   with_root<kRule>(t.eight_bit, [&](auto root) {
-    update<kRule, kStates, decltype(root)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
+    update<kRule, kStates, decltype(root)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, max_bits);
   });
   if (t.eight_bit) {
-    if (max_bits[0] >= kNonFiniteBits || max_bits[1] >= kNonFiniteBits) {
-      restart_nonfinite(s[0], s[1], kStates, cnt, max_bits);
+    if (max_bits[0] >= kNonFiniteBits || max_bits[1] >= kNonFiniteBits || max_bits[2] >= kNonFiniteBits) {
+      restart_nonfinite3(s, kStates, cnt, max_bits);
     }
     for (int k = 0; k < kStates; ++k) store_state(t, k, block, lo, cnt, max_bits[k], coders.index[k], coders.gather, s[k]);
   }
@@ -268,7 +284,8 @@ template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((always_inline)) inline void norm_terms_body(const StepHyper& hyper, const StepScalars& scalars,
                                                            const T* __restrict param, const T* __restrict grad,
                                                            const float* __restrict s1, const float* __restrict s2,
-                                                           int cnt, float* __restrict p_out, float* __restrict u_out) {
+                                                           const float* __restrict s3, int cnt,
+                                                           float* __restrict p_out, float* __restrict u_out) {
   const StepHyper h = hyper;
   const StepScalars sc = scalars;
   if constexpr (kRule == Rule::SGD && kStates == 1) {
@@ -278,35 +295,35 @@ __attribute__((always_inline)) inline void norm_terms_body(const StepHyper& hype
       });
     }
   }
-  constexpr int kSlot = kRoot ? second_moment_slot(kRule) : -1;  // as in update_body
-  for (int i = 0; i < cnt; ++i) {
+  for (int i = 0; i < cnt; ++i) {  // as in update_body
     const float p = to_float(param[i]);
-    float v1 = kStates > 0 ? state_value(s1[i], kSlot == 0) : 0.f;
-    float v2 = kStates > 1 ? state_value(s2[i], kSlot == 1) : 0.f;
+    float v1 = kStates > 0 ? state_value(s1[i], kRoot && root_slot(kRule, 0)) : 0.f;
+    float v2 = kStates > 1 ? state_value(s2[i], kRoot && root_slot(kRule, 1)) : 0.f;
+    float v3 = kStates > 2 ? state_value(s3[i], kRoot && root_slot(kRule, 2)) : 0.f;
     p_out[i] = p;
-    u_out[i] = rule_step(kRule, h, sc, p, effective_grad(h, sc, to_float(grad[i])), v1, v2);
+    u_out[i] = rule_step(kRule, h, sc, p, effective_grad(h, sc, to_float(grad[i])), v1, v2, v3);
   }
 }
 
 template <Rule kRule, int kStates, bool kRoot, typename T>
 void norm_terms_baseline(const StepHyper& h, const StepScalars& sc, const T* param, const T* grad, const float* s1,
-                         const float* s2, int cnt, float* p_out, float* u_out) {
-  norm_terms_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
+                         const float* s2, const float* s3, int cnt, float* p_out, float* u_out) {
+  norm_terms_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, p_out, u_out);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((target("avx2"))) void norm_terms_avx2(const StepHyper& h, const StepScalars& sc, const T* param,
-                                                     const T* grad, const float* s1, const float* s2, int cnt,
-                                                     float* p_out, float* u_out) {
-  norm_terms_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
+                                                     const T* grad, const float* s1, const float* s2,
+                                                     const float* s3, int cnt, float* p_out, float* u_out) {
+  norm_terms_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, p_out, u_out);
 }
 
 template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((target("avx512f"))) void norm_terms_avx512(const StepHyper& h, const StepScalars& sc, const T* param,
-                                                          const T* grad, const float* s1, const float* s2, int cnt,
-                                                          float* p_out, float* u_out) {
-  norm_terms_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, cnt, p_out, u_out);
+                                                          const T* grad, const float* s1, const float* s2,
+                                                          const float* s3, int cnt, float* p_out, float* u_out) {
+  norm_terms_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, p_out, u_out);
 }
 #endif
 
@@ -330,8 +347,8 @@ template <Rule kRule, int kStates, typename T>
 void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders, double* sums) {
   const int64_t lo = block * a.block_size;
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
-  float decoded[2][kMaxBlock];
-  float* s[2];
+  float decoded[kMaxStates][kMaxBlock];
+  float* s[kMaxStates];
   block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   const T* param = static_cast<const T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
@@ -341,29 +358,34 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
     constexpr bool kRoot = decltype(root)::value;
 #if defined(__x86_64__) && defined(__GNUC__)
     if (avx512_active()) {
-      norm_terms_avx512<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+      norm_terms_avx512<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, p_val, u_val);
     } else if (kHasAvx2) {
-      norm_terms_avx2<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+      norm_terms_avx2<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, p_val, u_val);
     } else {
-      norm_terms_baseline<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+      norm_terms_baseline<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, p_val, u_val);
     }
 #else
-    norm_terms_baseline<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, p_val, u_val);
+    norm_terms_baseline<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, p_val, u_val);
 #endif
   });
   sums[0] = sum_squares(p_val, cnt);
   sums[1] = sum_squares(u_val, cnt);
 }
 
-// Calls fn(std::integral_constant<int, K>{}) for K = n_states (0, 1 or 2), so loops see it as a constant.
-template <typename Fn>
+// Calls fn(std::integral_constant<int, K>{}) for K = n_states (0 to 3), so loops see it as a constant.
+// Only the three-state rules get a K = 3 instance.
+template <Rule kRule, typename Fn>
 void with_states(int n_states, Fn&& fn) {
+  constexpr bool kThree = kRule == Rule::AdamAmsgrad || kRule == Rule::RMSpropCentered;
   switch (n_states) {
     case 0:
       return fn(std::integral_constant<int, 0>{});
     case 1:
       return fn(std::integral_constant<int, 1>{});
+    case 2:
+      return fn(std::integral_constant<int, 2>{});
     default:
+      if constexpr (kThree) return fn(std::integral_constant<int, 3>{});
       return fn(std::integral_constant<int, 2>{});
   }
 }
@@ -378,14 +400,14 @@ void step_all(const OptimArgs& a, int threads) {
     any_eight_bit |= tensors.back().eight_bit;
     elements += tensors.back().n;
   }
-  std::shared_ptr<const MapIndex> owned[2];
-  std::unique_ptr<BytePlanes> planes[2];
+  std::shared_ptr<const MapIndex> owned[kMaxStates];
+  std::unique_ptr<BytePlanes> planes[kMaxStates];
   StateCoders coders;
   // Decided (and on first use timed) here, outside the parallel region.
   coders.gather = any_eight_bit && gather_encode_active();
   const bool vbmi = any_eight_bit && vbmi_decode_active();
   for (int k = 0; k < a.n_states && any_eight_bit; ++k) {
-    const float* map = k == 0 ? a.map1 : a.map2;
+    const float* map = state_map(a, k);
     owned[k] = map_index(map, 256);
     coders.index[k] = owned[k].get();
     if (vbmi) {
@@ -401,7 +423,7 @@ void step_all(const OptimArgs& a, int threads) {
     for (int64_t b = 0; b < a.total_blocks; ++b) {
       const int64_t t = tensor_of_block(a, b);
       const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
-      with_states(a.n_states, [&](auto states) {
+      with_states<kRule>(a.n_states, [&](auto states) {
         LB_DISPATCH_DTYPE(tensors[t].dtype,
                           norm_block<kRule, decltype(states)::value, scalar_t>(a, tensors[t], block, coders, &sums[2 * b]));
       });
@@ -432,7 +454,7 @@ void step_all(const OptimArgs& a, int threads) {
     const int64_t t = tensor_of_block(a, b);
     const TensorView& tv = tensors[t];
     const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
-    with_states(a.n_states, [&](auto states) {
+    with_states<kRule>(a.n_states, [&](auto states) {
       LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, decltype(states)::value, scalar_t>(a, tv, block, coders));
     });
   }
@@ -442,11 +464,15 @@ void step_all(const OptimArgs& a, int threads) {
 
 void update_fp32(Rule rule, int n_states, const StepHyper& h, const StepScalars& sc, float* param, const float* grad,
                  float* s1, float* s2, int cnt, uint32_t* max_bits) {
+  uint32_t maxes[kMaxStates];
   dispatch_rule(rule, [&](auto r) {
-    with_states(n_states, [&](auto states) {
-      update<decltype(r)::value, decltype(states)::value, false>(h, sc, param, grad, s1, s2, cnt, max_bits);
+    constexpr Rule kRule = decltype(r)::value;
+    with_states<kRule>(n_states, [&](auto states) {
+      update<kRule, decltype(states)::value, false>(h, sc, param, grad, s1, s2, nullptr, cnt, maxes);
     });
   });
+  max_bits[0] = maxes[0];
+  max_bits[1] = maxes[1];
 }
 
 void optimizer_step(const OptimArgs& a, int threads) {

@@ -21,6 +21,7 @@ namespace {
 
 constexpr int kMaxThreads = 256;
 constexpr int kMaxPerThread = 4096 / kMaxThreads;
+constexpr int kMaxStates = 3;
 
 struct BlockTask {
   int64_t tensor;
@@ -57,28 +58,28 @@ __device__ double block_sum(double v, double* scratch) {
 
 // Norm pre-pass: per-block sums of p^2 and u^2 from copies of the states (nothing is written).
 template <Rule kRule, typename T>
-__device__ void norm_block(const OptimArgs& a, const BlockTask& task, const float* smap1, const float* smap2,
-                           double* scratch, double* sums) {
+__device__ void norm_block(const OptimArgs& a, const BlockTask& task, const float (*maps)[256], double* scratch,
+                           double* sums) {
   const int64_t* m = a.meta + task.tensor * kMetaCols;
   const StepScalars scalars = tensor_scalars(a, task.tensor, nullptr);
   const bool eight_bit = m[kStateBits] == 8;
   const int64_t block = task.lo / a.block_size;
   const T* param = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kParam])) + task.lo;
   const T* grad = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kGrad])) + task.lo;
-  const float* maps[2] = {smap1, smap2};
   double pp = 0.0;
   double uu = 0.0;
   for (int i = threadIdx.x; i < task.cnt; i += blockDim.x) {
-    float s[2] = {0.f, 0.f};
+    float s[kMaxStates] = {0.f, 0.f, 0.f};
     for (int k = 0; k < a.n_states; ++k) {
       const int64_t ptr = m[kState1 + k];
       s[k] = eight_bit ? state_value(maps[k][reinterpret_cast<const uint8_t*>(ptr)[task.lo + i]] *
                                          reinterpret_cast<const float*>(m[kAbsmax1 + k])[block],
-                                     k == second_moment_slot(kRule))
+                                     root_slot(kRule, k))
                        : reinterpret_cast<const float*>(ptr)[task.lo + i];
     }
     const float p = to_float(param[i]);
-    const float u = rule_step(kRule, a.hyper, scalars, p, effective_grad(a.hyper, scalars, to_float(grad[i])), s[0], s[1]);
+    const float u = rule_step(kRule, a.hyper, scalars, p, effective_grad(a.hyper, scalars, to_float(grad[i])), s[0], s[1],
+                              s[2]);
     pp += static_cast<double>(p) * p;
     uu += static_cast<double>(u) * u;
   }
@@ -91,23 +92,23 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
 }
 
 template <Rule kRule, typename T>
-__device__ void step_block(const OptimArgs& a, const BlockTask& task, const float* smap1, const float* smap2,
-                           uint32_t* scratch, const float* update_scales) {
+__device__ void step_block(const OptimArgs& a, const BlockTask& task, const float (*maps)[256], uint32_t* scratch,
+                           const float* update_scales) {
   const int64_t* m = a.meta + task.tensor * kMetaCols;
   const StepScalars scalars = tensor_scalars(a, task.tensor, update_scales);
   const bool eight_bit = m[kStateBits] == 8;
   const int64_t block = task.lo / a.block_size;
   T* param = reinterpret_cast<T*>(static_cast<uintptr_t>(m[kParam])) + task.lo;
   const T* grad = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kGrad])) + task.lo;
-  void* state[2] = {reinterpret_cast<void*>(static_cast<uintptr_t>(m[kState1])),
-                    reinterpret_cast<void*>(static_cast<uintptr_t>(m[kState2]))};
-  float* absmax[2] = {reinterpret_cast<float*>(static_cast<uintptr_t>(m[kAbsmax1])),
-                      reinterpret_cast<float*>(static_cast<uintptr_t>(m[kAbsmax2]))};
-  const float* maps[2] = {smap1, smap2};
+  void* state[kMaxStates];
+  float* absmax[kMaxStates];
+  for (int k = 0; k < kMaxStates; ++k) {
+    state[k] = reinterpret_cast<void*>(static_cast<uintptr_t>(m[kState1 + k]));
+    absmax[k] = reinterpret_cast<float*>(static_cast<uintptr_t>(m[kAbsmax1 + k]));
+  }
 
-  constexpr int kRoot = second_moment_slot(kRule);  // stored as its root: state_form.h
-  float s[2][kMaxPerThread];
-  uint32_t max_bits[2] = {0, 0};
+  float s[kMaxStates][kMaxPerThread];
+  uint32_t max_bits[kMaxStates] = {0, 0, 0};
   const int per = (task.cnt + blockDim.x - 1) / blockDim.x;
   for (int k = 0; k < a.n_states; ++k) {
     const float amax = eight_bit ? absmax[k][block] : 0.f;
@@ -115,7 +116,7 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
       const int i = threadIdx.x + j * blockDim.x;
       if (i < task.cnt) {
         s[k][j] = eight_bit ? state_value(maps[k][static_cast<const uint8_t*>(state[k])[task.lo + i]] * amax,
-                                          k == kRoot)
+                                          root_slot(kRule, k))
                             : static_cast<const float*>(state[k])[task.lo + i];
       }
     }
@@ -127,11 +128,13 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
       float p = to_float(param[i]);
       float& s1 = a.n_states > 0 ? s[0][j] : unused;
       float& s2 = a.n_states > 1 ? s[1][j] : unused;
-      apply_rule(kRule, a.hyper, scalars, p, to_float(grad[i]), s1, s2);
+      float& s3 = a.n_states > 2 ? s[2][j] : unused;
+      apply_rule(kRule, a.hyper, scalars, p, to_float(grad[i]), s1, s2, s3);
       param[i] = from_float<T>(p);
-      if (eight_bit) restart_if_nonfinite(s1, s2);
+      if (eight_bit) restart_if_nonfinite(s1, s2, s3);
       max_bits[0] = max(max_bits[0], abs_bits(s1));
       max_bits[1] = max(max_bits[1], abs_bits(s2));
+      max_bits[2] = max(max_bits[2], abs_bits(s3));
     }
   }
   for (int k = 0; k < a.n_states; ++k) {
@@ -142,7 +145,7 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
       }
       continue;
     }
-    const bool root = k == kRoot;
+    const bool root = root_slot(kRule, k);
     const float amax = stored_absmax(block_max(max_bits[k], scratch), root);
     if (threadIdx.x == 0) absmax[k][block] = amax;
     uint8_t* codes = static_cast<uint8_t*>(state[k]) + task.lo;
@@ -156,29 +159,30 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
 }
 
 __device__ void load_maps(const OptimArgs& a, float (*smap)[256]) {
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) {
-    smap[0][i] = a.map1[i];
-    smap[1][i] = a.map2[i];
+  for (int k = 0; k < kMaxStates; ++k) {
+    const float* map = state_map(a, k);
+    if (map == nullptr) continue;  // map3 of a caller that passes none: never read
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) smap[k][i] = map[i];
   }
   __syncthreads();
 }
 
 template <Rule kRule>
 __global__ void norm_kernel(OptimArgs a, double* sums) {
-  __shared__ float smap[2][256];
+  __shared__ float smap[kMaxStates][256];
   __shared__ double scratch[kMaxThreads];
   load_maps(a, smap);
   for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
     const BlockTask task = find_block(a, b);
     switch (static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype])) {
       case static_cast<int>(DType::F32):
-        norm_block<kRule, float>(a, task, smap[0], smap[1], scratch, sums + 2 * b);
+        norm_block<kRule, float>(a, task, smap, scratch, sums + 2 * b);
         break;
       case static_cast<int>(DType::F16):
-        norm_block<kRule, Half>(a, task, smap[0], smap[1], scratch, sums + 2 * b);
+        norm_block<kRule, Half>(a, task, smap, scratch, sums + 2 * b);
         break;
       default:
-        norm_block<kRule, BFloat16>(a, task, smap[0], smap[1], scratch, sums + 2 * b);
+        norm_block<kRule, BFloat16>(a, task, smap, scratch, sums + 2 * b);
         break;
     }
   }
@@ -212,20 +216,20 @@ __global__ void scale_kernel(OptimArgs a, const double* sums, float* update_scal
 
 template <Rule kRule>
 __global__ void optimizer_kernel(OptimArgs a, const float* update_scales) {
-  __shared__ float smap[2][256];
+  __shared__ float smap[kMaxStates][256];
   __shared__ uint32_t scratch[kMaxThreads / 32];
   load_maps(a, smap);
   for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
     const BlockTask task = find_block(a, b);
     switch (static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype])) {
       case static_cast<int>(DType::F32):
-        step_block<kRule, float>(a, task, smap[0], smap[1], scratch, update_scales);
+        step_block<kRule, float>(a, task, smap, scratch, update_scales);
         break;
       case static_cast<int>(DType::F16):
-        step_block<kRule, Half>(a, task, smap[0], smap[1], scratch, update_scales);
+        step_block<kRule, Half>(a, task, smap, scratch, update_scales);
         break;
       default:
-        step_block<kRule, BFloat16>(a, task, smap[0], smap[1], scratch, update_scales);
+        step_block<kRule, BFloat16>(a, task, smap, scratch, update_scales);
         break;
     }
   }

@@ -1,6 +1,6 @@
 // Per-element optimizer update rules in fp32, shared by the CPU loops and the CUDA kernels.
 //
-// Each rule updates one parameter p from its gradient g and up to two state values s1, s2, in
+// Each rule updates one parameter p from its gradient g and up to three state values s1, s2, s3, in
 // place, following the update order of the torch.optim class of the same name so that 32-bit
 // states track torch.optim to fp32 rounding. The traversal (blocks, dequantize, requantize) lives
 // once in the loops; only this math differs between optimizers (8bit-optimizers.txt eqs. 1-2).
@@ -15,7 +15,22 @@
 namespace lowbit {
 
 // Matches lowbit/optim/optimizer.py: RULE_CODES.
-enum class Rule : int { Adam = 0, SGD = 1, Lion = 2, RMSprop = 3, Adagrad = 4, Lamb = 5 };
+// AdamAmsgrad and RMSpropCentered are rules of their own, not flags, so that the loops see their state
+// count and math at compile time and the plain rules' loops stay as they are.
+enum class Rule : int {
+  Adam = 0,
+  SGD = 1,
+  Lion = 2,
+  RMSprop = 3,
+  Adagrad = 4,
+  Lamb = 5,
+  AdamAmsgrad = 6,
+  RMSpropCentered = 7,
+};
+constexpr int kMaxRule = static_cast<int>(Rule::RMSpropCentered);
+
+// torch.maximum: a NaN in either operand gives NaN (fmaxf would drop it).
+LB_HD float nan_max(float a, float b) { return (b != b || b > a) ? b : a; }
 
 // How the per-tensor update_scale is derived from a pre-pass over the update (csrc/*/optim.*):
 // kNormNone: 1; kNormTrust: LAMB's trust ratio ||p|| / ||r||; kNormClip: min(1, max_unorm * ||p|| /
@@ -73,6 +88,18 @@ LB_HD float adam_step(const StepHyper& h, const StepScalars& s, float p, float g
   return s.step_size * m / denom;
 }
 
+// torch.optim.Adam / AdamW with amsgrad=True: s3 = max_exp_avg_sq, the running maximum of exp_avg_sq,
+// takes its place in the denominator (torch's _single_tensor_adam order).
+LB_HD float adam_amsgrad_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v,
+                              float& vmax) {
+  if (h.weight_decay != 0.f && !(h.flags & kDecoupled)) g = g + h.weight_decay * p;
+  m = torch_lerp(m, g, h.one_minus_beta1);
+  v = v * h.beta2 + h.one_minus_beta2 * g * g;
+  vmax = nan_max(vmax, v);
+  const float denom = sqrtf(vmax) / s.bias2_sqrt + h.eps;
+  return s.step_size * m / denom;
+}
+
 // LAMB (You et al. 2020): the Adam direction plus weight decay, scaled by the trust ratio.
 LB_HD float lamb_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v) {
   m = torch_lerp(m, g, h.one_minus_beta1);
@@ -122,6 +149,23 @@ LB_HD float rmsprop_step(const StepHyper& h, float p, float g, float& sq, float&
   return h.lr * g / avg;
 }
 
+// torch.optim.RMSprop(centered=True): s1 = square_avg, s2 = grad_avg (torch's lerp with weight
+// 1 - alpha, written as Adam's exp_avg), s3 = momentum_buffer when momentum > 0. The variance
+// square_avg - grad_avg^2 is non-negative in exact arithmetic; a negative rounding residue (torch: the
+// sqrt of it, NaN) reads as 0, a NaN stays NaN.
+LB_HD float rmsprop_centered_step(const StepHyper& h, float p, float g, float& sq, float& ga, float& buf) {
+  if (h.weight_decay != 0.f) g = g + h.weight_decay * p;
+  sq = sq * h.beta2 + h.one_minus_beta2 * g * g;
+  ga = ga + h.one_minus_beta2 * (g - ga);
+  const float var = sq - ga * ga;
+  const float avg = sqrtf(var < 0.f ? 0.f : var) + h.eps;
+  if (h.beta1 > 0.f) {
+    buf = buf * h.beta1 + g / avg;
+    return h.lr * buf;
+  }
+  return h.lr * g / avg;
+}
+
 // torch.optim.Adagrad: s1 = state_sum.
 LB_HD float adagrad_step(const StepHyper& h, const StepScalars& s, float p, float g, float& sum) {
   if (h.weight_decay != 0.f) g = g + h.weight_decay * p;
@@ -130,7 +174,8 @@ LB_HD float adagrad_step(const StepHyper& h, const StepScalars& s, float p, floa
 }
 
 // The step u of the rule for gradient g (already scaled and sign-adjusted); updates the states.
-LB_HD float rule_step(Rule rule, const StepHyper& h, const StepScalars& s, float p, float g, float& s1, float& s2) {
+LB_HD float rule_step(Rule rule, const StepHyper& h, const StepScalars& s, float p, float g, float& s1, float& s2,
+                      float& s3) {
   switch (rule) {
     case Rule::Adam:
       return adam_step(h, s, p, g, s1, s2);
@@ -144,6 +189,10 @@ LB_HD float rule_step(Rule rule, const StepHyper& h, const StepScalars& s, float
       return adagrad_step(h, s, p, g, s1);
     case Rule::Lamb:
       return lamb_step(h, s, p, g, s1, s2);
+    case Rule::AdamAmsgrad:
+      return adam_amsgrad_step(h, s, p, g, s1, s2, s3);
+    case Rule::RMSpropCentered:
+      return rmsprop_centered_step(h, p, g, s1, s2, s3);
   }
   return 0.f;
 }
@@ -153,10 +202,17 @@ LB_HD float effective_grad(const StepHyper& h, const StepScalars& s, float g) {
   return (h.flags & kMaximize) ? -g : g;
 }
 
-LB_HD void apply_rule(Rule rule, const StepHyper& h, const StepScalars& s, float& p, float g, float& s1, float& s2) {
-  const float u = rule_step(rule, h, s, p, effective_grad(h, s, g), s1, s2);
+LB_HD void apply_rule(Rule rule, const StepHyper& h, const StepScalars& s, float& p, float g, float& s1, float& s2,
+                      float& s3) {
+  const float u = rule_step(rule, h, s, p, effective_grad(h, s, g), s1, s2, s3);
   if (h.weight_decay != 0.f && (h.flags & kDecoupled)) p = p * h.decay;
   p = p - s.update_scale * u;
+}
+
+// The two-state rules (LPMM steps Adam and SGD only).
+LB_HD void apply_rule(Rule rule, const StepHyper& h, const StepScalars& s, float& p, float g, float& s1, float& s2) {
+  float s3 = 0.f;
+  apply_rule(rule, h, s, p, g, s1, s2, s3);
 }
 
 // The single rule switch: calls fn(std::integral_constant<Rule, R>{}) for the rule R of `rule`.
@@ -175,6 +231,10 @@ void dispatch_rule(Rule rule, Fn&& fn) {
       return fn(std::integral_constant<Rule, Rule::Adagrad>{});
     case Rule::Lamb:
       return fn(std::integral_constant<Rule, Rule::Lamb>{});
+    case Rule::AdamAmsgrad:
+      return fn(std::integral_constant<Rule, Rule::AdamAmsgrad>{});
+    case Rule::RMSpropCentered:
+      return fn(std::integral_constant<Rule, Rule::RMSpropCentered>{});
   }
 }
 

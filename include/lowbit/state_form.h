@@ -28,7 +28,15 @@ namespace lowbit {
 
 // The state slot (0 or 1) of a rule that holds a second moment, or -1.
 LB_HD constexpr int second_moment_slot(Rule rule) {
-  return rule == Rule::Adam || rule == Rule::Lamb ? 1 : (rule == Rule::RMSprop || rule == Rule::Adagrad ? 0 : -1);
+  return rule == Rule::Adam || rule == Rule::Lamb || rule == Rule::AdamAmsgrad
+             ? 1
+             : (rule == Rule::RMSprop || rule == Rule::Adagrad || rule == Rule::RMSpropCentered ? 0 : -1);
+}
+
+// Whether state slot k of a rule is stored as its root: the second moment, and AMSGrad's running
+// maximum of it (max of roots == root of max, so both share the form and the zero-free map).
+LB_HD constexpr bool root_slot(Rule rule, int k) {
+  return k == second_moment_slot(rule) || (rule == Rule::AdamAmsgrad && k == 2);
 }
 
 // The value that is quantized for state value v, and the state value of a decoded one.
@@ -49,6 +57,14 @@ LB_HD void restart_if_nonfinite(float& s1, float& s2) {
   }
 }
 
+LB_HD void restart_if_nonfinite(float& s1, float& s2, float& s3) {
+  if (!(state_finite(s1) && state_finite(s2) && state_finite(s3))) {
+    s1 = 0.f;
+    s2 = 0.f;
+    s3 = 0.f;
+  }
+}
+
 // The policy over the cnt elements of a block's n_states state arrays, and the block maxima of what
 // is left. The CPU loops call it only for a block whose maxima show a NaN or Inf (rare).
 LB_HD void restart_nonfinite(float* s1, float* s2, int n_states, int cnt, uint32_t* max_bits) {
@@ -65,6 +81,21 @@ LB_HD void restart_nonfinite(float* s1, float* s2, int n_states, int cnt, uint32
   }
   max_bits[0] = max1;
   max_bits[1] = max2;
+}
+
+// restart_nonfinite for up to three states (s[k] for k < n_states; max_bits has three entries).
+LB_HD void restart_nonfinite3(float* const* s, int n_states, int cnt, uint32_t* max_bits) {
+  uint32_t maxes[3] = {0, 0, 0};
+  for (int i = 0; i < cnt; ++i) {
+    float v[3] = {0.f, 0.f, 0.f};
+    for (int k = 0; k < n_states; ++k) v[k] = s[k][i];
+    restart_if_nonfinite(v[0], v[1], v[2]);
+    for (int k = 0; k < n_states; ++k) {
+      s[k][i] = v[k];
+      maxes[k] = maxes[k] > abs_bits(v[k]) ? maxes[k] : abs_bits(v[k]);
+    }
+  }
+  for (int k = 0; k < 3; ++k) max_bits[k] = maxes[k];
 }
 
 }  // namespace lowbit

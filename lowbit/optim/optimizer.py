@@ -1,9 +1,11 @@
 """The base class of lowbit's optimizers: state layout, per-parameter config, one fused call per group.
 
-State of a parameter with 8-bit state (8bit-optimizers.txt section 2): ``state1``/``state2`` are uint8
-codes shaped like the parameter, indexing the signed dynamic map (first moments) or, for second moments,
-the zero-free unsigned one holding their square roots (include/lowbit/state_form.h), with one fp32
-``absmax1``/``absmax2`` per block of ``block_size`` elements (of the stored values).
+State of a parameter with 8-bit state (8bit-optimizers.txt section 2): ``state1``/``state2``/``state3``
+are uint8 codes shaped like the parameter, indexing the signed dynamic map (first moments) or, for second
+moments and AMSGrad's running maximum of them, the zero-free unsigned one holding their square roots
+(include/lowbit/state_form.h), with one fp32 ``absmax1``/``absmax2``/``absmax3`` per block of
+``block_size`` elements (of the stored values). ``state{k+1}`` always holds the state named
+``_state_names[k]``, whichever options are on; a state an option does not use is absent.
 Parameters with fewer than ``min_8bit_size`` elements, or with ``optim_bits=32``, keep fp32 states.
 ``step`` is a float32 scalar tensor, as in torch.optim.
 
@@ -44,7 +46,16 @@ __all__ = ["LowbitOptimizer"]
 Params = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 
 # Matches include/lowbit/optim_rules.h: Rule, the flag bits and NormMode.
-RULE_CODES = {"adam": 0, "sgd": 1, "lion": 2, "rmsprop": 3, "adagrad": 4, "lamb": 5}
+RULE_CODES = {
+    "adam": 0,
+    "sgd": 1,
+    "lion": 2,
+    "rmsprop": 3,
+    "adagrad": 4,
+    "lamb": 5,
+    "adam_amsgrad": 6,
+    "rmsprop_centered": 7,
+}
 FLAG_DECOUPLED, FLAG_NESTEROV, FLAG_MAXIMIZE = 1, 2, 4
 NORM_NONE, NORM_TRUST, NORM_CLIP = 0, 1, 2
 
@@ -121,9 +132,9 @@ class LowbitOptimizer(torch.optim.Optimizer):
             are not scaled towards zero by the empty history).
 
     Subclasses set ``_rule`` (a key of ``RULE_CODES``), ``_state_names`` (the torch.optim state names
-    of state1/state2, used for interop) and ``_state_signed`` (which dynamic map each state uses),
-    and implement :meth:`_hyper` and, if the number of states depends on the group,
-    :meth:`_n_states`.
+    of state1/state2/state3, used for interop) and ``_state_signed`` (which dynamic map each state uses),
+    and implement :meth:`_hyper` and, if the states or the rule depend on the group, :meth:`_n_states`
+    or :meth:`_slots` and :meth:`_rule_code`.
     """
 
     _rule: ClassVar[str]
@@ -164,6 +175,15 @@ class LowbitOptimizer(torch.optim.Optimizer):
 
     def _n_states(self, config: dict[str, Any]) -> int:
         return len(self._state_names)
+
+    def _slots(self, config: dict[str, Any]) -> tuple[int, ...]:
+        """The states ``config`` uses, as indexes k of ``_state_names`` (stored as ``state{k+1}``), in the
+        order of the native rule's state slots (include/lowbit/optim_rules.h)."""
+        return tuple(range(self._n_states(config)))
+
+    def _rule_code(self, config: dict[str, Any]) -> int:
+        """The native rule (optim_rules.h: Rule) that steps ``config``."""
+        return RULE_CODES[self._rule]
 
     def _check_config(self, config: dict[str, Any], where: str) -> None:
         """Raise ValueError naming ``where`` if an option of ``config`` is invalid; subclasses add the
@@ -270,7 +290,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
     def _layout_matches(self, p: Tensor, state: dict[str, Any], config: dict[str, Any]) -> bool:
         eight_bit = self._eight_bit(config, p)
         blocks = _ops.num_blocks(_ops.local(p).numel(), config["block_size"])
-        for k in range(self._n_states(config)):
+        for k in self._slots(config):
             s = state.get(f"state{k + 1}")
             if s is None or (s.dtype == torch.uint8) != eight_bit:
                 return False
@@ -284,29 +304,31 @@ class LowbitOptimizer(torch.optim.Optimizer):
         This is how a changed ``optim_bits`` or ``block_size`` (param group or override) is honoured
         for a parameter that already has state; missing states start at their initial value.
         """
-        values = []
-        for k in range(self._n_states(config)):
+        values = {}
+        for k in self._slots(config):
             if f"state{k + 1}" in state:
-                values.append(self._unpack(k, p, state).clone())
+                values[k] = self._unpack(k, p, state).clone()
             else:
-                shard = _ops.local(p)
-                values.append(
-                    torch.full(shard.shape, self._init_value(k, config), dtype=torch.float32, device=shard.device)
-                )
+                values[k] = self._initial(k, p, config)
         state.update(self._store(p, values, config))
 
-    def _store(self, p: Tensor, values: list[Tensor], config: dict[str, Any]) -> dict[str, Tensor]:
-        """``state{k}``/``absmax{k}`` entries holding ``values`` (fp32, shaped like the local shard of
-        ``p``) in the layout ``config`` asks for. In 8-bit layout an element with a non-finite state
+    def _initial(self, k: int, p: Tensor, config: dict[str, Any]) -> Tensor:
+        """State k of ``p`` before its first step, shaped like the local shard."""
+        shard = _ops.local(p)
+        return torch.full(shard.shape, self._init_value(k, config), dtype=torch.float32, device=shard.device)
+
+    def _store(self, p: Tensor, values: dict[int, Tensor], config: dict[str, Any]) -> dict[str, Tensor]:
+        """``state{k+1}``/``absmax{k+1}`` entries holding ``values[k]`` (fp32, shaped like the local shard
+        of ``p``) in the layout ``config`` asks for. In 8-bit layout an element with a non-finite state
         restarts all its states from zero, as the step does (module docstring): one NaN would otherwise
         become its block's scale and spoil the block."""
         eight_bit = self._eight_bit(config, p)  # by the global element count of an FSDP2 parameter
         if eight_bit and values:
-            bad = ~torch.stack([v.isfinite() for v in values]).all(0)
+            bad = ~torch.stack([v.isfinite() for v in values.values()]).all(0)
             if bool(bad.any()):
-                values = [v.masked_fill(bad, 0.0) for v in values]
+                values = {k: v.masked_fill(bad, 0.0) for k, v in values.items()}
         out: dict[str, Tensor] = {}
-        for k, value in enumerate(values):
+        for k, value in values.items():
             codes, out[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
             out[f"state{k + 1}"] = like_param(p, codes)
         return out
@@ -395,7 +417,8 @@ class LowbitOptimizer(torch.optim.Optimizer):
     def _prepare_step(self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]]) -> Callable[[], None]:
         """The fused call of ``batch``, checked and ready: the returned function steps the parameters and
         their states and advances the step counters."""
-        n_states = self._n_states(config)
+        slots = self._slots(config)
+        n_states = len(slots)
         hyper, flags = self._hyper(config)
         hyper = [*hyper, config["max_unorm"]]
         norm_mode = self._norm_mode
@@ -404,8 +427,8 @@ class LowbitOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"lowbit: {type(self).__name__} scales its update itself; max_unorm must be 0")
             norm_mode = NORM_CLIP
         params, grads, scalars = [], [], []
-        states: list[list[Tensor]] = [[], []]
-        absmaxes: list[list[Tensor]] = [[], []]
+        states: list[list[Tensor]] = [[], [], []]
+        absmaxes: list[list[Tensor]] = [[], [], []]
         # The step numbers this step takes; the counters advance once the native call has succeeded.
         steps = [int(s) + 1 for s in torch.stack([state["step"] for _, state in batch]).tolist()]
         copied: list[tuple[Tensor, Tensor]] = []
@@ -420,25 +443,24 @@ class LowbitOptimizer(torch.optim.Optimizer):
             params.append(shard)
             grads.append(grad.contiguous() if grad.dtype == shard.dtype else grad.to(shard.dtype).contiguous())
             scalars += self._step_scalars(config, step)
-            for k in range(n_states):
-                states[k].append(_ops.local(state[f"state{k + 1}"]))
-                absmaxes[k].append(state[f"absmax{k + 1}"])
+            for j, k in enumerate(slots):
+                states[j].append(_ops.local(state[f"state{k + 1}"]))
+                absmaxes[j].append(state[f"absmax{k + 1}"])
         device = params[0].device
         originals = [p for p, _ in batch]
         grad_scales, histories = self._grad_scales(config, grads, originals, steps)
         grads, grad_scales = self._adjust_grads(config, params, grads, grad_scales, originals)
+        # Slots the rule does not use get a map all the same (the op checks every map).
+        signed = [self._state_signed[slots[j]] if j < n_states else True for j in range(3)]
         args = (
             params,
             grads,
-            states[0],
-            states[1],
-            absmaxes[0],
-            absmaxes[1],
+            *states,
+            *absmaxes,
             scalars,
             grad_scales,
-            state_map(self._state_signed[0] if n_states else True, device),
-            state_map(self._state_signed[1] if n_states > 1 else False, device),
-            RULE_CODES[self._rule],
+            *(state_map(s, device) for s in signed),
+            self._rule_code(config),
             hyper,
             flags,
             norm_mode,
@@ -475,7 +497,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
         for i, p in enumerate(params):
             if isinstance(p, DTensor) and i in sd["state"]:
                 entry = dict(sd["state"][i])
-                for k in range(2):
+                for k in range(len(self._state_names)):
                     if f"state{k + 1}" in entry:
                         entry[f"state{k + 1}"] = like_param(p, self._unpack(k, p, self.state[p]).clone())
                         entry.pop(f"absmax{k + 1}", None)
@@ -545,14 +567,13 @@ class LowbitOptimizer(torch.optim.Optimizer):
         step = state.get("step", float(any(name in state for name in self._state_names)))
         new: dict[str, Any] = {"step": torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()}
         shard = _ops.local(p)
-        values = [
-            _ops.local(state[self._state_names[k]])
-            .detach()
-            .to(shard.device, torch.float32)
-            .reshape(shard.shape)
-            .clone()
-            for k in range(self._n_states(config))
-        ]
+        values = {}
+        for k in self._slots(config):
+            saved = state.get(self._state_names[k])
+            if saved is None:  # a state the saving optimizer did not use (amsgrad or centered turned on)
+                values[k] = self._initial(k, p, config)
+            else:
+                values[k] = _ops.local(saved).detach().to(shard.device, torch.float32).reshape(shard.shape).clone()
         new.update(self._store(p, values, config))
         self.state[p] = new
 

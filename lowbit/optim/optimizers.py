@@ -1,8 +1,8 @@
 """The public optimizers: thin classes with torch.optim's defaults and argument checks.
 
 ``X8bit`` keeps 8-bit block-wise states, ``X32bit`` fp32 states, and the generic ``X`` takes
-``optim_bits=8|32`` (default 32). Every argument has torch.optim's meaning; unsupported arguments
-(``amsgrad=True``, ``centered=True``) raise instead of being ignored.
+``optim_bits=8|32`` (default 32). Every argument has torch.optim's meaning, ``amsgrad=True`` and
+``centered=True`` included (their extra states are 8-bit too in the 8-bit optimizers).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from lowbit.optim.optimizer import (
     FLAG_MAXIMIZE,
     FLAG_NESTEROV,
     NORM_TRUST,
+    RULE_CODES,
     LowbitOptimizer,
     Params,
     decay_factor,
@@ -68,15 +69,19 @@ class Adam(LowbitOptimizer):
         betas: coefficients of the running averages of the gradient and its square.
         eps: added to the denominator.
         weight_decay: L2 penalty (coupled: added to the gradient).
-        amsgrad: not supported; True raises.
+        amsgrad: keep the running maximum of the second moment (state ``max_exp_avg_sq``) and divide
+            by it (Reddi et al. 2018), as torch.optim does. At 8 bits it is stored like the second
+            moment, as its square root on the zero-free map, and the step divides by the larger of
+            the decoded maximum and the current second moment, so the denominator is never below
+            Adam's.
         maximize: maximize the objective instead of minimizing.
         **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
             ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "adam"
-    _state_names = ("exp_avg", "exp_avg_sq")
-    _state_signed = (True, False)
+    _state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _state_signed = (True, False, False)
     _decoupled = False
 
     def __init__(
@@ -91,10 +96,16 @@ class Adam(LowbitOptimizer):
         maximize: bool = False,
         **options: Any,
     ) -> None:
-        if amsgrad:
-            raise ValueError(f"lowbit: {type(self).__name__} does not support amsgrad=True")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=bool(amsgrad), maximize=bool(maximize)
+        )
         super().__init__(params, defaults, **options)
+
+    def _n_states(self, config: dict[str, Any]) -> int:
+        return 3 if config["amsgrad"] else 2
+
+    def _rule_code(self, config: dict[str, Any]) -> int:
+        return RULE_CODES["adam_amsgrad" if config["amsgrad"] else "adam"]
 
     def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
         lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
@@ -230,7 +241,7 @@ class Lion(LowbitOptimizer):
 
 
 class RMSprop(LowbitOptimizer):
-    """RMSprop as ``torch.optim.RMSprop`` (``centered=True`` is not supported and raises).
+    """RMSprop as ``torch.optim.RMSprop``.
 
     Args:
         params: parameters or param groups.
@@ -239,15 +250,17 @@ class RMSprop(LowbitOptimizer):
         eps: added to the denominator.
         weight_decay: L2 penalty.
         momentum: momentum factor (adds a momentum buffer state when > 0).
-        centered: not supported; True raises.
+        centered: normalise by the variance estimate ``square_avg - grad_avg**2`` (state ``grad_avg``,
+            on the signed map at 8 bits), as torch.optim does. A negative rounding residue of the
+            variance reads as 0 (where torch.optim takes the square root of it: NaN).
         maximize: maximize the objective instead of minimizing.
         **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
             ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "rmsprop"
-    _state_names = ("square_avg", "momentum_buffer")
-    _state_signed = (False, True)
+    _state_names = ("square_avg", "momentum_buffer", "grad_avg")
+    _state_signed = (False, True, True)
 
     def __init__(
         self,
@@ -262,15 +275,25 @@ class RMSprop(LowbitOptimizer):
         maximize: bool = False,
         **options: Any,
     ) -> None:
-        if centered:
-            raise ValueError(f"lowbit: {type(self).__name__} does not support centered=True")
         defaults = dict(
-            lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum, maximize=bool(maximize)
+            lr=lr,
+            alpha=alpha,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            centered=bool(centered),
+            maximize=bool(maximize),
         )
         super().__init__(params, defaults, **options)
 
-    def _n_states(self, config: dict[str, Any]) -> int:
-        return 2 if config["momentum"] > 0 else 1
+    def _slots(self, config: dict[str, Any]) -> tuple[int, ...]:
+        # optim_rules.h: rmsprop_step (square_avg, momentum_buffer), rmsprop_centered_step (square_avg,
+        # grad_avg, momentum_buffer); momentum_buffer only with a momentum.
+        momentum = (1,) if config["momentum"] > 0 else ()
+        return (0, 2, *momentum) if config["centered"] else (0, *momentum)
+
+    def _rule_code(self, config: dict[str, Any]) -> int:
+        return RULE_CODES["rmsprop_centered" if config["centered"] else "rmsprop"]
 
     def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
         alpha = config["alpha"]

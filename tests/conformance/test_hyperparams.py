@@ -143,8 +143,8 @@ def test_loaded_state_entries_are_validated(case):
 def test_loaded_state_with_unknown_or_missing_keys_is_refused():
     params, opt = _setup()
     sd = copy.deepcopy(opt.state_dict())
-    sd["state"][1]["max_exp_avg_sq"] = torch.zeros(64)
-    with pytest.raises(ValueError, match=r"param_groups\[1\] params\[0\].*'max_exp_avg_sq'"):
+    sd["state"][1]["grad_avg"] = torch.zeros(64)
+    with pytest.raises(ValueError, match=r"param_groups\[1\] params\[0\].*'grad_avg'"):
         opt.load_state_dict(sd)
     sd = copy.deepcopy(opt.state_dict())
     del sd["state"][0]["absmax1"]

@@ -204,6 +204,8 @@ class Run:
         state = self.main.dequantized_state(p)
         block = slice(i - i % self.block_size, i - i % self.block_size + self.block_size)
         for name, signed in zip(self.main._state_names, self.main._state_signed, strict=True):
+            if name not in state:  # an option's state (amsgrad's max_exp_avg_sq) that is not in use
+                continue
             value = state[name].view(-1)
             assert bool(value[block].isfinite().all()), name
             if signed:
@@ -371,8 +373,8 @@ def test_loading_a_torch_state_with_a_nonfinite_element_keeps_the_rest_of_its_bl
     ref.step()
     opt = case.cls([p], min_8bit_size=0, **case.kw)
     opt.load_state_dict(ref.state_dict())
-    for k in range(len(case.cls._state_names)):
-        assert bool(opt.state[p][f"absmax{k + 1}"].isfinite().all())
+    absmaxes = [v for key, v in opt.state[p].items() if key.startswith("absmax")]
+    assert absmaxes and all(bool(v.isfinite().all()) for v in absmaxes)
     # Its own state dict loads back, and the next step leaves the other 255 parameters finite, as torch's.
     case.cls([nn.Parameter(torch.zeros(256))], min_8bit_size=0).load_state_dict(opt.state_dict())
     with torch.no_grad():
