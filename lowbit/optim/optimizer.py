@@ -26,6 +26,7 @@ behave identically.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Optional, Union
 
@@ -307,6 +308,9 @@ class LowbitOptimizer(torch.optim.Optimizer):
         values = {}
         for k in self._slots(config):
             if f"state{k + 1}" in state:
+                held, numel = _ops.local(state[f"state{k + 1}"]).numel(), _ops.local(p).numel()
+                if held != numel:
+                    raise ValueError(f"state{k + 1} has {held} elements, the parameter {numel}")
                 values[k] = self._unpack(k, p, state).clone()
             else:
                 values[k] = self._initial(k, p, config)
@@ -368,30 +372,37 @@ class LowbitOptimizer(torch.optim.Optimizer):
         """The fused calls of one param group, prepared and checked; parameters whose state this creates
         are appended to ``created``."""
         base = self._group_config(group)
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        name = type(self).__name__
         # Parameters with the same overrides (usually none) share one fused call.
-        batches: dict[tuple[Any, ...], tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any]]]]] = {}
-        for p in group["params"]:
+        batches: dict[tuple[Any, ...], tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any]]], list[str]]] = {}
+        for j, p in enumerate(group["params"]):
             if p.grad is None:
                 continue
+            where = f"param_groups[{gi}] params[{j}]"
             if is_traceable_wrapper_subclass(p) and not isinstance(p, DTensor):
                 raise NotImplementedError(
-                    f"lowbit: {type(self).__name__} steps plain tensors and DTensors, got a {type(p).__name__}"
+                    f"lowbit: {name} steps plain tensors and DTensors; {where} is a {type(p).__name__}"
                 )
             if p.grad.is_sparse:
-                raise RuntimeError(f"lowbit: {type(self).__name__} does not support sparse gradients")
+                raise RuntimeError(f"lowbit: {name} does not support sparse gradients ({where})")
             overrides = get_override(p)
             key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
             if key not in batches:
-                batches[key] = (self._merge(base, overrides), [])
-            config, items = batches[key]
+                batches[key] = (self._merge(base, overrides), [], [])
+            config, items, places = batches[key]
             state = self.state[p]
-            if not state:
-                created.append(p)
-                state.update(self._init_state(p, config))
-            elif not self._layout_matches(p, state, config):
-                self._relayout(p, state, config)
+            try:
+                if not state:
+                    created.append(p)
+                    state.update(self._init_state(p, config))
+                elif not self._layout_matches(p, state, config):
+                    self._relayout(p, state, config)
+            except (ValueError, TypeError, RuntimeError) as exc:
+                raise type(exc)(f"lowbit: {name} {where}: {str(exc).removeprefix('lowbit: ')}") from exc
             items.append((p, state))
-        return [self._prepare_step(config, items) for config, items in batches.values()]
+            places.append(where)
+        return [self._prepare_step(config, items, places) for config, items, places in batches.values()]
 
     def _grad_scales(
         self, config: dict[str, Any], grads: list[Tensor], originals: list[Tensor], steps: list[int]
@@ -414,9 +425,12 @@ class LowbitOptimizer(torch.optim.Optimizer):
             histories.append(history)
         return torch.stack(scales).float(), histories
 
-    def _prepare_step(self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]]) -> Callable[[], None]:
+    def _prepare_step(
+        self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]], places: list[str]
+    ) -> Callable[[], None]:
         """The fused call of ``batch``, checked and ready: the returned function steps the parameters and
-        their states and advances the step counters."""
+        their states and advances the step counters. ``places`` says where each parameter is in the
+        user's param groups, for error messages."""
         slots = self._slots(config)
         n_states = len(slots)
         hyper, flags = self._hyper(config)
@@ -473,7 +487,10 @@ class LowbitOptimizer(torch.optim.Optimizer):
             # takes the scales computed from them.
             sums = _sum_over_shards(_ops.optimizer_norms(*args), originals)
             update_scales = _update_scales(sums, hyper, norm_mode)
-        _ops.check_optimizer_step(*args, update_scales)
+        try:
+            _ops.check_optimizer_step(*args, update_scales)
+        except (ValueError, TypeError, RuntimeError) as exc:
+            raise type(exc)(_in_user_terms(str(exc), places)) from exc
 
         def run() -> None:
             _ops.optimizer_step_eager(*args, update_scales)
@@ -576,6 +593,20 @@ class LowbitOptimizer(torch.optim.Optimizer):
                 values[k] = _ops.local(saved).detach().to(shard.device, torch.float32).reshape(shard.shape).clone()
         new.update(self._store(p, values, config))
         self.state[p] = new
+
+
+_FUSED_LISTS = re.compile(r"\b(params|grads|state[123]|absmax[123])\[(\d+)\]")
+
+
+def _in_user_terms(message: str, places: list[str]) -> str:
+    """A fused call's error with each per-tensor index (``state1[3]``) replaced by where that tensor's
+    parameter is in the optimizer's param groups (``state1 of param_groups[0] params[7]``)."""
+
+    def name(m: re.Match[str]) -> str:
+        i = int(m.group(2))
+        return f"{m.group(1)} of {places[i]}" if i < len(places) else m.group(0)
+
+    return _FUSED_LISTS.sub(name, message)
 
 
 def _sum_over_shards(rows: Tensor, originals: list[Tensor]) -> Tensor:

@@ -161,3 +161,24 @@ def test_state_dict_of_another_model_is_refused():
     other = O.AdamW8bit([{"params": [nn.Parameter(torch.zeros(64, 64))]}, {"params": [nn.Parameter(torch.zeros(32))]}])
     with pytest.raises(ValueError, match=r"param_groups\[1\] params\[0\].*'state1'.*shape \(32,\)"):
         other.load_state_dict(opt.state_dict())
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "error"),
+    [
+        ("state1", torch.zeros(299), ValueError),
+        ("state1", torch.zeros(64, dtype=torch.float64), TypeError),
+        ("absmax1", torch.zeros(7), ValueError),
+    ],
+)
+def test_step_errors_name_the_parameter_as_the_user_knows_it(key, value, error):
+    # Used to name an index inside the fused call ("state1[1] must have ..."), which is neither the
+    # parameter's group nor its place in the group.
+    params = [nn.Parameter(torch.randn(64)) for _ in range(3)]
+    opt = O.AdamW8bit([{"params": params[:1]}, {"params": params[1:]}], min_8bit_size=0)
+    for p in params:
+        p.grad = torch.randn(64)
+    opt.step()
+    opt.state[params[2]][key] = value
+    with pytest.raises(error, match=r"param_groups\[1\] params\[1\]"):
+        opt.step()
