@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "lowbit/invact.h"
 
 namespace py = pybind11;
 using lowbit::DequantizeArgs;
@@ -79,7 +80,9 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
     throw std::invalid_argument("lowbit: unknown optimizer rule " + std::to_string(rule));
   }
   if (hyper.size() != 9) throw std::invalid_argument("lowbit: optimizer hyper must hold 9 values");
-  if (n_states < 0 || n_states > 3) throw std::invalid_argument("lowbit: an optimizer has 0 to 3 states");
+  if (n_states < 0 || n_states > lowbit::kMaxStates) {
+    throw std::invalid_argument("lowbit: an optimizer has 0 to " + std::to_string(lowbit::kMaxStates) + " states");
+  }
   if (norm_mode < lowbit::kNormNone || norm_mode > lowbit::kNormClip) {
     throw std::invalid_argument("lowbit: unknown norm mode " + std::to_string(norm_mode));
   }
@@ -159,6 +162,38 @@ PYBIND11_MODULE(_C, m) {
 #endif
   });
   m.def("build_info", &build_info);
+
+  // The layout constants of the native calls: the Python op layer builds its tables with these (it
+  // reads them here, it does not copy them); lowbit/_reference.py keeps torch-pure copies, which
+  // tests/test_native_constants.py compares with these.
+  m.attr("META_COLS") = static_cast<int>(lowbit::kMetaCols);
+  m.attr("SCALAR_COLS") = static_cast<int>(lowbit::kScalarCols);
+  m.attr("LP_COLS") = static_cast<int>(lowbit::kLpCols);
+  m.attr("MAX_STATES") = lowbit::kMaxStates;
+  py::dict rules;
+  rules["adam"] = static_cast<int>(lowbit::Rule::Adam);
+  rules["sgd"] = static_cast<int>(lowbit::Rule::SGD);
+  rules["lion"] = static_cast<int>(lowbit::Rule::Lion);
+  rules["rmsprop"] = static_cast<int>(lowbit::Rule::RMSprop);
+  rules["adagrad"] = static_cast<int>(lowbit::Rule::Adagrad);
+  rules["lamb"] = static_cast<int>(lowbit::Rule::Lamb);
+  rules["adam_amsgrad"] = static_cast<int>(lowbit::Rule::AdamAmsgrad);
+  rules["rmsprop_centered"] = static_cast<int>(lowbit::Rule::RMSpropCentered);
+  m.attr("RULES") = rules;
+  m.attr("FLAG_DECOUPLED") = lowbit::kDecoupled;
+  m.attr("FLAG_NESTEROV") = lowbit::kNesterov;
+  m.attr("FLAG_MAXIMIZE") = lowbit::kMaximize;
+  m.attr("NORM_NONE") = static_cast<int>(lowbit::kNormNone);
+  m.attr("NORM_TRUST") = static_cast<int>(lowbit::kNormTrust);
+  m.attr("NORM_CLIP") = static_cast<int>(lowbit::kNormClip);
+  py::dict dtypes;
+  dtypes["float32"] = static_cast<int>(lowbit::DType::F32);
+  dtypes["float16"] = static_cast<int>(lowbit::DType::F16);
+  dtypes["bfloat16"] = static_cast<int>(lowbit::DType::BF16);
+  m.attr("DTYPE_CODES") = dtypes;
+  m.attr("INVACT_COEFFS") = lowbit::kInvactCoeffs;
+  m.attr("INVACT_PARAMS") = lowbit::kInvactParams;
+  m.attr("SEED_SALT") = lowbit::kSeedSalt;
   // Private: tests run the optimizer step with and without the AVX-512 kernels and compare.
   m.def("_set_cpu_avx512", &lowbit::cpu::set_avx512_enabled);
   m.def("_set_cpu_gather_encode", &lowbit::cpu::set_gather_encode);

@@ -18,7 +18,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowbit import _C
 
-_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+# The layout constants below come from the native module, which owns them (csrc/bindings.cpp).
+_DTYPE_CODES = {getattr(torch, name): code for name, code in _C.DTYPE_CODES.items()}
 FLOAT_DTYPES = tuple(_DTYPE_CODES)
 MAX_MAP_BITS = 8
 MAX_LINEAR_BITS = 16
@@ -363,8 +364,8 @@ def _(grad: Tensor, packed: Tensor, levels: Tensor, bits: int) -> Tensor:
 
 
 # Inverted activations (inverted-activations.txt section 2; include/lowbit/invact.h)
-_INVACT_COEFFS = 2 * 6 * 16
-_INVACT_PARAMS = 5
+_INVACT_COEFFS = _C.INVACT_COEFFS
+_INVACT_PARAMS = _C.INVACT_PARAMS
 
 
 @torch.library.custom_op("lowbit::invact_grad", mutates_args=())
@@ -536,9 +537,9 @@ def _(
 # ---------------------------------------------------------------------------------------------
 
 # Column layout of the per-tensor tables (csrc/kernels.h: MetaCol, ScalarCol).
-_META_COLS = 12
-_MAX_STATES = 3
-_SCALAR_COLS = 3
+_META_COLS = _C.META_COLS
+_MAX_STATES = _C.MAX_STATES
+_SCALAR_COLS = _C.SCALAR_COLS
 
 
 def _step_widths(
@@ -971,7 +972,7 @@ def _(
 # ---------------------------------------------------------------------------------------------
 
 # Column layout of the per-tensor table (csrc/kernels.h: LpmmCol).
-_LP_COLS = 11
+_LP_COLS = _C.LP_COLS
 MIN_LPMM_BITS = 2
 
 

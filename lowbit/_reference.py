@@ -17,6 +17,8 @@ from torch import Tensor
 _U64 = 1 << 64
 
 
+# Torch-pure copies of native constants (rounding.h's kSeedSalt here, optim_rules.h's Rule and flags
+# below): tests/test_native_constants.py checks them against lowbit._C's.
 _SEED_SALT = 0x6C6F776269742121
 _MASK32 = 0xFFFFFFFF
 

@@ -14,7 +14,7 @@
 
 namespace lowbit {
 
-// Matches the dtype codes the Python op layer sends (lowbit/_ops.py: _DTYPE_CODES).
+// The dtype codes the Python op layer sends; exported to it as _C.DTYPE_CODES (csrc/bindings.cpp).
 enum class DType : int { F32 = 0, F16 = 1, BF16 = 2 };
 
 struct Half { uint16_t bits; };

@@ -29,6 +29,9 @@ enum class Rule : int {
 };
 constexpr int kMaxRule = static_cast<int>(Rule::RMSpropCentered);
 
+// States per parameter a rule may keep (state1..state3 in the op).
+constexpr int kMaxStates = 3;
+
 // torch.maximum: a NaN in either operand gives NaN (fmaxf would drop it).
 LB_HD float nan_max(float a, float b) { return (b != b || b > a) ? b : a; }
 

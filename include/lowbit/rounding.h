@@ -34,8 +34,11 @@ struct RngKey {
   uint32_t hi;
 };
 
+// Mixed into every seed ("lowbit!!"), so that lowbit's draws differ from other users of the same hash.
+constexpr uint64_t kSeedSalt = 0x6C6F776269742121ull;
+
 LB_HD RngKey rng_key(uint64_t seed) {
-  const uint64_t k = mix64(seed ^ 0x6C6F776269742121ull);
+  const uint64_t k = mix64(seed ^ kSeedSalt);
   return RngKey{static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32)};
 }
 

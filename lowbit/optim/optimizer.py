@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from lowbit import _ops
+from lowbit import _C, _ops
 from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise, quantize_blockwise
 from lowbit.optim.config import get_override
 from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_options, plain_lr
@@ -46,19 +46,10 @@ __all__ = ["LowbitOptimizer"]
 
 Params = Union[Iterable[Tensor], Iterable[dict[str, Any]]]
 
-# Matches include/lowbit/optim_rules.h: Rule, the flag bits and NormMode.
-RULE_CODES = {
-    "adam": 0,
-    "sgd": 1,
-    "lion": 2,
-    "rmsprop": 3,
-    "adagrad": 4,
-    "lamb": 5,
-    "adam_amsgrad": 6,
-    "rmsprop_centered": 7,
-}
-FLAG_DECOUPLED, FLAG_NESTEROV, FLAG_MAXIMIZE = 1, 2, 4
-NORM_NONE, NORM_TRUST, NORM_CLIP = 0, 1, 2
+# include/lowbit/optim_rules.h's Rule, flag bits and NormMode, as the native module exports them.
+RULE_CODES: dict[str, int] = dict(_C.RULES)
+FLAG_DECOUPLED, FLAG_NESTEROV, FLAG_MAXIMIZE = _C.FLAG_DECOUPLED, _C.FLAG_NESTEROV, _C.FLAG_MAXIMIZE
+NORM_NONE, NORM_TRUST, NORM_CLIP = _C.NORM_NONE, _C.NORM_TRUST, _C.NORM_CLIP
 
 _MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 
