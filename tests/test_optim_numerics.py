@@ -20,18 +20,7 @@ import lowbit.optim as O
 from lowbit import _ops
 from lowbit.functional import create_dynamic_map
 from lowbit.optim.optimizer import state_map
-from tests.blocks import block_absmax
-
-
-def _two_gradient_block(cls: type, **kw) -> torch.Tensor:
-    p = nn.Parameter(torch.zeros(4096))
-    opt = cls([p], lr=1e-3, **kw)
-    g = torch.zeros(4096)
-    g[0], g[1] = 10.0, 1e-4
-    for grad in (g, torch.zeros(4096)):
-        p.grad = grad.clone()
-        opt.step()
-    return p.detach()
+from tests.blocks import adjacent_code_ratio, block_absmax, two_gradient_block
 
 
 @pytest.mark.parametrize(("cls", "ref"), [(O.Adam8bit, torch.optim.Adam), (O.AdamW8bit, torch.optim.AdamW)])
@@ -42,13 +31,8 @@ def test_small_gradient_beside_a_large_one_in_its_block(cls, ref):
     # codes a < b keeps a value within a factor b / a, so step 2's m / sqrt(v) (and the step, which
     # step 1's exact one only adds to) is within a factor r = R^2 of torch's, R the largest ratio of
     # adjacent codes of either map between 1e-6 and 1e-4.
-    ratios = []
-    for signed in (True, False):
-        code = state_map(signed, torch.device("cpu")).abs().unique()
-        near = code[(code > 1e-6) & (code < 1e-4)]
-        ratios.append(float((near[1:] / near[:-1]).max()))
-    r = max(ratios) ** 2
-    got, want = _two_gradient_block(cls), _two_gradient_block(ref)
+    r = adjacent_code_ratio(1e-6, 1e-4) ** 2
+    got, want = (two_gradient_block(lambda ps, c=c: c(ps, lr=1e-3)) for c in (cls, ref))
     assert float(want[1].abs()) > 5e-4
     assert float((got[1] - want[1]).abs()) <= (r - 1) * float(want[1].abs())
     assert float((got[0] - want[0]).abs()) <= (r - 1) * float(want[0].abs())

@@ -73,7 +73,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "trust_coefficient": ("trust_coefficient", _nonneg, "a finite number >= 0"),
     "max_unorm": ("max_unorm", _nonneg, "a finite number >= 0"),
     "percentile_clipping": ("percentile_clipping", _int_in(1, 100), "an int in 1..100"),
-    "optim_bits": ("optim_bits", lambda v: _int_in(8, 32)(v) and v in (8, 32), "8 or 32"),
+    "optim_bits": ("optim_bits", lambda v: type(v) is int and v in (8, 32), "8 or 32"),
     "block_size": ("block_size", _block_size, "a power of two in 64..4096"),
     "min_8bit_size": ("min_8bit_size", _int_in(0, 2**63 - 1), "a non-negative int"),
     "maximize": ("maximize", _flag, "a bool"),

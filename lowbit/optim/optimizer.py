@@ -218,11 +218,12 @@ class LowbitOptimizer(torch.optim.Optimizer):
         """The options in force for ``p``: its group's, overlaid with its overrides."""
         return self._merge(self._group_config(group), get_override(p))
 
-    def _group_config(self, group: dict[str, Any]) -> dict[str, Any]:
+    def _group_config(self, group: dict[str, Any], index: Optional[int] = None) -> dict[str, Any]:
         """The validated options of ``group`` (which may have been edited since it was added), with a
-        tensor learning rate read as a float."""
+        tensor learning rate read as a float; ``index`` is its place in ``param_groups`` (found if None)."""
         config = {k: v for k, v in group.items() if k != "params"}
-        index = next(i for i, g in enumerate(self.param_groups) if g is group)
+        if index is None:
+            index = next(i for i, g in enumerate(self.param_groups) if g is group)
         self._check_config(config, f"{type(self).__name__} param_groups[{index}]")
         config["lr"] = plain_lr(config["lr"])
         return config
@@ -349,8 +350,8 @@ class LowbitOptimizer(torch.optim.Optimizer):
         runs: list[Callable[[], None]] = []
         created: list[Tensor] = []
         try:
-            for group in self.param_groups:
-                runs += self._prepare_group(group, created)
+            for gi, group in enumerate(self.param_groups):
+                runs += self._prepare_group(gi, group, created)
         except BaseException:
             for p in created:
                 del self.state[p]
@@ -359,11 +360,10 @@ class LowbitOptimizer(torch.optim.Optimizer):
             run()
         return loss
 
-    def _prepare_group(self, group: dict[str, Any], created: list[Tensor]) -> list[Callable[[], None]]:
-        """The fused calls of one param group, prepared and checked; parameters whose state this creates
-        are appended to ``created``."""
-        base = self._group_config(group)
-        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+    def _prepare_group(self, gi: int, group: dict[str, Any], created: list[Tensor]) -> list[Callable[[], None]]:
+        """The fused calls of ``param_groups[gi]``, prepared and checked; parameters whose state this
+        creates are appended to ``created``."""
+        base = self._group_config(group, gi)
         name = type(self).__name__
         # Parameters with the same overrides (usually none) share one fused call.
         batches: dict[tuple[Any, ...], tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any]]], list[str]]] = {}

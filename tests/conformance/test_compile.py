@@ -21,6 +21,8 @@ OPTIMIZERS = {
     "AdamW32bit": lambda p, lr: O.AdamW32bit(p, lr=lr),
     "SGD8bit": lambda p, lr: O.SGD8bit(p, lr=lr, momentum=0.9, min_8bit_size=0),
     "Lion8bit": lambda p, lr: O.Lion8bit(p, lr=lr, min_8bit_size=0),
+    "AdamW8bit-amsgrad": lambda p, lr: O.AdamW8bit(p, lr=lr, amsgrad=True, min_8bit_size=0),
+    "RMSprop8bit-centered": lambda p, lr: O.RMSprop8bit(p, lr=lr, centered=True, momentum=0.9, min_8bit_size=0),
 }
 
 

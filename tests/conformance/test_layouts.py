@@ -9,10 +9,15 @@ from torch import nn
 
 import lowbit.optim as O
 
-NAMES = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "LAMB", "LARS"]
-KW = {"SGD": dict(momentum=0.9), "LARS": dict(momentum=0.9)}
+NAMES = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "LAMB", "LARS", "Adam-amsgrad", "RMSprop-centered"]
+KW = {
+    "SGD": dict(momentum=0.9),
+    "LARS": dict(momentum=0.9),
+    "Adam-amsgrad": dict(amsgrad=True),
+    "RMSprop-centered": dict(centered=True, momentum=0.9),
+}
 # torch.optim twins of lowbit's 32-bit optimizers (Lion, LAMB and LARS have none).
-TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
+TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD, "RMSprop": torch.optim.RMSprop}
 
 
 def _layouts() -> dict[str, torch.Tensor]:
@@ -50,15 +55,15 @@ def test_strided_parameters_step_like_contiguous_ones(layout, name, bits):
     value = _layouts()[layout]
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(value.shape, generator=gen) for _ in range(3)]
-    cls = getattr(O, f"{name}{bits}bit")
+    cls = getattr(O, f"{name.split('-')[0]}{bits}bit")
     kw = dict(KW.get(name, {}), min_8bit_size=0)
     got, opt = _train(cls, value, grads, **kw)
     want, _ = _train(cls, value.contiguous(), grads, **kw)
     assert got.stride() == value.stride()
     assert torch.equal(got, want)
     assert float(opt.state[opt.param_groups[0]["params"][0]]["step"]) == 3
-    if bits == 32 and name in TORCH:
-        ref, _ = _train(TORCH[name], value, grads, foreach=False, **KW.get(name, {}))
+    if bits == 32 and name.split("-")[0] in TORCH:
+        ref, _ = _train(TORCH[name.split("-")[0]], value, grads, foreach=False, **KW.get(name, {}))
         # The same fp32 formulas as torch's single-tensor path (tests/test_optim.py: 2e-6 after 30 steps).
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 

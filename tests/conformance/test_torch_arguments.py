@@ -13,6 +13,7 @@ from torch import nn
 import lowbit.optim as O
 from lowbit import _ops
 from lowbit.optim.optimizer import RULE_CODES, state_map
+from tests.blocks import adjacent_code_ratio, two_gradient_block
 from tests.test_optim import DEFAULT_BOUNDS, _relative
 
 # (lowbit name, torch.optim class, hyperparameters)
@@ -90,17 +91,6 @@ def test_8bit_states_per_step_error(name, tcls, kw):
         assert extra in oa.dequantized_state(a)
 
 
-def _two_gradient_block(make, steps: int) -> torch.Tensor:
-    p = nn.Parameter(torch.zeros(4096))
-    opt = make([p])
-    g = torch.zeros(4096)
-    g[0], g[1] = 10.0, 1e-4
-    for grad in [g] + [torch.zeros(4096)] * (steps - 1):
-        p.grad = grad.clone()
-        opt.step()
-    return p.detach()
-
-
 @pytest.mark.parametrize("cls", ["Adam", "AdamW"])
 @pytest.mark.parametrize("steps", [2, 5])
 def test_amsgrad_small_gradient_beside_a_large_one_in_its_block(cls, steps):
@@ -109,14 +99,9 @@ def test_amsgrad_small_gradient_beside_a_large_one_in_its_block(cls, steps):
     # zero-free map it decodes within a factor R of the truth (R the largest ratio of adjacent codes
     # between 1e-6 and 1e-4), never as 0, so each step's m / sqrt(max) stays within r = R^2 of
     # torch's instead of reaching lr * m / eps.
-    ratios = []
-    for signed in (True, False):
-        code = state_map(signed, torch.device("cpu")).abs().unique()
-        near = code[(code > 1e-6) & (code < 1e-4)]
-        ratios.append(float((near[1:] / near[:-1]).max()))
-    r = max(ratios) ** 2
-    got = _two_gradient_block(lambda ps: getattr(O, f"{cls}8bit")(ps, lr=1e-3, amsgrad=True), steps)
-    want = _two_gradient_block(lambda ps: getattr(torch.optim, cls)(ps, lr=1e-3, amsgrad=True), steps)
+    r = adjacent_code_ratio(1e-6, 1e-4) ** 2
+    got = two_gradient_block(lambda ps: getattr(O, f"{cls}8bit")(ps, lr=1e-3, amsgrad=True), steps)
+    want = two_gradient_block(lambda ps: getattr(torch.optim, cls)(ps, lr=1e-3, amsgrad=True), steps)
     assert float(want[1].abs()) > 5e-4
     for i in (0, 1):
         assert float((got[i] - want[i]).abs()) <= (r - 1) * float(want[i].abs())
