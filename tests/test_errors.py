@@ -7,6 +7,7 @@ import torch
 
 from lowbit import _C, _ops
 from lowbit import functional as F
+from lowbit._ops import _common, quantize
 
 
 def x() -> torch.Tensor:
@@ -83,7 +84,7 @@ def test_ops_validate_their_own_inputs():
 def test_cuda_tensor_on_a_cpu_only_build_says_how_to_rebuild(monkeypatch):
     monkeypatch.setattr(_C, "cuda_built", lambda: False)
     with pytest.raises(RuntimeError, match="built without CUDA.*LOWBIT_CUDA=ON pip install"):
-        _ops._launch("quantize", torch.device("cuda", 0))
+        _common.launch(quantize._QUANTIZE, torch.device("cuda", 0))
 
 
 def test_dtensor_misuse_raises_instead_of_crashing(tmp_path):
@@ -94,7 +95,6 @@ def test_dtensor_misuse_raises_instead_of_crashing(tmp_path):
 
     import lowbit.lpmm
     import lowbit.optim
-    from lowbit import _ops
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
@@ -113,25 +113,27 @@ def test_dtensor_misuse_raises_instead_of_crashing(tmp_path):
         hyper = [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0]
         with pytest.raises(TypeError, match=r"params\[0\] is a DTensor"):
             _ops.optimizer_step_eager(
-                [p.detach()],
-                [p.grad],
-                [],
-                [],
-                [],
-                [],
-                [],
-                [],
-                [1e-3, 1.0, 1.0],
-                None,
-                code,
-                code,
-                code,
-                1,
-                hyper,
-                0,
-                0,
-                0,
-                256,
+                _ops.StepArgs(
+                    [p.detach()],
+                    [p.grad],
+                    [],
+                    [],
+                    [],
+                    [],
+                    [],
+                    [],
+                    [1e-3, 1.0, 1.0],
+                    None,
+                    code,
+                    code,
+                    code,
+                    1,
+                    hyper,
+                    0,
+                    0,
+                    0,
+                    256,
+                )
             )
     finally:
         dist.destroy_process_group()

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lowbit import _ops, _reference
+from lowbit._reference import optim as reference_optim
 from lowbit.functional import create_dynamic_map
 from tests.conftest import DTYPES, sample
 
@@ -140,7 +141,7 @@ def test_eager_step_is_the_op_and_bumps_versions():
     args = _step_args([3000], rule=SGD, param_bits=12, grad_bits=8, state_bits=8, group=2048, n_states=1, seed=1)
     ref = _clone(args)
     before = args[0][0]._version
-    _ops.lpmm_step_eager(*args)
+    _ops.lpmm_step_eager(_ops.LpmmStepArgs(*args))
     _ops.lpmm_step_(*ref)
     assert torch.equal(args[0][0], ref[0][0]) and torch.equal(args[4][0], ref[4][0])
     assert args[0][0]._version > before
@@ -193,7 +194,7 @@ def test_step_is_unbiased_for_parameters_and_states(rule, n_states):
     root = rule == ADAM
     states = [stored[0], stored[1].square() if root else stored[1]]
     sc = torch.tensor(base[9][:3])
-    u, s1, s2 = _reference._rule_step(rule, base[13], base[14], sc, p, g, states[0], states[1])
+    u, s1, s2 = reference_optim._rule_step(rule, _ops.StepHyper(*base[13]), base[14], sc, p, g, states[0], states[1])
     if rule == ADAM:
         p = p * torch.tensor(base[13][7], dtype=torch.float32)
     exact = [(p - u).double(), s1.double(), s2.double().sqrt() if root else s2.double()]
@@ -224,24 +225,24 @@ def test_step_errors_name_the_argument():
     bad = _clone(args)
     bad[17] = 17
     with pytest.raises(ValueError, match="param_bits"):
-        _ops.lpmm_step_eager(*bad)
+        _ops.lpmm_step_eager(_ops.LpmmStepArgs(*bad))
     bad = _clone(args)
     bad[8] = [101]
     with pytest.raises(ValueError, match=r"params\[0\] codes"):
-        _ops.lpmm_step_eager(*bad)
+        _ops.lpmm_step_eager(_ops.LpmmStepArgs(*bad))
     bad = _clone(args)
     bad[12] = 3
     with pytest.raises(ValueError, match="rule"):
-        _ops.lpmm_step_eager(*bad)
+        _ops.lpmm_step_eager(_ops.LpmmStepArgs(*bad))
     bad = _clone(args)
     bad[4] = []
     with pytest.raises(ValueError, match="state1"):
-        _ops.lpmm_step_eager(*bad)
+        _ops.lpmm_step_eager(_ops.LpmmStepArgs(*bad))
     before = [t.clone() for t in args[0]]
     bad = _clone(args)
     bad[16] = 100
     with pytest.raises(ValueError, match="blocksize"):
-        _ops.lpmm_step_eager(*bad)
+        _ops.lpmm_step_eager(_ops.LpmmStepArgs(*bad))
     assert torch.equal(args[0][0], before[0])
 
 

@@ -14,6 +14,7 @@ import lowbit
 from lowbit import _ops
 from lowbit import _reference as R
 from lowbit import functional as F
+from lowbit._reference import quantize as reference_quantize
 from tests.conftest import BLOCKSIZES, DTYPES, sample
 from tests.strategies import FloatCase, float_cases, map_ties
 
@@ -31,7 +32,7 @@ def _normalised(x: torch.Tensor, state: F.QuantState) -> torch.Tensor:
     n = x.numel()
     bs = state.blocksize or max(n, 1)
     amax = state.absmax.repeat_interleave(bs)[:n] if state.blocksize else state.absmax.expand(n)
-    return R._normalise(x.reshape(-1).float(), amax)
+    return reference_quantize._normalise(x.reshape(-1).float(), amax)
 
 
 def _lowest_nearest(xn: torch.Tensor, code: torch.Tensor) -> torch.Tensor:

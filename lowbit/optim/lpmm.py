@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lowbit import _ops
+from lowbit._ops import LpmmStepArgs, StepHyper
 from lowbit.lpmm import LowPrecisionParameter, any_alive, draw_seed
 from lowbit.optim.hyperparams import check_options, plain_lr
 from lowbit.optim.optimizer import (
@@ -132,8 +133,8 @@ class LPMMOptimizer(torch.optim.Optimizer):
     def _n_states(self, group: dict[str, Any]) -> int:
         return len(self._state_signed)
 
-    def _hyper(self, group: dict[str, Any]) -> tuple[list[float], int]:
-        """(lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * wd, 0), flags."""
+    def _hyper(self, group: dict[str, Any]) -> tuple[StepHyper, int]:
+        """The step's hyperparameters and flags."""
         raise NotImplementedError
 
     def _scalars(self, group: dict[str, Any], step: int) -> list[float]:
@@ -250,31 +251,32 @@ class LPMMOptimizer(torch.optim.Optimizer):
                 lists[f"state{k + 1}"].append(lp.local_view(state[f"state{k + 1}"], bits))
                 lists[f"absmax{k + 1}"].append(_ops.local(state[f"absmax{k + 1}"]))
         device = lp0.device
-        _ops.lpmm_step_eager(
-            [lp.local_codes() for lp, _ in items],
-            [lp.local_absmax() for lp, _ in items],
-            [lp.grad_codes for lp, _ in items],
-            [lp.grad_absmax for lp, _ in items],
-            lists["state1"],
-            lists["state2"],
-            lists["absmax1"],
-            lists["absmax2"],
-            [lp.local_numel for lp, _ in items],
-            scalars,
-            state_map(self._state_signed[0] if n_states else True, device, bits),
-            state_map(self._state_signed[1] if n_states > 1 else False, device, bits),
-            RULE_CODES[self._rule],
-            [*hyper, 0.0],
-            flags,
-            n_states,
-            lp0.group_size,
-            lp0.bits,
-            lp0.grad_bits,
-            bits,
-            lp0.rounding == "stochastic",
-            group["rounding"] == "stochastic",
-            seed,
+        args = LpmmStepArgs(
+            params=[lp.local_codes() for lp, _ in items],
+            param_absmax=[lp.local_absmax() for lp, _ in items],
+            grads=[lp.grad_codes for lp, _ in items],
+            grad_absmax=[lp.grad_absmax for lp, _ in items],
+            state1=lists["state1"],
+            state2=lists["state2"],
+            absmax1=lists["absmax1"],
+            absmax2=lists["absmax2"],
+            numels=[lp.local_numel for lp, _ in items],
+            scalars=scalars,
+            map1=state_map(self._state_signed[0] if n_states else True, device, bits),
+            map2=state_map(self._state_signed[1] if n_states > 1 else False, device, bits),
+            rule=RULE_CODES[self._rule],
+            hyper=hyper.values(),
+            flags=flags,
+            n_states=n_states,
+            group_size=lp0.group_size,
+            param_bits=lp0.bits,
+            grad_bits=lp0.grad_bits,
+            state_bits=bits,
+            stochastic_param=lp0.rounding == "stochastic",
+            stochastic_state=group["rounding"] == "stochastic",
+            seed=seed,
         )
+        _ops.lpmm_step_eager(args)
         for lp, state in items:
             state["step"] += 1.0
             lp.version += 1
@@ -392,8 +394,13 @@ class LPMMSGD(LPMMOptimizer):
     def _n_states(self, group: dict[str, Any]) -> int:
         return 1 if group["momentum"] > 0 else 0
 
-    def _hyper(self, group: dict[str, Any]) -> tuple[list[float], int]:
-        hyper = [plain_lr(group["lr"]), group["momentum"], 0.0, 1.0, 0.0, 0.0, group["weight_decay"], 1.0]
+    def _hyper(self, group: dict[str, Any]) -> tuple[StepHyper, int]:
+        hyper = StepHyper(
+            lr=plain_lr(group["lr"]),
+            beta1=group["momentum"],
+            one_minus_beta1=1.0,
+            weight_decay=group["weight_decay"],
+        )
         return hyper, FLAG_NESTEROV if group["nesterov"] else 0
 
     def _scalars(self, group: dict[str, Any], step: int) -> list[float]:
@@ -448,9 +455,19 @@ class LPMMAdamW(LPMMOptimizer):
             process_group=process_group,
         )
 
-    def _hyper(self, group: dict[str, Any]) -> tuple[list[float], int]:
+    def _hyper(self, group: dict[str, Any]) -> tuple[StepHyper, int]:
         lr, (b1, b2), wd = plain_lr(group["lr"]), group["betas"], group["weight_decay"]
-        return [lr, b1, b2, 1.0 - b1, 1.0 - b2, group["eps"], wd, decay_factor(lr, wd)], FLAG_DECOUPLED
+        hyper = StepHyper(
+            lr=lr,
+            beta1=b1,
+            beta2=b2,
+            one_minus_beta1=1.0 - b1,
+            one_minus_beta2=1.0 - b2,
+            eps=group["eps"],
+            weight_decay=wd,
+            decay=decay_factor(lr, wd),
+        )
+        return hyper, FLAG_DECOUPLED
 
     def _scalars(self, group: dict[str, Any], step: int) -> list[float]:
         b1, b2 = group["betas"]

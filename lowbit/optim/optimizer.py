@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowbit import _C, _ops
+from lowbit._ops import StepArgs, StepHyper
 from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise, quantize_blockwise
 from lowbit.optim.config import get_override
 from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_options, plain_lr
@@ -182,8 +183,8 @@ class LowbitOptimizer(torch.optim.Optimizer):
         checks that combine options."""
         check_options(config, where)
 
-    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
-        """(lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * wd), flags."""
+    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
+        """The step's hyperparameters (``max_unorm`` is the base class's to fill in) and flags."""
         raise NotImplementedError
 
     def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
@@ -425,7 +426,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
         slots = self._slots(config)
         n_states = len(slots)
         hyper, flags = self._hyper(config)
-        hyper = [*hyper, config["max_unorm"]]
+        hyper = hyper._replace(max_unorm=config["max_unorm"])
         norm_mode = self._norm_mode
         if config["max_unorm"] > 0:
             if norm_mode != NORM_NONE:  # LAMB and LARS refuse it when it is set; this catches later edits
@@ -457,34 +458,40 @@ class LowbitOptimizer(torch.optim.Optimizer):
         grads, grad_scales = self._adjust_grads(config, params, grads, grad_scales, originals)
         # Slots the rule does not use get a map all the same (the op checks every map).
         signed = [self._state_signed[slots[j]] if j < n_states else True for j in range(3)]
-        args = (
-            params,
-            grads,
-            *states,
-            *absmaxes,
-            scalars,
-            grad_scales,
-            *(state_map(s, device) for s in signed),
-            self._rule_code(config),
-            hyper,
-            flags,
-            norm_mode,
-            n_states,
-            config["block_size"],
+        map1, map2, map3 = (state_map(s, device) for s in signed)
+        args = StepArgs(
+            params=params,
+            grads=grads,
+            state1=states[0],
+            state2=states[1],
+            state3=states[2],
+            absmax1=absmaxes[0],
+            absmax2=absmaxes[1],
+            absmax3=absmaxes[2],
+            scalars=scalars,
+            grad_scales=grad_scales,
+            map1=map1,
+            map2=map2,
+            map3=map3,
+            rule=self._rule_code(config),
+            hyper=hyper.values(),
+            flags=flags,
+            norm_mode=norm_mode,
+            n_states=n_states,
+            block_size=config["block_size"],
         )
-        update_scales = None
         if norm_mode != NORM_NONE and any(isinstance(p, DTensor) for p in originals):
             # The norms of FSDP2 shards span ranks: the pre-pass sums are all-reduced, and the step
             # takes the scales computed from them.
             sums = _sum_over_shards(_ops.optimizer_norms(*args), originals)
-            update_scales = _update_scales(sums, hyper, norm_mode)
+            args = args._replace(update_scales=_update_scales(sums, hyper, norm_mode))
         try:
-            _ops.check_optimizer_step(*args, update_scales)
+            _ops.check_optimizer_step(args)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise type(exc)(_in_user_terms(str(exc), places)) from exc
 
         def run() -> None:
-            _ops.optimizer_step_eager(*args, update_scales)
+            _ops.optimizer_step_eager(args)
             for shard, work in copied:
                 shard.copy_(work)
             torch._foreach_add_([state["step"] for _, state in batch], 1.0)
@@ -621,10 +628,10 @@ def _sum_over_shards(rows: Tensor, originals: list[Tensor]) -> Tensor:
     return rows
 
 
-def _update_scales(sums: Tensor, hyper: list[float], norm_mode: int) -> Tensor:
+def _update_scales(sums: Tensor, hyper: StepHyper, norm_mode: int) -> Tensor:
     """optim_rules.h's update_scale for per-tensor sums of p^2 and u^2, in the same double operations."""
     f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731  (the kernel's fp32 hyperparameters)
-    lr, max_unorm = f32(hyper[0]), f32(hyper[8])
+    lr, max_unorm = f32(hyper.lr), f32(hyper.max_unorm)
     p_norm, u_norm = sums[:, 0].double().sqrt(), sums[:, 1].double().sqrt()
     ones = torch.ones_like(p_norm)
     if norm_mode == NORM_TRUST:

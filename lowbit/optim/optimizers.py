@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from lowbit._ops import StepHyper
 from lowbit.optim.optimizer import (
     FLAG_DECOUPLED,
     FLAG_MAXIMIZE,
@@ -107,9 +108,18 @@ class Adam(LowbitOptimizer):
     def _rule_code(self, config: dict[str, Any]) -> int:
         return RULE_CODES["adam_amsgrad" if config["amsgrad"] else "adam"]
 
-    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
         lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
-        hyper = [lr, b1, b2, 1.0 - b1, 1.0 - b2, config["eps"], wd, decay_factor(lr, wd)]
+        hyper = StepHyper(
+            lr=lr,
+            beta1=b1,
+            beta2=b2,
+            one_minus_beta1=1.0 - b1,
+            one_minus_beta2=1.0 - b2,
+            eps=config["eps"],
+            weight_decay=wd,
+            decay=decay_factor(lr, wd),
+        )
         return hyper, _flags(config, decoupled=self._decoupled)
 
     def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
@@ -199,9 +209,13 @@ class SGD(LowbitOptimizer):
         if config["nesterov"] and (config["momentum"] <= 0 or config["dampening"] != 0):
             raise ValueError(f"lowbit: {where}: Nesterov momentum requires a momentum and zero dampening")
 
-    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
-        hyper = [config["lr"], config["momentum"], 0.0, 1.0 - config["dampening"], 0.0, 0.0]
-        hyper += [config["weight_decay"], 1.0]
+    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
+        hyper = StepHyper(
+            lr=config["lr"],
+            beta1=config["momentum"],
+            one_minus_beta1=1.0 - config["dampening"],
+            weight_decay=config["weight_decay"],
+        )
         return hyper, _flags(config, nesterov=config["nesterov"])
 
 
@@ -235,9 +249,18 @@ class Lion(LowbitOptimizer):
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=bool(maximize))
         super().__init__(params, defaults, **options)
 
-    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
         lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
-        return [lr, b1, b2, 1.0 - b1, 1.0 - b2, 0.0, wd, decay_factor(lr, wd)], _flags(config, decoupled=True)
+        hyper = StepHyper(
+            lr=lr,
+            beta1=b1,
+            beta2=b2,
+            one_minus_beta1=1.0 - b1,
+            one_minus_beta2=1.0 - b2,
+            weight_decay=wd,
+            decay=decay_factor(lr, wd),
+        )
+        return hyper, _flags(config, decoupled=True)
 
 
 class RMSprop(LowbitOptimizer):
@@ -295,9 +318,16 @@ class RMSprop(LowbitOptimizer):
     def _rule_code(self, config: dict[str, Any]) -> int:
         return RULE_CODES["rmsprop_centered" if config["centered"] else "rmsprop"]
 
-    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
         alpha = config["alpha"]
-        hyper = [config["lr"], config["momentum"], alpha, 0.0, 1.0 - alpha, config["eps"], config["weight_decay"], 1.0]
+        hyper = StepHyper(
+            lr=config["lr"],
+            beta1=config["momentum"],
+            beta2=alpha,
+            one_minus_beta2=1.0 - alpha,
+            eps=config["eps"],
+            weight_decay=config["weight_decay"],
+        )
         return hyper, _flags(config)
 
 
@@ -342,8 +372,8 @@ class Adagrad(LowbitOptimizer):
         )
         super().__init__(params, defaults, **options)
 
-    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
-        return [config["lr"], 0.0, 0.0, 0.0, 0.0, config["eps"], config["weight_decay"], 1.0], _flags(config)
+    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
+        return StepHyper(lr=config["lr"], eps=config["eps"], weight_decay=config["weight_decay"]), _flags(config)
 
     def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
         return config["lr"] / (1.0 + (step - 1) * config["lr_decay"]), 1.0, float(step == 1)
@@ -394,9 +424,18 @@ class LAMB(LowbitOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
         super().__init__(params, defaults, **options)
 
-    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
         lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
-        return [lr, b1, b2, 1.0 - b1, 1.0 - b2, config["eps"], wd, 1.0], _flags(config)
+        hyper = StepHyper(
+            lr=lr,
+            beta1=b1,
+            beta2=b2,
+            one_minus_beta1=1.0 - b1,
+            one_minus_beta2=1.0 - b2,
+            eps=config["eps"],
+            weight_decay=wd,
+        )
+        return hyper, _flags(config)
 
     def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
         b1, b2 = config["betas"]
@@ -444,10 +483,10 @@ class LARS(SGD):
         """torch.optim's ``add_param_group``, with LARS's own options' defaults filled in."""
         super().add_param_group({**self._lars_defaults, **param_group})
 
-    def _hyper(self, config: dict[str, Any]) -> tuple[list[float], int]:
+    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
         hyper, flags = super()._hyper(config)
-        hyper[6] = 0.0  # weight decay is folded into the trust-scaled gradient by _adjust_grads
-        return hyper, flags
+        # Weight decay is folded into the trust-scaled gradient by _adjust_grads.
+        return hyper._replace(weight_decay=0.0), flags
 
     def _adjust_grads(
         self,

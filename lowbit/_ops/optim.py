@@ -1,0 +1,274 @@
+"""The fused optimizer step: one native call per parameter group and state layout
+(8bit-optimizers.txt section 2; include/lowbit/optim_rules.h; csrc/cpu/optim.cpp, csrc/cuda/optim.cu)."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from lowbit import _C
+from lowbit._ops._common import (
+    DTYPE_CODES,
+    FLOAT_DTYPES,
+    Kernel,
+    check,
+    check_blocksize,
+    check_input,
+    check_map,
+    check_same_device,
+    launch,
+    num_blocks,
+    op_signature,
+)
+
+# Column layout of the per-tensor tables (csrc/kernels.h: MetaCol, ScalarCol), owned by the native module.
+META_COLS = _C.META_COLS
+MAX_STATES = _C.MAX_STATES
+SCALAR_COLS = _C.SCALAR_COLS
+
+_STEP = Kernel(_C.optimizer_step_cpu, lambda: _C.optimizer_step_cuda)
+
+
+class StepHyper(NamedTuple):
+    """The hyperparameters of one fused step, by name: the native ``StepHyper`` (include/lowbit/optim_rules.h),
+    whose float fields the op takes as the flat list :meth:`values`, in the order ``_C.STEP_HYPER_FIELDS``
+    gives. Each rule reads the fields it needs; the others keep their defaults."""
+
+    lr: float
+    beta1: float = 0.0
+    """Adam/Lion/LAMB beta1; SGD/RMSprop momentum."""
+    beta2: float = 0.0
+    """Adam/Lion/LAMB beta2; RMSprop alpha."""
+    one_minus_beta1: float = 0.0
+    """1 - beta1; SGD 1 - dampening."""
+    one_minus_beta2: float = 0.0
+    """1 - beta2; RMSprop 1 - alpha."""
+    eps: float = 0.0
+    weight_decay: float = 0.0
+    """Coupled decay (added to the gradient), unless the decoupled flag is set."""
+    decay: float = 1.0
+    """1 - lr * weight_decay: the decoupled (AdamW-style) factor of the parameter."""
+    max_unorm: float = 0.0
+    """The bound of max_unorm clipping (norm mode 2), relative to the parameter's norm."""
+
+    def values(self) -> list[float]:
+        """The flat list the native step takes (the ops' ``hyper``)."""
+        return [float(v) for v in self]
+
+
+class StepArgs(NamedTuple):
+    """The arguments of ``lowbit::optimizer_step_`` (and of ``lowbit::optimizer_norms``), by name.
+
+    ``scalars`` holds 3 floats per tensor (step size, sqrt of Adam's second bias correction, 1.0 on the
+    first step); ``grad_scales`` (optional, fp32, one per tensor, on the params' device) multiplies each
+    gradient; ``hyper`` is :meth:`StepHyper.values`; ``norm_mode`` selects LAMB's trust ratio (1) or
+    max_unorm clipping (2). Each of the ``n_states`` states (up to 3, in the rule's slot order) is either
+    uint8 codes into its map (``map1``..``map3``) with one fp32 absmax per block of ``block_size``
+    elements, or an fp32 tensor (then its absmax entry is unused). ``update_scales`` (optional, fp32, one
+    per tensor, on the params' device) replaces the norm mode's own per-tensor scales: the step of tensors
+    whose norms span ranks (see :func:`optimizer_norms`).
+    """
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    state1: list[Tensor]
+    state2: list[Tensor]
+    state3: list[Tensor]
+    absmax1: list[Tensor]
+    absmax2: list[Tensor]
+    absmax3: list[Tensor]
+    scalars: list[float]
+    grad_scales: Optional[Tensor]
+    map1: Tensor
+    map2: Tensor
+    map3: Tensor
+    rule: int
+    hyper: list[float]
+    flags: int
+    norm_mode: int
+    n_states: int
+    block_size: int
+    update_scales: Optional[Tensor] = None
+
+    def written(self) -> list[Tensor]:
+        """The tensors a step writes in place."""
+        return [*self.params, *self.state1, *self.state2, *self.state3, *self.absmax1, *self.absmax2, *self.absmax3]
+
+
+_MUTATED = ("params", "state1", "state2", "state3", "absmax1", "absmax2", "absmax3")
+
+
+def _plain(t: Any, dtypes: tuple[torch.dtype, ...], device: Optional[torch.device]) -> bool:
+    """``t`` is a contiguous plain tensor of one of ``dtypes`` on ``device``: the common case, tested
+    without building any message."""
+    return (
+        isinstance(t, Tensor)
+        and not is_traceable_wrapper_subclass(t)
+        and t.dtype in dtypes
+        and t.device == device
+        and t.is_contiguous()
+    )
+
+
+def _tensor_width(args: StepArgs, i: int, device: Optional[torch.device]) -> int:
+    """Checks tensor ``i`` of the step (its parameter, gradient, states and absmaxes) and returns its state
+    width, 8 or 32. The messages are built only when a check fails."""
+    p, g = args.params[i], args.grads[i]
+    if not (_plain(p, FLOAT_DTYPES, device) and _plain(g, (p.dtype,), device) and g.shape == p.shape):
+        check_input(f"params[{i}]", p, FLOAT_DTYPES)
+        check_input(f"grads[{i}]", g, (p.dtype,))
+        check(g.shape == p.shape, f"grads[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}")
+        check(p.device == device and g.device == device, f"params[{i}] and grads[{i}] must be on {device}")
+    n = p.numel()
+    states = (args.state1, args.state2, args.state3)[: args.n_states]
+    absmaxes = (args.absmax1, args.absmax2, args.absmax3)
+    width = 8 if states and isinstance(states[0][i], Tensor) and states[0][i].dtype == torch.uint8 else 32
+    for k, state in enumerate(states):
+        s, a = state[i], absmaxes[k][i]
+        if not (_plain(s, (torch.uint8, torch.float32), device) and s.numel() == n):
+            check_input(f"state{k + 1}[{i}]", s, (torch.uint8, torch.float32))
+            check(s.numel() == n and s.device == device, f"state{k + 1}[{i}] must have {n} elements on {device}")
+        check((s.dtype == torch.uint8) == (width == 8), f"the states of params[{i}] must all be 8-bit or all 32-bit")
+        if width == 8:
+            blocks = num_blocks(n, args.block_size)
+            if not (_plain(a, (torch.float32,), device) and a.numel() == blocks):
+                check_input(f"absmax{k + 1}[{i}]", a, (torch.float32,))
+                check(a.numel() == blocks and a.device == device, f"absmax{k + 1}[{i}] must have {blocks} entries")
+    return width
+
+
+def check_optimizer_step(args: StepArgs) -> list[int]:
+    """The checks of ``lowbit::optimizer_step_``; returns each tensor's state width (8 or 32). An optimizer
+    that steps several fused calls checks every one before the first one writes."""
+    count = len(args.params)
+    check(0 <= args.n_states <= MAX_STATES, f"n_states must be 0 to {MAX_STATES}, got {args.n_states}")
+    check(args.norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {args.norm_mode}")
+    check_blocksize(args.block_size)
+    check(args.block_size > 0, "block_size must be positive for optimizer states")
+    check(
+        len(args.hyper) == len(StepHyper._fields),
+        f"hyper must hold {len(StepHyper._fields)} values, got {len(args.hyper)}",
+    )
+    check(len(args.scalars) == SCALAR_COLS * count, "scalars must hold 3 values per tensor")
+    for name in ("grad_scales", "update_scales"):
+        t = getattr(args, name)
+        if t is not None:
+            check_input(name, t, (torch.float32,))
+            check(t.numel() == count, f"{name} must hold one value per tensor")
+    states = (args.state1, args.state2, args.state3)[: args.n_states]
+    absmaxes = (args.absmax1, args.absmax2, args.absmax3)[: args.n_states]
+    lists = [("grads", args.grads)]
+    lists += [(f"state{k + 1}", lst) for k, lst in enumerate(states)]
+    lists += [(f"absmax{k + 1}", lst) for k, lst in enumerate(absmaxes)]
+    for name, lst in lists:
+        check(len(lst) == count, f"{name} has {len(lst)} tensors but params has {count}")
+    if not count:
+        return []
+    device = args.params[0].device
+    widths = [_tensor_width(args, i, device) for i in range(count)]
+    maps = {"map1": args.map1, "map2": args.map2, "map3": args.map3}
+    scales = {name: getattr(args, name) for name in ("grad_scales", "update_scales") if getattr(args, name) is not None}
+    check_same_device("params[0]", args.params[0], **maps, **scales)
+    for t in maps.values():
+        check_map(t, 8)
+    return widths
+
+
+def _call(args: StepArgs, norm_sums: Optional[Tensor]) -> None:
+    """The checks and the native call behind optimizer_step_ and optimizer_norms."""
+    widths = check_optimizer_step(args)
+    if not args.params:
+        return
+    states = (args.state1, args.state2, args.state3)
+    absmaxes = (args.absmax1, args.absmax2, args.absmax3)
+    n_states = args.n_states
+    rows = []
+    first_block = 0
+    for i, p in enumerate(args.params):
+        ptrs = [states[k][i].data_ptr() if k < n_states else 0 for k in range(MAX_STATES)]
+        amax = [absmaxes[k][i].data_ptr() if k < n_states and widths[i] == 8 else 0 for k in range(MAX_STATES)]
+        n = p.numel()
+        rows.append(
+            [p.data_ptr(), args.grads[i].data_ptr(), *ptrs, *amax, n, DTYPE_CODES[p.dtype], widths[i], first_block]
+        )
+        first_block += num_blocks(n, args.block_size)
+    device = args.params[0].device
+    meta = torch.tensor(rows, dtype=torch.int64).reshape(len(args.params), META_COLS)
+    scal = torch.tensor(args.scalars, dtype=torch.float32)
+    if device.type != "cpu":
+        meta, scal = (t.pin_memory().to(device, non_blocking=True) for t in (meta, scal))
+    launch(_STEP, device)(
+        args.rule,
+        args.hyper,
+        args.flags,
+        args.norm_mode,
+        n_states,
+        args.block_size,
+        args.map1.data_ptr(),
+        args.map2.data_ptr(),
+        args.map3.data_ptr(),
+        meta.data_ptr(),
+        scal.data_ptr(),
+        args.grad_scales.data_ptr() if args.grad_scales is not None else 0,
+        len(args.params),
+        first_block,
+        norm_sums.data_ptr() if norm_sums is not None else 0,
+        args.update_scales.data_ptr() if args.update_scales is not None else 0,
+    )
+
+
+def _step(*args: Any, **kwargs: Any) -> None:
+    """One fused optimizer step over the tensors of :class:`StepArgs`, updating params and states."""
+    _call(StepArgs(*args, **kwargs), None)
+
+
+_step.__signature__ = op_signature(StepArgs)  # type: ignore[attr-defined]
+optimizer_step_ = torch.library.custom_op("lowbit::optimizer_step_", _step, mutates_args=_MUTATED)
+
+
+@optimizer_step_.register_fake
+def _(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def optimizer_step_eager(args: StepArgs) -> None:
+    """``lowbit::optimizer_step_`` without the dispatcher, for eager optimizer steps over many tensors.
+
+    The custom op's per-tensor bookkeeping (alias checks, list conversions) costs about 15 us per
+    tensor, as much as stepping 100k parameters; outside tracing the optimizers call this instead. It
+    bumps the version counters of the tensors it writes, as the op does, so autograd still sees the
+    in-place update.
+    """
+    _call(args, None)
+    torch.autograd.graph.increment_version(args.written())
+
+
+def _norms(*args: Any, **kwargs: Any) -> Tensor:
+    """The norm pre-pass of ``lowbit::optimizer_step_`` alone: for each tensor, the sums of p^2 and of u^2
+    (u the step the rule would subtract), as a float64 tensor of shape (count, 2); nothing is updated.
+
+    For tensors sharded over ranks (FSDP2), the caller all-reduces these sums and passes the resulting
+    scales to the step as ``update_scales`` (which this pre-pass does not take).
+    """
+    call = StepArgs(*args, **kwargs)
+    check(call.update_scales is None, "optimizer_norms computes the update scales; update_scales must be None")
+    check(
+        call.norm_mode in (1, 2), f"norm_mode must be 1 (trust ratio) or 2 (max_unorm) for norms, got {call.norm_mode}"
+    )
+    device = call.params[0].device if call.params else torch.device("cpu")
+    sums = torch.zeros(len(call.params), 2, dtype=torch.float64, device=device)
+    _call(call, sums)
+    return sums
+
+
+_norms.__signature__ = op_signature(StepArgs).replace(return_annotation=Tensor)  # type: ignore[attr-defined]
+optimizer_norms = torch.library.custom_op("lowbit::optimizer_norms", _norms, mutates_args=())
+
+
+@optimizer_norms.register_fake
+def _(*args: Any, **kwargs: Any) -> Tensor:
+    call = StepArgs(*args, **kwargs)
+    return call.map1.new_empty(len(call.params), 2, dtype=torch.float64)

@@ -1,0 +1,50 @@
+"""Pure-PyTorch twins of the lowbit ops: the test oracle and the benchmark baseline.
+
+Each function computes, with ordinary torch operations, the same fp32 arithmetic in the same order
+as the native kernels, so results agree bit for bit (codes, absmax and dequantized values),
+including the counter-based random stream of stochastic rounding. They are written for clarity, not
+speed. One file per family, as in :mod:`lowbit._ops`: :mod:`.quantize`, :mod:`.activations`,
+:mod:`.optim`.
+"""
+
+from lowbit._reference.activations import (
+    blpa_backward,
+    blpa_decode,
+    blpa_encode,
+    fewbit_encode,
+    fewbit_grad,
+    invact_grad,
+)
+from lowbit._reference.optim import lpmm_accumulate_, lpmm_step_, optimizer_step_
+from lowbit._reference.quantize import (
+    block_absmax,
+    dequantize_blockwise,
+    dequantize_linear,
+    nearest_oracle,
+    pack_bits,
+    quantize_blockwise,
+    quantize_linear,
+    uniform01,
+    unpack_bits,
+)
+
+__all__ = [
+    "block_absmax",
+    "blpa_backward",
+    "blpa_decode",
+    "blpa_encode",
+    "dequantize_blockwise",
+    "dequantize_linear",
+    "fewbit_encode",
+    "fewbit_grad",
+    "invact_grad",
+    "lpmm_accumulate_",
+    "lpmm_step_",
+    "nearest_oracle",
+    "optimizer_step_",
+    "pack_bits",
+    "quantize_blockwise",
+    "quantize_linear",
+    "uniform01",
+    "unpack_bits",
+]

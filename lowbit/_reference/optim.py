@@ -1,0 +1,280 @@
+"""Pure-PyTorch twins of the optimizer steps: the fused 8-/32-bit step and the LPMM step
+(include/lowbit/optim_rules.h, state_form.h; lpmm.txt Algorithm 1)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lowbit._ops.lpmm import LpmmStepArgs
+from lowbit._ops.optim import StepArgs, StepHyper
+from lowbit._reference.quantize import (
+    _mix64_int,
+    _sqrt32,
+    dequantize_blockwise,
+    dequantize_linear,
+    quantize_blockwise,
+    quantize_linear,
+)
+
+# Optimizer rules (include/lowbit/optim_rules.h), elementwise in fp32: each torch op rounds once, as
+# each C++ operation does, so results agree bit for bit when no norm mode is used.
+_RULE_ADAM, _RULE_SGD, _RULE_LION, _RULE_RMSPROP, _RULE_ADAGRAD, _RULE_LAMB, _RULE_AMSGRAD, _RULE_CENTERED = range(8)
+_DECOUPLED, _NESTEROV, _MAXIMIZE = 1, 2, 4
+
+
+def _torch_lerp(m: Tensor, g: Tensor, w: float) -> Tensor:
+    """optim_rules.h's torch_lerp: ATen's lerp formula, which switches form at |w| = 0.5."""
+    f32 = torch.float32
+    if abs(float(torch.tensor(w, dtype=f32))) < 0.5:
+        return m + torch.tensor(w, dtype=f32) * (g - m)
+    return g + (torch.tensor(w, dtype=f32) - 1.0) * (g - m)
+
+
+def _rule_step(
+    rule: int,
+    h: StepHyper,
+    flags: int,
+    sc: Tensor,
+    p: Tensor,
+    g: Tensor,
+    s1: Tensor,
+    s2: Tensor,
+    s3: Tensor | None = None,
+) -> tuple[Tensor, ...]:
+    """(u, s1, s2) of optim_rules.h: the step subtracted from p and the updated states; (u, s1, s2, s3)
+    when ``s3`` is given."""
+    if s3 is not None:
+        return _rule_step3(rule, h, flags, sc, p, g, s1, s2, s3)
+    lr, b1, b2, omb1, omb2 = (
+        float(h.lr),
+        float(h.beta1),
+        float(h.beta2),
+        float(h.one_minus_beta1),
+        float(h.one_minus_beta2),
+    )
+    eps, wd = float(h.eps), float(h.weight_decay)
+    step_size, bias2_sqrt, first = float(sc[0]), float(sc[1]), bool(sc[2])
+    f32 = torch.float32
+    if rule in (_RULE_ADAM, _RULE_LAMB):
+        if rule == _RULE_ADAM and wd != 0 and not flags & _DECOUPLED:
+            g = g + torch.tensor(wd, dtype=f32) * p
+        s1 = _torch_lerp(s1, g, omb1)
+        s2 = s2 * torch.tensor(b2, dtype=f32) + torch.tensor(omb2, dtype=f32) * g * g
+        if rule == _RULE_ADAM:
+            denom = _sqrt32(s2) / torch.tensor(bias2_sqrt, dtype=f32) + torch.tensor(eps, dtype=f32)
+            return torch.tensor(step_size, dtype=f32) * s1 / denom, s1, s2
+        denom = _sqrt32(s2) / torch.tensor(bias2_sqrt, dtype=f32) + torch.tensor(eps, dtype=f32)
+        r = (s1 * torch.tensor(step_size, dtype=f32)) / denom + torch.tensor(wd, dtype=f32) * p
+        return torch.tensor(lr, dtype=f32) * r, s1, s2
+    if rule == _RULE_SGD:
+        if wd != 0:
+            g = g + torch.tensor(wd, dtype=f32) * p
+        if b1 != 0:
+            s1 = g if first else s1 * torch.tensor(b1, dtype=f32) + torch.tensor(omb1, dtype=f32) * g
+            g = g + torch.tensor(b1, dtype=f32) * s1 if flags & _NESTEROV else s1
+        return torch.tensor(lr, dtype=f32) * g, s1, s2
+    if rule == _RULE_LION:
+        c = torch.tensor(b1, dtype=f32) * s1 + torch.tensor(omb1, dtype=f32) * g
+        s1 = torch.tensor(b2, dtype=f32) * s1 + torch.tensor(omb2, dtype=f32) * g
+        return torch.tensor(lr, dtype=f32) * torch.sign(c), s1, s2
+    if rule == _RULE_RMSPROP:
+        if wd != 0:
+            g = g + torch.tensor(wd, dtype=f32) * p
+        s1 = s1 * torch.tensor(b2, dtype=f32) + torch.tensor(omb2, dtype=f32) * g * g
+        avg = _sqrt32(s1) + torch.tensor(eps, dtype=f32)
+        if b1 > 0:
+            s2 = s2 * torch.tensor(b1, dtype=f32) + g / avg
+            return torch.tensor(lr, dtype=f32) * s2, s1, s2
+        return torch.tensor(lr, dtype=f32) * g / avg, s1, s2
+    if wd != 0:  # Adagrad
+        g = g + torch.tensor(wd, dtype=f32) * p
+    s1 = s1 + g * g
+    return torch.tensor(step_size, dtype=f32) * g / (_sqrt32(s1) + torch.tensor(eps, dtype=f32)), s1, s2
+
+
+def _rule_step3(
+    rule: int, h: StepHyper, flags: int, sc: Tensor, p: Tensor, g: Tensor, s1: Tensor, s2: Tensor, s3: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(u, s1, s2, s3) of optim_rules.h's rules that keep up to three states."""
+    lr, b1, b2, omb1, omb2 = (
+        float(h.lr),
+        float(h.beta1),
+        float(h.beta2),
+        float(h.one_minus_beta1),
+        float(h.one_minus_beta2),
+    )
+    eps, wd = float(h.eps), float(h.weight_decay)
+    f32 = torch.float32
+    if rule == _RULE_AMSGRAD:
+        if wd != 0 and not flags & _DECOUPLED:
+            g = g + torch.tensor(wd, dtype=f32) * p
+        s1 = _torch_lerp(s1, g, omb1)
+        s2 = s2 * torch.tensor(b2, dtype=f32) + torch.tensor(omb2, dtype=f32) * g * g
+        s3 = torch.maximum(s3, s2)
+        denom = _sqrt32(s3) / torch.tensor(float(sc[1]), dtype=f32) + torch.tensor(eps, dtype=f32)
+        return torch.tensor(float(sc[0]), dtype=f32) * s1 / denom, s1, s2, s3
+    if rule == _RULE_CENTERED:
+        if wd != 0:
+            g = g + torch.tensor(wd, dtype=f32) * p
+        s1 = s1 * torch.tensor(b2, dtype=f32) + torch.tensor(omb2, dtype=f32) * g * g
+        s2 = s2 + torch.tensor(omb2, dtype=f32) * (g - s2)
+        var = s1 - s2 * s2
+        avg = _sqrt32(torch.where(var < 0, torch.zeros_like(var), var)) + torch.tensor(eps, dtype=f32)
+        if b1 > 0:
+            s3 = s3 * torch.tensor(b1, dtype=f32) + g / avg
+            return torch.tensor(lr, dtype=f32) * s3, s1, s2, s3
+        return torch.tensor(lr, dtype=f32) * g / avg, s1, s2, s3
+    u, s1, s2 = _rule_step(rule, h, flags, sc, p, g, s1, s2)
+    return u, s1, s2, s3
+
+
+def _second_moment_slot(rule: int) -> int:
+    """state_form.h: second_moment_slot, the state stored as its root at low precision (-1: none)."""
+    return {
+        _RULE_ADAM: 1,
+        _RULE_LAMB: 1,
+        _RULE_AMSGRAD: 1,
+        _RULE_RMSPROP: 0,
+        _RULE_ADAGRAD: 0,
+        _RULE_CENTERED: 0,
+    }.get(rule, -1)
+
+
+def _root_slot(rule: int, k: int) -> bool:
+    """state_form.h: root_slot, whether state slot k is stored as its root at low precision."""
+    return k == _second_moment_slot(rule) or (rule == _RULE_AMSGRAD and k == 2)
+
+
+def _restart_nonfinite(values: list[Tensor]) -> list[Tensor]:
+    """state_form.h: restart_if_nonfinite, all states of an element with a NaN/Inf one set to 0."""
+    bad = torch.zeros_like(values[0], dtype=torch.bool)
+    for v in values:
+        bad |= ~v.isfinite()
+    return [v.masked_fill(bad, 0.0) for v in values]
+
+
+def optimizer_step_(*args: Any, **kwargs: Any) -> None:
+    """Twin of ``lowbit::optimizer_step_`` (same arguments, :class:`~lowbit._ops.optim.StepArgs`; same
+    in-place updates). The norm modes' scales are its own: it takes no ``update_scales``."""
+    a = StepArgs(*args, **kwargs)
+    if a.update_scales is not None:
+        raise NotImplementedError("the reference step computes the norm modes' scales itself")
+    params, grads, scalars, grad_scales = a.params, a.grads, a.scalars, a.grad_scales
+    rule, flags, norm_mode, n_states, block_size = a.rule, a.flags, a.norm_mode, a.n_states, a.block_size
+    hyper = StepHyper(*a.hyper)
+    states, absmaxes, maps = [a.state1, a.state2, a.state3], [a.absmax1, a.absmax2, a.absmax3], [a.map1, a.map2, a.map3]
+    f32 = torch.float32
+    for i, p in enumerate(params):
+        n = p.numel()
+        eight = n_states > 0 and states[0][i].dtype == torch.uint8
+        values = []
+        for k in range(3):
+            if k >= n_states:
+                values.append(torch.zeros(n, dtype=f32))
+            elif eight:
+                stored = dequantize_blockwise(
+                    states[k][i].reshape(-1), absmaxes[k][i], maps[k], 8, block_size, n, torch.float32
+                )
+                values.append(stored * stored if _root_slot(rule, k) else stored)
+            else:
+                values.append(states[k][i].reshape(-1).clone())
+        sc = torch.tensor(scalars[3 * i : 3 * i + 3], dtype=f32)
+        pf = p.detach().reshape(-1).float()
+        g = grads[i].reshape(-1).float()
+        if grad_scales is not None:
+            g = g * grad_scales[i].to(f32)
+        if flags & _MAXIMIZE:
+            g = -g
+        u, *updated = _rule_step(rule, hyper, flags, sc, pf, g, *values)
+        scale = 1.0
+        if norm_mode != 0:
+            p_norm, u_norm = float(pf.double().norm()), float(u.double().norm())
+            lr, max_unorm = float(hyper.lr), float(hyper.max_unorm)
+            if math.isnan(p_norm) or math.isnan(u_norm):
+                scale = math.nan
+            elif norm_mode == 1 and p_norm > 0 and u_norm > 0:
+                scale = p_norm * lr / u_norm
+            elif norm_mode == 2 and p_norm > 0 and u_norm > max_unorm * p_norm * lr:
+                scale = max_unorm * p_norm * lr / u_norm
+        if float(hyper.weight_decay) != 0 and flags & _DECOUPLED:
+            pf = pf * torch.tensor(float(hyper.decay), dtype=f32)
+        pf = pf - torch.tensor(scale, dtype=f32) * u
+        p.data.copy_(pf.reshape(p.shape).to(p.dtype))
+        new_states = updated[:n_states]
+        if eight and new_states:
+            new_states = _restart_nonfinite(new_states)
+        for k, value in enumerate(new_states):
+            if eight:
+                codes, amax = quantize_blockwise(
+                    _sqrt32(value) if _root_slot(rule, k) else value, maps[k], 8, block_size, False, 0, 0
+                )
+                states[k][i].copy_(codes.reshape(states[k][i].shape))
+                absmaxes[k][i].copy_(amax)
+            else:
+                states[k][i].copy_(value.reshape(states[k][i].shape))
+
+
+def lpmm_accumulate_(
+    grad: Tensor, codes: Tensor, absmax: Tensor, bits: int, group_size: int, stochastic: bool, seed: int
+) -> None:
+    """Twin of ``lowbit::lpmm_accumulate_``: ``g <- Q(g + grad)`` in place."""
+    n = grad.numel()
+    total = dequantize_linear(codes, absmax, bits, group_size, n, torch.float32) + grad.reshape(-1).float()
+    new_codes, new_absmax = quantize_linear(total, bits, group_size, stochastic, seed, 0)
+    codes.copy_(new_codes)
+    absmax.copy_(new_absmax)
+
+
+def _lpmm_stream_seed(seed: int, stream: int) -> int:
+    """The seed whose uniform01 draws are those of kernels.h: lpmm_key(seed, stream)."""
+    return _mix64_int(seed + stream)
+
+
+def lpmm_step_(*args: Any, **kwargs: Any) -> None:
+    """Twin of ``lowbit::lpmm_step_`` (same arguments, :class:`~lowbit._ops.lpmm.LpmmStepArgs`; same
+    in-place updates)."""
+    a = LpmmStepArgs(*args, **kwargs)
+    params, param_absmax, grads, grad_absmax = a.params, a.param_absmax, a.grads, a.grad_absmax
+    rule, flags, n_states, group_size, seed = a.rule, a.flags, a.n_states, a.group_size, a.seed
+    param_bits, grad_bits, state_bits = a.param_bits, a.grad_bits, a.state_bits
+    hyper = StepHyper(*a.hyper)
+    f32 = torch.float32
+    states, absmaxes, maps = [a.state1, a.state2], [a.absmax1, a.absmax2], [a.map1, a.map2]
+    root = _second_moment_slot(rule)
+    offset = 0
+    for i, n in enumerate(a.numels):
+        p = dequantize_linear(params[i], param_absmax[i], param_bits, group_size, n, f32)
+        g = dequantize_linear(grads[i], grad_absmax[i], grad_bits, group_size, n, f32)
+        values = [
+            dequantize_blockwise(states[k][i], absmaxes[k][i], maps[k], state_bits, group_size, n, f32)
+            if k < n_states
+            else torch.zeros(n, dtype=f32)
+            for k in range(2)
+        ]
+        values[root] = values[root] * values[root] if root >= 0 else values[root]
+        sc = torch.tensor(a.scalars[3 * i : 3 * i + 3], dtype=f32)
+        u, s1, s2 = _rule_step(rule, hyper, flags, sc, p, g, values[0], values[1])
+        if float(hyper.weight_decay) != 0 and flags & _DECOUPLED:
+            p = p * torch.tensor(float(hyper.decay), dtype=f32)
+        p = p - u
+        codes, amax = quantize_linear(p, param_bits, group_size, a.stochastic_param, _lpmm_stream_seed(seed, 0), offset)
+        params[i].copy_(codes)
+        param_absmax[i].copy_(amax)
+        for k, value in enumerate(_restart_nonfinite([s1, s2])[:n_states]):
+            codes, amax = quantize_blockwise(
+                _sqrt32(value) if k == root else value,
+                maps[k],
+                state_bits,
+                group_size,
+                a.stochastic_state,
+                _lpmm_stream_seed(seed, 1 + k),
+                offset,
+            )
+            states[k][i].copy_(codes)
+            absmaxes[k][i].copy_(amax)
+        grad_absmax[i].zero_()
+        offset += n
