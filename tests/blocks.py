@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lowbit.optim.optimizer import state_map
+from lowbit.optim.state_storage import state_map
 
 
 def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -461,7 +461,7 @@ def test_step_bumps_version_counters_of_written_tensors():
 def test_norm_sums_and_given_update_scales_reproduce_the_fused_step(rule, norm_mode, max_unorm):
     # The FSDP2 path of the norm modes: optimizer_norms' per-tensor sums, update scales computed from
     # them in Python, and the step with those scales; bit-identical to the fused pre-pass.
-    from lowbit.optim.optimizer import _update_scales
+    from lowbit.optim.sharded_norms import update_scales
 
     args = list(_step_args(2, True))
     args[13], args[16] = rule, norm_mode
@@ -475,7 +475,7 @@ def test_norm_sums_and_given_update_scales_reproduce_the_fused_step(rule, norm_m
     sums = _ops.optimizer_norms(*args)
     assert sums.shape == (2, 2) and sums.dtype == torch.float64
     assert all(torch.equal(p, q) for p, q in zip(args[0], before, strict=True))  # the norms update nothing
-    scales = _update_scales(sums, _ops.StepHyper(*args[14]), norm_mode)
+    scales = update_scales(sums, _ops.StepHyper(*args[14]), norm_mode)
     assert bool((scales != 1).any())  # the scales are in play
     _ops.optimizer_step_(*args, scales)
     for got, want in zip(args[:8], fused[:8], strict=True):

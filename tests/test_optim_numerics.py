@@ -19,7 +19,7 @@ from torch import nn
 import lowbit.optim as O
 from lowbit import _ops
 from lowbit.functional import create_dynamic_map
-from lowbit.optim.optimizer import state_map
+from lowbit.optim.state_storage import state_map
 from tests.blocks import adjacent_code_ratio, block_absmax, two_gradient_block
 
 

@@ -24,7 +24,7 @@ from torch import nn
 
 import lowbit.optim as O
 from lowbit import lpmm
-from lowbit.optim.optimizer import state_map
+from lowbit.optim.state_storage import state_map
 from tests.blocks import block_absmax
 
 

@@ -1,34 +1,28 @@
 """Optimizers with 8-bit block-wise or fp32 states, fused into one native call per param group."""
 
 from lowbit.optim.config import clear_override, get_override, override
-from lowbit.optim.lpmm import LPMMSGD, LPMMAdamW, LPMMOptimizer
-from lowbit.optim.optimizer import LowbitOptimizer
-from lowbit.optim.optimizers import (
-    LAMB,
-    LARS,
-    SGD,
-    Adagrad,
+from lowbit.optim.fixed_bits import (
     Adagrad8bit,
     Adagrad32bit,
-    Adam,
     Adam8bit,
     Adam32bit,
-    AdamW,
     AdamW8bit,
     AdamW32bit,
     LAMB8bit,
     LAMB32bit,
     LARS8bit,
     LARS32bit,
-    Lion,
     Lion8bit,
     Lion32bit,
-    RMSprop,
     RMSprop8bit,
     RMSprop32bit,
     SGD8bit,
     SGD32bit,
 )
+from lowbit.optim.lpmm import LPMMSGD, LPMMAdamW, LPMMOptimizer
+from lowbit.optim.optimizer import LowbitOptimizer
+from lowbit.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
+from lowbit.optim.trust_ratio import LAMB, LARS
 
 __all__ = [
     "LAMB",

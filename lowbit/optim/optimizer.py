@@ -31,17 +31,24 @@ from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowbit import _C, _ops
 from lowbit._ops import StepArgs, StepHyper
-from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise, quantize_blockwise
 from lowbit.optim.config import get_override
 from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_options, plain_lr
 from lowbit.optim.loaded_state import check_loaded_state
+from lowbit.optim.sharded_norms import sum_over_shards, update_scales
+from lowbit.optim.state_storage import (
+    STATE_FORMAT,
+    StoredStates,
+    check_state_format,
+    like_param,
+    restore_state_dtypes,
+    state_map,
+)
 
 __all__ = ["LowbitOptimizer"]
 
@@ -52,59 +59,8 @@ RULE_CODES: dict[str, int] = dict(_C.RULES)
 FLAG_DECOUPLED, FLAG_NESTEROV, FLAG_MAXIMIZE = _C.FLAG_DECOUPLED, _C.FLAG_NESTEROV, _C.FLAG_MAXIMIZE
 NORM_NONE, NORM_TRUST, NORM_CLIP = _C.NORM_NONE, _C.NORM_TRUST, _C.NORM_CLIP
 
-_MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 
-
-# The form of stored second moments, kept in every param group so that a state dict says which it holds:
-# 1: v on the unsigned dynamic map (lowbit 0.1.0 before the zero-point fix); 2: sqrt(v) on the zero-free
-# map (include/lowbit/state_form.h). Loading format 1 re-encodes the second moments.
-STATE_FORMAT = 2
-
-
-def state_map(signed: bool, device: torch.device, bits: int = 8) -> Tensor:
-    """The dynamic map of optimizer states, cached per device: signed for first moments; unsigned
-    without its zero for second moments, which are stored as their square roots
-    (include/lowbit/state_form.h), so that no decoded second moment of a non-zero block is 0."""
-    key = (signed, bits, device)
-    if key not in _MAPS:
-        code = create_dynamic_map(signed=signed, total_bits=bits)
-        if not signed:
-            code[0] = code[1]  # DE-0 (Li, Chen, Zhu 2023, section 4.1): the smallest code is a floor
-        _MAPS[key] = code.to(device)
-    return _MAPS[key]
-
-
-def upgrade_second_moment(codes: Tensor, absmax: Tensor, bits: int, block: int, numel: int) -> tuple[Tensor, Tensor]:
-    """Codes and absmaxes of a format-1 second moment (flat, ``numel`` elements of ``bits``-bit codes in
-    blocks of ``block``) re-encoded in the current format, rounded to nearest."""
-    old_map = create_dynamic_map(signed=False, total_bits=bits).to(codes.device)
-    v = _ops.dequantize_blockwise(codes.reshape(-1), absmax, old_map, bits, block, numel, torch.float32)
-    new_codes, new_absmax = _ops.quantize_blockwise(
-        v.sqrt(), state_map(False, codes.device, bits), bits, block, False, 0, 0
-    )
-    return new_codes.view(codes.shape), new_absmax
-
-
-def check_state_format(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
-    """Refuse a loaded param group whose state format (1 when the state dict predates the marker) comes
-    from a newer lowbit."""
-    form = group.get("state_format", 1)
-    if form not in (1, STATE_FORMAT):
-        raise ValueError(
-            f"lowbit: this {type(optimizer).__name__} state dict has state_format={form!r}, written by a newer "
-            f"lowbit; this one reads formats 1 and {STATE_FORMAT}"
-        )
-
-
-def like_param(p: Tensor, value: Tensor) -> Tensor:
-    """``value``, a tensor shaped like the local shard of ``p``, as a DTensor with ``p``'s placements when
-    ``p`` is one (the optimizer states of FSDP2 parameters), else unchanged."""
-    if not isinstance(p, DTensor):
-        return value
-    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-
-
-class LowbitOptimizer(torch.optim.Optimizer):
+class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
     """Base class of lowbit's optimizers; the options below are keyword arguments of every optimizer.
 
     Args:
@@ -207,7 +163,7 @@ class LowbitOptimizer(torch.optim.Optimizer):
         """Whole-tensor L2 norms of the local ``tensors`` (shards of ``originals``, or the tensors
         themselves): the squared norms of FSDP2 shards are summed over the ranks."""
         squares = torch.stack([n.float().square() for n in torch._foreach_norm(tensors)])
-        return list(_sum_over_shards(squares, originals).sqrt())
+        return list(sum_over_shards(squares, originals).sqrt())
 
     def _init_value(self, k: int, config: dict[str, Any]) -> float:
         """Initial value of state k (Adagrad starts from initial_accumulator_value)."""
@@ -239,96 +195,6 @@ class LowbitOptimizer(torch.optim.Optimizer):
         self._check_config(merged, f"{type(self).__name__}, an option set by lowbit.optim.override")
         merged["lr"] = plain_lr(merged["lr"])
         return merged
-
-    def _eight_bit(self, config: dict[str, Any], p: Tensor) -> bool:
-        return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
-
-    # -- state ------------------------------------------------------------------------------------
-
-    def _pack(self, k: int, value: Tensor, config: dict[str, Any], eight_bit: bool) -> tuple[Tensor, Tensor]:
-        """(state, absmax) of state k holding ``value`` in the 8-bit or fp32 layout (a second moment,
-        on the unsigned map, as its square root: include/lowbit/state_form.h)."""
-        if eight_bit:
-            signed = self._state_signed[k]
-            codes, qs = quantize_blockwise(
-                value if signed else value.sqrt(),
-                code=state_map(signed, value.device),
-                blocksize=config["block_size"],
-            )
-            return codes, qs.absmax
-        return value, torch.empty(0, dtype=torch.float32, device=value.device)
-
-    def _unpack(self, k: int, p: Tensor, state: dict[str, Any]) -> Tensor:
-        """The fp32 values of state k of ``p``, whatever layout they are stored in."""
-        s = _ops.local(state[f"state{k + 1}"])
-        if s.dtype != torch.uint8:
-            return s
-        absmax = state[f"absmax{k + 1}"]
-        signed = self._state_signed[k]
-        qs = QuantState(
-            absmax,
-            state_map(signed, s.device),
-            _stored_block_size(s.numel(), absmax.numel()),
-            s.shape,
-            torch.float32,
-            8,
-        )
-        value = dequantize_blockwise(s, qs)
-        return value if signed else value.square()
-
-    def _init_state(self, p: Tensor, config: dict[str, Any]) -> dict[str, Any]:
-        state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
-        self._relayout(p, state, config)
-        return state
-
-    def _layout_matches(self, p: Tensor, state: dict[str, Any], config: dict[str, Any]) -> bool:
-        eight_bit = self._eight_bit(config, p)
-        blocks = _ops.num_blocks(_ops.local(p).numel(), config["block_size"])
-        for k in self._slots(config):
-            s = state.get(f"state{k + 1}")
-            if s is None or (s.dtype == torch.uint8) != eight_bit:
-                return False
-            if eight_bit and state[f"absmax{k + 1}"].numel() != blocks:
-                return False
-        return True
-
-    def _relayout(self, p: Tensor, state: dict[str, Any], config: dict[str, Any]) -> None:
-        """Store the states of ``p`` as ``config`` asks (8-bit or fp32, block size), keeping their values.
-
-        This is how a changed ``optim_bits`` or ``block_size`` (param group or override) is honoured
-        for a parameter that already has state; missing states start at their initial value.
-        """
-        values = {}
-        for k in self._slots(config):
-            if f"state{k + 1}" in state:
-                held, numel = _ops.local(state[f"state{k + 1}"]).numel(), _ops.local(p).numel()
-                if held != numel:
-                    raise ValueError(f"state{k + 1} has {held} elements, the parameter {numel}")
-                values[k] = self._unpack(k, p, state).clone()
-            else:
-                values[k] = self._initial(k, p, config)
-        state.update(self._store(p, values, config))
-
-    def _initial(self, k: int, p: Tensor, config: dict[str, Any]) -> Tensor:
-        """State k of ``p`` before its first step, shaped like the local shard."""
-        shard = _ops.local(p)
-        return torch.full(shard.shape, self._init_value(k, config), dtype=torch.float32, device=shard.device)
-
-    def _store(self, p: Tensor, values: dict[int, Tensor], config: dict[str, Any]) -> dict[str, Tensor]:
-        """``state{k+1}``/``absmax{k+1}`` entries holding ``values[k]`` (fp32, shaped like the local shard
-        of ``p``) in the layout ``config`` asks for. In 8-bit layout an element with a non-finite state
-        restarts all its states from zero, as the step does (module docstring): one NaN would otherwise
-        become its block's scale and spoil the block."""
-        eight_bit = self._eight_bit(config, p)  # by the global element count of an FSDP2 parameter
-        if eight_bit and values:
-            bad = ~torch.stack([v.isfinite() for v in values.values()]).all(0)
-            if bool(bad.any()):
-                values = {k: v.masked_fill(bad, 0.0) for k, v in values.items()}
-        out: dict[str, Tensor] = {}
-        for k, value in values.items():
-            codes, out[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
-            out[f"state{k + 1}"] = like_param(p, codes)
-        return out
 
     # -- step -------------------------------------------------------------------------------------
 
@@ -483,8 +349,8 @@ class LowbitOptimizer(torch.optim.Optimizer):
         if norm_mode != NORM_NONE and any(isinstance(p, DTensor) for p in originals):
             # The norms of FSDP2 shards span ranks: the pre-pass sums are all-reduced, and the step
             # takes the scales computed from them.
-            sums = _sum_over_shards(_ops.optimizer_norms(*args), originals)
-            args = args._replace(update_scales=_update_scales(sums, hyper, norm_mode))
+            sums = sum_over_shards(_ops.optimizer_norms(*args), originals)
+            args = args._replace(update_scales=update_scales(sums, hyper, norm_mode))
         try:
             _ops.check_optimizer_step(args)
         except (ValueError, TypeError, RuntimeError) as exc:
@@ -554,44 +420,6 @@ class LowbitOptimizer(torch.optim.Optimizer):
                     # FSDP2 parameters arrive with dequantized states (state_dict).
                     self._relayout(p, state, config)
 
-    def _upgrade_second_moments(self, p: Tensor) -> None:
-        state = self.state.get(p, {})
-        for k, signed in enumerate(self._state_signed):
-            codes = state.get(f"state{k + 1}")
-            if signed or codes is None or codes.dtype != torch.uint8:
-                continue
-            local, absmax = _ops.local(codes), state[f"absmax{k + 1}"]
-            block = _stored_block_size(local.numel(), absmax.numel())
-            new, state[f"absmax{k + 1}"] = upgrade_second_moment(local, absmax, 8, block, local.numel())
-            state[f"state{k + 1}"] = like_param(p, new)
-
-    def dequantized_state(self, p: Tensor) -> dict[str, Tensor]:
-        """The state of ``p`` in torch.optim's layout and names, dequantized to fp32."""
-        state = self.state[p]
-        out: dict[str, Tensor] = {"step": state["step"].clone()}
-        for k, name in enumerate(self._state_names):
-            if f"state{k + 1}" in state:
-                out[name] = like_param(p, self._unpack(k, p, state).clone())
-        return out
-
-    def load_dequantized_state(self, p: Tensor, state: dict[str, Tensor]) -> None:
-        """Set the state of ``p`` from torch.optim's layout (e.g. ``torch.optim.Adam().state[p]``)."""
-        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        config = self._config(group, p)
-        # torch.optim.SGD keeps no step count; a momentum buffer means at least one step was taken.
-        step = state.get("step", float(any(name in state for name in self._state_names)))
-        new: dict[str, Any] = {"step": torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()}
-        shard = _ops.local(p)
-        values = {}
-        for k in self._slots(config):
-            saved = state.get(self._state_names[k])
-            if saved is None:  # a state the saving optimizer did not use (amsgrad or centered turned on)
-                values[k] = self._initial(k, p, config)
-            else:
-                values[k] = _ops.local(saved).detach().to(shard.device, torch.float32).reshape(shard.shape).clone()
-        new.update(self._store(p, values, config))
-        self.state[p] = new
-
 
 _FUSED_LISTS = re.compile(r"\b(params|grads|state[123]|absmax[123])\[(\d+)\]")
 
@@ -605,67 +433,6 @@ def _in_user_terms(message: str, places: list[str]) -> str:
         return f"{m.group(1)} of {places[i]}" if i < len(places) else m.group(0)
 
     return _FUSED_LISTS.sub(name, message)
-
-
-def _sum_over_shards(rows: Tensor, originals: list[Tensor]) -> Tensor:
-    """``rows`` (one row per tensor, of per-shard sums) with the rows of FSDP2 parameters summed over the
-    mesh dimensions their parameter is sharded on: one all-reduce per mesh dimension and layout."""
-    layouts: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(originals):
-        if isinstance(p, DTensor):
-            dims = tuple(d for d, placement in enumerate(p.placements) if placement.is_shard())
-            layouts.setdefault((id(p.device_mesh), *dims), []).append(i)
-    if not layouts:
-        return rows
-    rows = rows.clone()
-    for (_, *dims), members in layouts.items():
-        index = torch.tensor(members, device=rows.device)
-        part = rows.index_select(0, index)
-        mesh = originals[members[0]].device_mesh
-        for d in dims:
-            dist.all_reduce(part, group=mesh.get_group(d))
-        rows.index_copy_(0, index, part)
-    return rows
-
-
-def _update_scales(sums: Tensor, hyper: StepHyper, norm_mode: int) -> Tensor:
-    """optim_rules.h's update_scale for per-tensor sums of p^2 and u^2, in the same double operations."""
-    f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731  (the kernel's fp32 hyperparameters)
-    lr, max_unorm = f32(hyper.lr), f32(hyper.max_unorm)
-    p_norm, u_norm = sums[:, 0].double().sqrt(), sums[:, 1].double().sqrt()
-    ones = torch.ones_like(p_norm)
-    if norm_mode == NORM_TRUST:
-        scale = torch.where((p_norm > 0) & (u_norm > 0), p_norm * lr / u_norm, ones)
-    else:
-        bound = max_unorm * p_norm * lr
-        scale = torch.where((p_norm > 0) & (u_norm > bound), bound / u_norm, ones)
-    return torch.where(p_norm.isnan() | u_norm.isnan(), p_norm + u_norm, scale).float()
-
-
-def _stored_block_size(numel: int, blocks: int) -> int:
-    """The block size of an 8-bit state of ``numel`` elements with ``blocks`` absmax values."""
-    for shift in range(6, 13):
-        if _ops.num_blocks(numel, 1 << shift) == blocks:
-            return 1 << shift
-    raise ValueError(f"lowbit: an 8-bit state of {numel} elements cannot have {blocks} blocks")
-
-
-def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    """Undo torch.optim's cast of loaded floating-point state to the parameter dtype.
-
-    lowbit states keep their own dtypes (fp32 states and absmaxes, uint8 codes) whatever the
-    parameter's, so after ``torch.optim.Optimizer.load_state_dict`` they are restored from the saved
-    tensors, on the parameter's device; ``step`` becomes an fp32 CPU tensor. All are copies: torch.optim
-    keeps the loaded ``step`` tensor itself, which a live source optimizer would go on incrementing.
-    """
-    ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    for pid, p in zip(ids, params, strict=True):
-        for key, value in state_dict["state"].get(pid, {}).items():
-            if key == "step":
-                optimizer.state[p][key] = torch.as_tensor(value).detach().to("cpu", torch.float32, copy=True)
-            elif isinstance(value, Tensor):
-                optimizer.state[p][key] = value.detach().to(p.device, copy=True)
 
 
 def decay_factor(lr: float, weight_decay: float) -> float:

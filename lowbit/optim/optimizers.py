@@ -8,52 +8,24 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
-
-import torch
-from torch import Tensor
+from typing import Any
 
 from lowbit._ops import StepHyper
 from lowbit.optim.optimizer import (
     FLAG_DECOUPLED,
     FLAG_MAXIMIZE,
     FLAG_NESTEROV,
-    NORM_TRUST,
     RULE_CODES,
     LowbitOptimizer,
     Params,
     decay_factor,
 )
 
-__all__ = [
-    "LAMB",
-    "LARS",
-    "SGD",
-    "SGD8bit",
-    "SGD32bit",
-    "Adagrad",
-    "Adagrad8bit",
-    "Adagrad32bit",
-    "LAMB8bit",
-    "LAMB32bit",
-    "LARS8bit",
-    "LARS32bit",
-    "Adam",
-    "Adam8bit",
-    "Adam32bit",
-    "AdamW",
-    "AdamW8bit",
-    "AdamW32bit",
-    "Lion",
-    "Lion8bit",
-    "Lion32bit",
-    "RMSprop",
-    "RMSprop8bit",
-    "RMSprop32bit",
-]
+__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Lion", "RMSprop"]
 
 
-def _flags(config: dict[str, Any], decoupled: bool = False, nesterov: bool = False) -> int:
+def step_flags(config: dict[str, Any], decoupled: bool = False, nesterov: bool = False) -> int:
+    """The native step's flag bits (maximize, decoupled weight decay, Nesterov) for a group's options."""
     return (
         (FLAG_MAXIMIZE if config["maximize"] else 0)
         | (FLAG_DECOUPLED if decoupled else 0)
@@ -120,7 +92,7 @@ class Adam(LowbitOptimizer):
             weight_decay=wd,
             decay=decay_factor(lr, wd),
         )
-        return hyper, _flags(config, decoupled=self._decoupled)
+        return hyper, step_flags(config, decoupled=self._decoupled)
 
     def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
         b1, b2 = config["betas"]
@@ -216,7 +188,7 @@ class SGD(LowbitOptimizer):
             one_minus_beta1=1.0 - config["dampening"],
             weight_decay=config["weight_decay"],
         )
-        return hyper, _flags(config, nesterov=config["nesterov"])
+        return hyper, step_flags(config, nesterov=config["nesterov"])
 
 
 class Lion(LowbitOptimizer):
@@ -260,7 +232,7 @@ class Lion(LowbitOptimizer):
             weight_decay=wd,
             decay=decay_factor(lr, wd),
         )
-        return hyper, _flags(config, decoupled=True)
+        return hyper, step_flags(config, decoupled=True)
 
 
 class RMSprop(LowbitOptimizer):
@@ -328,7 +300,7 @@ class RMSprop(LowbitOptimizer):
             eps=config["eps"],
             weight_decay=config["weight_decay"],
         )
-        return hyper, _flags(config)
+        return hyper, step_flags(config)
 
 
 class Adagrad(LowbitOptimizer):
@@ -373,160 +345,10 @@ class Adagrad(LowbitOptimizer):
         super().__init__(params, defaults, **options)
 
     def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
-        return StepHyper(lr=config["lr"], eps=config["eps"], weight_decay=config["weight_decay"]), _flags(config)
+        return StepHyper(lr=config["lr"], eps=config["eps"], weight_decay=config["weight_decay"]), step_flags(config)
 
     def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
         return config["lr"] / (1.0 + (step - 1) * config["lr_decay"]), 1.0, float(step == 1)
 
     def _init_value(self, k: int, config: dict[str, Any]) -> float:
         return float(config["initial_accumulator_value"])
-
-
-class LAMB(LowbitOptimizer):
-    """LAMB (You et al. 2020, Algorithm 2): Adam's direction plus weight decay, scaled per tensor by
-    the trust ratio ``||p|| / ||r||``, with ``r = m_hat / (sqrt(v_hat) + eps) + weight_decay * p``.
-
-    The ratio comes from a pre-pass over the whole tensor in the same native call (bitsandbytes'
-    LAMB8bit accepts the option but applies no trust ratio).
-
-    Args:
-        params: parameters or param groups.
-        lr: learning rate.
-        betas: coefficients of the running averages of the gradient and its square.
-        eps: added to the denominator.
-        weight_decay: weight decay, part of the direction the trust ratio scales.
-        maximize: maximize the objective instead of minimizing.
-        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
-            ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
-    """
-
-    _rule = "lamb"
-    _state_names = ("exp_avg", "exp_avg_sq")
-    _state_signed = (True, False)
-    _norm_mode = NORM_TRUST
-
-    def _check_config(self, config: dict[str, Any], where: str) -> None:
-        super()._check_config(config, where)
-        if config["max_unorm"]:
-            raise ValueError(f"lowbit: {where}: LAMB scales its update by the trust ratio; max_unorm must be 0")
-
-    def __init__(
-        self,
-        params: Params,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.0,
-        *,
-        maximize: bool = False,
-        **options: Any,
-    ) -> None:
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
-        super().__init__(params, defaults, **options)
-
-    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
-        lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
-        hyper = StepHyper(
-            lr=lr,
-            beta1=b1,
-            beta2=b2,
-            one_minus_beta1=1.0 - b1,
-            one_minus_beta2=1.0 - b2,
-            eps=config["eps"],
-            weight_decay=wd,
-        )
-        return hyper, _flags(config)
-
-    def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
-        b1, b2 = config["betas"]
-        return 1.0 / (1.0 - b1**step), math.sqrt(1.0 - b2**step), float(step == 1)
-
-
-class LARS(SGD):
-    """LARS (You et al. 2017): SGD with momentum where each tensor's gradient plus weight decay is
-    scaled by its local learning rate ``trust_coefficient * ||p|| / (||g|| + weight_decay * ||p|| + eps)``
-    (1 when ``p`` or ``g`` is zero) before it enters the momentum buffer.
-
-    Args:
-        params: parameters or param groups.
-        lr: global learning rate.
-        momentum: momentum factor.
-        dampening: dampening of the momentum.
-        weight_decay: L2 penalty, inside the trust-scaled gradient.
-        nesterov: Nesterov momentum.
-        trust_coefficient: the paper's eta.
-        eps: added to the denominator of the local learning rate.
-        maximize: maximize the objective instead of minimizing.
-        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
-            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
-    """
-
-    def __init__(
-        self,
-        params: Params,
-        lr: float = 1e-3,
-        momentum: float = 0.9,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-        trust_coefficient: float = 1e-3,
-        eps: float = 1e-8,
-        *,
-        maximize: bool = False,
-        **options: Any,
-    ) -> None:
-        self._lars_defaults = dict(trust_coefficient=trust_coefficient, eps=eps)
-        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize, **options)
-        self.defaults.update(self._lars_defaults)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch.optim's ``add_param_group``, with LARS's own options' defaults filled in."""
-        super().add_param_group({**self._lars_defaults, **param_group})
-
-    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
-        hyper, flags = super()._hyper(config)
-        # Weight decay is folded into the trust-scaled gradient by _adjust_grads.
-        return hyper._replace(weight_decay=0.0), flags
-
-    def _adjust_grads(
-        self,
-        config: dict[str, Any],
-        params: list[Tensor],
-        grads: list[Tensor],
-        scales: Optional[Tensor],
-        originals: list[Tensor],
-    ) -> tuple[list[Tensor], Optional[Tensor]]:
-        wd, eta, eps = config["weight_decay"], config["trust_coefficient"], config["eps"]
-        p_norm = torch.stack(self._norms(params, originals)).float()
-        g_norm = torch.stack(self._norms(grads, originals)).float()
-        local = eta * p_norm / (g_norm + wd * p_norm + eps)
-        local = torch.where((p_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
-        # A NaN norm makes the tensor's update NaN, not a silent local rate of 1 (1/eta times too large).
-        local = torch.where(p_norm.isnan() | g_norm.isnan(), p_norm + g_norm, local)
-        if wd != 0:
-            grads = torch._foreach_add(grads, params, alpha=wd)
-        return grads, local if scales is None else local * scales
-
-
-def _fixed_bits(base: type[LowbitOptimizer], bits: int) -> type[LowbitOptimizer]:
-    """``base`` with ``optim_bits`` fixed (the ``X8bit`` / ``X32bit`` classes)."""
-
-    class Fixed(base):  # type: ignore[valid-type, misc]
-        def __init__(self, params: Params, *args: Any, **kwargs: Any) -> None:
-            if "optim_bits" in kwargs:
-                raise TypeError(f"lowbit: {type(self).__name__} has fixed optim_bits={bits}; use {base.__name__}")
-            super().__init__(params, *args, optim_bits=bits, **kwargs)
-
-    Fixed.__name__ = Fixed.__qualname__ = f"{base.__name__}{bits}bit"
-    Fixed.__doc__ = f"{base.__name__} with {'8-bit block-wise' if bits == 8 else 'fp32'} states.\n\n{base.__doc__}"
-    return Fixed
-
-
-Adam8bit, Adam32bit = _fixed_bits(Adam, 8), _fixed_bits(Adam, 32)
-AdamW8bit, AdamW32bit = _fixed_bits(AdamW, 8), _fixed_bits(AdamW, 32)
-SGD8bit, SGD32bit = _fixed_bits(SGD, 8), _fixed_bits(SGD, 32)
-Lion8bit, Lion32bit = _fixed_bits(Lion, 8), _fixed_bits(Lion, 32)
-RMSprop8bit, RMSprop32bit = _fixed_bits(RMSprop, 8), _fixed_bits(RMSprop, 32)
-Adagrad8bit, Adagrad32bit = _fixed_bits(Adagrad, 8), _fixed_bits(Adagrad, 32)
-LAMB8bit, LAMB32bit = _fixed_bits(LAMB, 8), _fixed_bits(LAMB, 32)
-LARS8bit, LARS32bit = _fixed_bits(LARS, 8), _fixed_bits(LARS, 32)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import lowbit.optim as O
-from lowbit.optim.optimizer import state_map
+from lowbit.optim.state_storage import state_map
 from tests.blocks import block_absmax
 
 # (torch.optim class, lowbit name, hyperparameters)

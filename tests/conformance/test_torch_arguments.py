@@ -12,7 +12,8 @@ from torch import nn
 
 import lowbit.optim as O
 from lowbit import _ops
-from lowbit.optim.optimizer import RULE_CODES, state_map
+from lowbit.optim.optimizer import RULE_CODES
+from lowbit.optim.state_storage import state_map
 from tests.blocks import adjacent_code_ratio, two_gradient_block
 from tests.test_optim import DEFAULT_BOUNDS, _relative
 

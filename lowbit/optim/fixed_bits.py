@@ -1,0 +1,52 @@
+"""The ``X8bit`` / ``X32bit`` optimizers: each public optimizer with ``optim_bits`` fixed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lowbit.optim.optimizer import LowbitOptimizer, Params
+from lowbit.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
+from lowbit.optim.trust_ratio import LAMB, LARS
+
+__all__ = [
+    "Adagrad8bit",
+    "Adagrad32bit",
+    "Adam8bit",
+    "Adam32bit",
+    "AdamW8bit",
+    "AdamW32bit",
+    "LAMB8bit",
+    "LAMB32bit",
+    "LARS8bit",
+    "LARS32bit",
+    "Lion8bit",
+    "Lion32bit",
+    "RMSprop8bit",
+    "RMSprop32bit",
+    "SGD8bit",
+    "SGD32bit",
+]
+
+
+def _fixed_bits(base: type[LowbitOptimizer], bits: int) -> type[LowbitOptimizer]:
+    """``base`` with ``optim_bits`` fixed (the ``X8bit`` / ``X32bit`` classes)."""
+
+    class Fixed(base):  # type: ignore[valid-type, misc]
+        def __init__(self, params: Params, *args: Any, **kwargs: Any) -> None:
+            if "optim_bits" in kwargs:
+                raise TypeError(f"lowbit: {type(self).__name__} has fixed optim_bits={bits}; use {base.__name__}")
+            super().__init__(params, *args, optim_bits=bits, **kwargs)
+
+    Fixed.__name__ = Fixed.__qualname__ = f"{base.__name__}{bits}bit"
+    Fixed.__doc__ = f"{base.__name__} with {'8-bit block-wise' if bits == 8 else 'fp32'} states.\n\n{base.__doc__}"
+    return Fixed
+
+
+Adam8bit, Adam32bit = _fixed_bits(Adam, 8), _fixed_bits(Adam, 32)
+AdamW8bit, AdamW32bit = _fixed_bits(AdamW, 8), _fixed_bits(AdamW, 32)
+SGD8bit, SGD32bit = _fixed_bits(SGD, 8), _fixed_bits(SGD, 32)
+Lion8bit, Lion32bit = _fixed_bits(Lion, 8), _fixed_bits(Lion, 32)
+RMSprop8bit, RMSprop32bit = _fixed_bits(RMSprop, 8), _fixed_bits(RMSprop, 32)
+Adagrad8bit, Adagrad32bit = _fixed_bits(Adagrad, 8), _fixed_bits(Adagrad, 32)
+LAMB8bit, LAMB32bit = _fixed_bits(LAMB, 8), _fixed_bits(LAMB, 32)
+LARS8bit, LARS32bit = _fixed_bits(LARS, 8), _fixed_bits(LARS, 32)

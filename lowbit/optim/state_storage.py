@@ -1,0 +1,229 @@
+"""How optimizer states are stored: the quantization maps, the second-moment format a state dict records,
+DTensor wrapping of FSDP2 states, and the dtypes and block sizes of loaded states."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lowbit import _ops
+from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise, quantize_blockwise
+
+_MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
+
+
+# The form of stored second moments, kept in every param group so that a state dict says which it holds:
+# 1: v on the unsigned dynamic map (lowbit 0.1.0 before the zero-point fix); 2: sqrt(v) on the zero-free
+# map (include/lowbit/state_form.h). Loading format 1 re-encodes the second moments.
+STATE_FORMAT = 2
+
+
+def state_map(signed: bool, device: torch.device, bits: int = 8) -> Tensor:
+    """The dynamic map of optimizer states, cached per device: signed for first moments; unsigned
+    without its zero for second moments, which are stored as their square roots
+    (include/lowbit/state_form.h), so that no decoded second moment of a non-zero block is 0."""
+    key = (signed, bits, device)
+    if key not in _MAPS:
+        code = create_dynamic_map(signed=signed, total_bits=bits)
+        if not signed:
+            code[0] = code[1]  # DE-0 (Li, Chen, Zhu 2023, section 4.1): the smallest code is a floor
+        _MAPS[key] = code.to(device)
+    return _MAPS[key]
+
+
+def upgrade_second_moment(codes: Tensor, absmax: Tensor, bits: int, block: int, numel: int) -> tuple[Tensor, Tensor]:
+    """Codes and absmaxes of a format-1 second moment (flat, ``numel`` elements of ``bits``-bit codes in
+    blocks of ``block``) re-encoded in the current format, rounded to nearest."""
+    old_map = create_dynamic_map(signed=False, total_bits=bits).to(codes.device)
+    v = _ops.dequantize_blockwise(codes.reshape(-1), absmax, old_map, bits, block, numel, torch.float32)
+    new_codes, new_absmax = _ops.quantize_blockwise(
+        v.sqrt(), state_map(False, codes.device, bits), bits, block, False, 0, 0
+    )
+    return new_codes.view(codes.shape), new_absmax
+
+
+def check_state_format(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+    """Refuse a loaded param group whose state format (1 when the state dict predates the marker) comes
+    from a newer lowbit."""
+    form = group.get("state_format", 1)
+    if form not in (1, STATE_FORMAT):
+        raise ValueError(
+            f"lowbit: this {type(optimizer).__name__} state dict has state_format={form!r}, written by a newer "
+            f"lowbit; this one reads formats 1 and {STATE_FORMAT}"
+        )
+
+
+def like_param(p: Tensor, value: Tensor) -> Tensor:
+    """``value``, a tensor shaped like the local shard of ``p``, as a DTensor with ``p``'s placements when
+    ``p`` is one (the optimizer states of FSDP2 parameters), else unchanged."""
+    if not isinstance(p, DTensor):
+        return value
+    return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def stored_block_size(numel: int, blocks: int) -> int:
+    """The block size of an 8-bit state of ``numel`` elements with ``blocks`` absmax values."""
+    for shift in range(6, 13):
+        if _ops.num_blocks(numel, 1 << shift) == blocks:
+            return 1 << shift
+    raise ValueError(f"lowbit: an 8-bit state of {numel} elements cannot have {blocks} blocks")
+
+
+def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Undo torch.optim's cast of loaded floating-point state to the parameter dtype.
+
+    lowbit states keep their own dtypes (fp32 states and absmaxes, uint8 codes) whatever the
+    parameter's, so after ``torch.optim.Optimizer.load_state_dict`` they are restored from the saved
+    tensors, on the parameter's device; ``step`` becomes an fp32 CPU tensor. All are copies: torch.optim
+    keeps the loaded ``step`` tensor itself, which a live source optimizer would go on incrementing.
+    """
+    ids = [pid for g in state_dict["param_groups"] for pid in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for pid, p in zip(ids, params, strict=True):
+        for key, value in state_dict["state"].get(pid, {}).items():
+            if key == "step":
+                optimizer.state[p][key] = torch.as_tensor(value).detach().to("cpu", torch.float32, copy=True)
+            elif isinstance(value, Tensor):
+                optimizer.state[p][key] = value.detach().to(p.device, copy=True)
+
+
+class StoredStates:
+    """The states of an optimizer's parameters as they are stored: 8-bit block-wise codes with absmaxes
+    or fp32 tensors, FSDP2 states as DTensors, and their conversion to and from fp32 values in
+    torch.optim's layout. :class:`~lowbit.optim.LowbitOptimizer` mixes it in and provides the state names
+    and maps (``_state_names``, ``_state_signed``), each group's slots (``_slots``), initial values
+    (``_init_value``) and per-parameter options (``_config``)."""
+
+    _state_names: ClassVar[tuple[str, ...]]
+    _state_signed: ClassVar[tuple[bool, ...]]
+    param_groups: list[dict[str, Any]]
+    state: dict[Tensor, Any]
+
+    def _eight_bit(self, config: dict[str, Any], p: Tensor) -> bool:
+        return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
+
+    def _pack(self, k: int, value: Tensor, config: dict[str, Any], eight_bit: bool) -> tuple[Tensor, Tensor]:
+        """(state, absmax) of state k holding ``value`` in the 8-bit or fp32 layout (a second moment,
+        on the unsigned map, as its square root: include/lowbit/state_form.h)."""
+        if eight_bit:
+            signed = self._state_signed[k]
+            codes, qs = quantize_blockwise(
+                value if signed else value.sqrt(),
+                code=state_map(signed, value.device),
+                blocksize=config["block_size"],
+            )
+            return codes, qs.absmax
+        return value, torch.empty(0, dtype=torch.float32, device=value.device)
+
+    def _unpack(self, k: int, p: Tensor, state: dict[str, Any]) -> Tensor:
+        """The fp32 values of state k of ``p``, whatever layout they are stored in."""
+        s = _ops.local(state[f"state{k + 1}"])
+        if s.dtype != torch.uint8:
+            return s
+        absmax = state[f"absmax{k + 1}"]
+        signed = self._state_signed[k]
+        qs = QuantState(
+            absmax,
+            state_map(signed, s.device),
+            stored_block_size(s.numel(), absmax.numel()),
+            s.shape,
+            torch.float32,
+            8,
+        )
+        value = dequantize_blockwise(s, qs)
+        return value if signed else value.square()
+
+    def _init_state(self, p: Tensor, config: dict[str, Any]) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        self._relayout(p, state, config)
+        return state
+
+    def _layout_matches(self, p: Tensor, state: dict[str, Any], config: dict[str, Any]) -> bool:
+        eight_bit = self._eight_bit(config, p)
+        blocks = _ops.num_blocks(_ops.local(p).numel(), config["block_size"])
+        for k in self._slots(config):
+            s = state.get(f"state{k + 1}")
+            if s is None or (s.dtype == torch.uint8) != eight_bit:
+                return False
+            if eight_bit and state[f"absmax{k + 1}"].numel() != blocks:
+                return False
+        return True
+
+    def _relayout(self, p: Tensor, state: dict[str, Any], config: dict[str, Any]) -> None:
+        """Store the states of ``p`` as ``config`` asks (8-bit or fp32, block size), keeping their values.
+
+        This is how a changed ``optim_bits`` or ``block_size`` (param group or override) is honoured
+        for a parameter that already has state; missing states start at their initial value.
+        """
+        values = {}
+        for k in self._slots(config):
+            if f"state{k + 1}" in state:
+                held, numel = _ops.local(state[f"state{k + 1}"]).numel(), _ops.local(p).numel()
+                if held != numel:
+                    raise ValueError(f"state{k + 1} has {held} elements, the parameter {numel}")
+                values[k] = self._unpack(k, p, state).clone()
+            else:
+                values[k] = self._initial(k, p, config)
+        state.update(self._store(p, values, config))
+
+    def _initial(self, k: int, p: Tensor, config: dict[str, Any]) -> Tensor:
+        """State k of ``p`` before its first step, shaped like the local shard."""
+        shard = _ops.local(p)
+        return torch.full(shard.shape, self._init_value(k, config), dtype=torch.float32, device=shard.device)
+
+    def _store(self, p: Tensor, values: dict[int, Tensor], config: dict[str, Any]) -> dict[str, Tensor]:
+        """``state{k+1}``/``absmax{k+1}`` entries holding ``values[k]`` (fp32, shaped like the local shard
+        of ``p``) in the layout ``config`` asks for. In 8-bit layout an element with a non-finite state
+        restarts all its states from zero, as the step does (module docstring): one NaN would otherwise
+        become its block's scale and spoil the block."""
+        eight_bit = self._eight_bit(config, p)  # by the global element count of an FSDP2 parameter
+        if eight_bit and values:
+            bad = ~torch.stack([v.isfinite() for v in values.values()]).all(0)
+            if bool(bad.any()):
+                values = {k: v.masked_fill(bad, 0.0) for k, v in values.items()}
+        out: dict[str, Tensor] = {}
+        for k, value in values.items():
+            codes, out[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
+            out[f"state{k + 1}"] = like_param(p, codes)
+        return out
+
+    def _upgrade_second_moments(self, p: Tensor) -> None:
+        state = self.state.get(p, {})
+        for k, signed in enumerate(self._state_signed):
+            codes = state.get(f"state{k + 1}")
+            if signed or codes is None or codes.dtype != torch.uint8:
+                continue
+            local, absmax = _ops.local(codes), state[f"absmax{k + 1}"]
+            block = stored_block_size(local.numel(), absmax.numel())
+            new, state[f"absmax{k + 1}"] = upgrade_second_moment(local, absmax, 8, block, local.numel())
+            state[f"state{k + 1}"] = like_param(p, new)
+
+    def dequantized_state(self, p: Tensor) -> dict[str, Tensor]:
+        """The state of ``p`` in torch.optim's layout and names, dequantized to fp32."""
+        state = self.state[p]
+        out: dict[str, Tensor] = {"step": state["step"].clone()}
+        for k, name in enumerate(self._state_names):
+            if f"state{k + 1}" in state:
+                out[name] = like_param(p, self._unpack(k, p, state).clone())
+        return out
+
+    def load_dequantized_state(self, p: Tensor, state: dict[str, Tensor]) -> None:
+        """Set the state of ``p`` from torch.optim's layout (e.g. ``torch.optim.Adam().state[p]``)."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        config = self._config(group, p)
+        # torch.optim.SGD keeps no step count; a momentum buffer means at least one step was taken.
+        step = state.get("step", float(any(name in state for name in self._state_names)))
+        new: dict[str, Any] = {"step": torch.as_tensor(step, dtype=torch.float32).detach().clone().cpu()}
+        shard = _ops.local(p)
+        values = {}
+        for k in self._slots(config):
+            saved = state.get(self._state_names[k])
+            if saved is None:  # a state the saving optimizer did not use (amsgrad or centered turned on)
+                values[k] = self._initial(k, p, config)
+            else:
+                values[k] = _ops.local(saved).detach().to(shard.device, torch.float32).reshape(shard.shape).clone()
+        new.update(self._store(p, values, config))
+        self.state[p] = new

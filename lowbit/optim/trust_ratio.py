@@ -1,0 +1,142 @@
+"""The layer-wise trust-ratio optimizers: LAMB and LARS scale each tensor's update by a ratio of norms
+computed over the whole tensor."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lowbit._ops import StepHyper
+from lowbit.optim.optimizer import NORM_TRUST, LowbitOptimizer, Params
+from lowbit.optim.optimizers import SGD, step_flags
+
+__all__ = ["LAMB", "LARS"]
+
+
+class LAMB(LowbitOptimizer):
+    """LAMB (You et al. 2020, Algorithm 2): Adam's direction plus weight decay, scaled per tensor by
+    the trust ratio ``||p|| / ||r||``, with ``r = m_hat / (sqrt(v_hat) + eps) + weight_decay * p``.
+
+    The ratio comes from a pre-pass over the whole tensor in the same native call (bitsandbytes'
+    LAMB8bit accepts the option but applies no trust ratio).
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: weight decay, part of the direction the trust ratio scales.
+        maximize: maximize the objective instead of minimizing.
+        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+            ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+    """
+
+    _rule = "lamb"
+    _state_names = ("exp_avg", "exp_avg_sq")
+    _state_signed = (True, False)
+    _norm_mode = NORM_TRUST
+
+    def _check_config(self, config: dict[str, Any], where: str) -> None:
+        super()._check_config(config, where)
+        if config["max_unorm"]:
+            raise ValueError(f"lowbit: {where}: LAMB scales its update by the trust ratio; max_unorm must be 0")
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        *,
+        maximize: bool = False,
+        **options: Any,
+    ) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=bool(maximize))
+        super().__init__(params, defaults, **options)
+
+    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
+        lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
+        hyper = StepHyper(
+            lr=lr,
+            beta1=b1,
+            beta2=b2,
+            one_minus_beta1=1.0 - b1,
+            one_minus_beta2=1.0 - b2,
+            eps=config["eps"],
+            weight_decay=wd,
+        )
+        return hyper, step_flags(config)
+
+    def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
+        b1, b2 = config["betas"]
+        return 1.0 / (1.0 - b1**step), math.sqrt(1.0 - b2**step), float(step == 1)
+
+
+class LARS(SGD):
+    """LARS (You et al. 2017): SGD with momentum where each tensor's gradient plus weight decay is
+    scaled by its local learning rate ``trust_coefficient * ||p|| / (||g|| + weight_decay * ||p|| + eps)``
+    (1 when ``p`` or ``g`` is zero) before it enters the momentum buffer.
+
+    Args:
+        params: parameters or param groups.
+        lr: global learning rate.
+        momentum: momentum factor.
+        dampening: dampening of the momentum.
+        weight_decay: L2 penalty, inside the trust-scaled gradient.
+        nesterov: Nesterov momentum.
+        trust_coefficient: the paper's eta.
+        eps: added to the denominator of the local learning rate.
+        maximize: maximize the objective instead of minimizing.
+        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+    """
+
+    def __init__(
+        self,
+        params: Params,
+        lr: float = 1e-3,
+        momentum: float = 0.9,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        trust_coefficient: float = 1e-3,
+        eps: float = 1e-8,
+        *,
+        maximize: bool = False,
+        **options: Any,
+    ) -> None:
+        self._lars_defaults = dict(trust_coefficient=trust_coefficient, eps=eps)
+        super().__init__(params, lr, momentum, dampening, weight_decay, nesterov, maximize=maximize, **options)
+        self.defaults.update(self._lars_defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's ``add_param_group``, with LARS's own options' defaults filled in."""
+        super().add_param_group({**self._lars_defaults, **param_group})
+
+    def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
+        hyper, flags = super()._hyper(config)
+        # Weight decay is folded into the trust-scaled gradient by _adjust_grads.
+        return hyper._replace(weight_decay=0.0), flags
+
+    def _adjust_grads(
+        self,
+        config: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        scales: Optional[Tensor],
+        originals: list[Tensor],
+    ) -> tuple[list[Tensor], Optional[Tensor]]:
+        wd, eta, eps = config["weight_decay"], config["trust_coefficient"], config["eps"]
+        p_norm = torch.stack(self._norms(params, originals)).float()
+        g_norm = torch.stack(self._norms(grads, originals)).float()
+        local = eta * p_norm / (g_norm + wd * p_norm + eps)
+        local = torch.where((p_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
+        # A NaN norm makes the tensor's update NaN, not a silent local rate of 1 (1/eta times too large).
+        local = torch.where(p_norm.isnan() | g_norm.isnan(), p_norm + g_norm, local)
+        if wd != 0:
+            grads = torch._foreach_add(grads, params, alpha=wd)
+        return grads, local if scales is None else local * scales
