@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Optional
 
 import torch
-from common import cpu_model
+from common import cpu_model, parse
 from torch import nn
 
 import lowbit
@@ -107,7 +107,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--bits", type=int, default=3)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     if args.numel < 1 or args.repeats < 1:
         p.error("--numel and --repeats must be positive")
     return args
@@ -116,8 +116,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> None:
     """Print the timing table and the saved-bytes comparison."""
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     print(
         f"lowbit {lowbit.__version__}, torch {torch.__version__}, {cpu_model()}, "
         f"{torch.get_num_threads()} threads, python {sys.version.split()[0]}"

@@ -63,7 +63,6 @@ import argparse
 import copy
 import dataclasses
 import importlib
-import json
 import platform
 import shlex
 import sys
@@ -75,7 +74,7 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
-from common import cpu_model
+from common import cpu_model, parse, write_json
 from torch import Tensor, nn
 
 import lowbit
@@ -424,7 +423,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(THREADS)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write results as JSON")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     if args.seeds < 1:
         p.error("--seeds must be positive")
     if args.min_8bit_size < 0:
@@ -435,8 +434,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> None:
     """Run every scenario, print the environment and the tables, optionally write JSON."""
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     bnb, bnb_error = import_bnb()
     columns = make_columns(bnb)
@@ -532,7 +529,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in timings.items()) + f"; total {total:.1f} s")
 
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         out = {
             "environment": env,
             "columns": {c.name: {"reference": c.reference_name, "arguments": c.hyper} for c in columns},
@@ -546,8 +542,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             },
             "seconds": {**timings, "total": total},
         }
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, out)
 
 
 if __name__ == "__main__":

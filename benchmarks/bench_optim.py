@@ -32,17 +32,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
+import common
 import torch
-from common import cpu_model
+from common import parse, time_once, write_json
 from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -193,17 +192,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def time_step(opt: torch.optim.Optimizer, device: torch.device) -> float:
     """Seconds taken by one ``opt.step()``; CUDA steps are timed with events."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        opt.step()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    opt.step()
-    return time.perf_counter() - t0
+    return time_once(opt.step, device)
 
 
 def run_workload(
@@ -280,22 +269,15 @@ def environment(
     torchao: Optional[ModuleType],
 ) -> dict[str, object]:
     """What the numbers depend on, for the header and the JSON file."""
-    env: dict[str, object] = {
-        "torch": torch.__version__,
-        "lowbit": lowbit.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
-        "device": args.device,
-        "dtype": args.dtype,
+    return common.environment(
+        args.device,
+        dtype=args.dtype,
         **{w.name: describe(w) for w in workloads},
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "bitsandbytes": None if bnb is None else bnb.__version__,
-        "torchao": None if torchao is None else torchao.__version__,
-    }
-    if args.device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-    return env
+        warmup=args.warmup,
+        repeats=args.repeats,
+        bitsandbytes=None if bnb is None else bnb.__version__,
+        torchao=None if torchao is None else torchao.__version__,
+    )
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -309,22 +291,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="parameter and gradient dtype")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write results as JSON")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     if args.numel < 1 or args.repeats < 1:
         p.error("--numel and --repeats must be positive")
     # The first step allocates the state, so it is never timed and the state is measured after it.
     if args.warmup < 1:
         p.error("--warmup must be at least 1")
-    if args.device == "cuda" and not (torch.cuda.is_available() and lowbit._C.cuda_built()):
-        p.error("--device cuda needs a CUDA GPU and a CUDA build of lowbit")
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Time every optimizer on every workload, print the environment, the tables and the headline."""
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     bnb = import_optional("bitsandbytes")
     torchao = import_optional("torchao")
@@ -356,7 +334,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
 
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         result = {
             "environment": env,
             "baseline": BASELINE,
@@ -380,8 +357,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             },
             "headline": headline,
         }
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -23,20 +23,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Optional
 
+import common
 import torch
-from common import cpu_model
+from common import parse, time_once, write_json
 from torch import Tensor
 
-import lowbit
 from lowbit import _reference, functional
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -79,20 +77,7 @@ class Row:
 def time_call(fn: Callable[[], object], repeats: int, device: torch.device) -> Timing:
     """Run ``fn`` once as warm-up, then ``repeats`` times; CUDA runs are timed with events."""
     fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+    times = [time_once(fn, device) for _ in range(repeats)]
     return Timing(median_s=statistics.median(times), min_s=min(times))
 
 
@@ -169,21 +154,14 @@ def make_cases(x: Tensor, blocksize: int, bnb: Optional[ModuleType]) -> list[Cas
 
 def environment(args: argparse.Namespace, bnb: Optional[ModuleType]) -> dict[str, object]:
     """What the numbers depend on, for the header and the JSON file."""
-    env: dict[str, object] = {
-        "torch": torch.__version__,
-        "lowbit": lowbit.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
-        "device": args.device,
-        "numel": args.numel,
-        "blocksize": args.blocksize,
-        "repeats": args.repeats,
-        "reference_repeats": args.reference_repeats,
-        "bitsandbytes": None if bnb is None else bnb.__version__,
-    }
-    if args.device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-    return env
+    return common.environment(
+        args.device,
+        numel=args.numel,
+        blocksize=args.blocksize,
+        repeats=args.repeats,
+        reference_repeats=args.reference_repeats,
+        bitsandbytes=None if bnb is None else bnb.__version__,
+    )
 
 
 def format_table(rows: list[Row], numel: int, with_bnb: bool) -> str:
@@ -251,19 +229,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(THREADS)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write results as JSON")
-    args = p.parse_args(argv)
+    args = parse(p, argv)
     if args.numel < 1 or args.repeats < 1 or args.reference_repeats < 1:
         p.error("--numel, --repeats and --reference-repeats must be positive")
-    if args.device == "cuda" and not (torch.cuda.is_available() and lowbit._C.cuda_built()):
-        p.error("--device cuda needs a CUDA GPU and a CUDA build of lowbit")
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Time every case, print the environment, the table and the stochastic/nearest ratios."""
     args = parse_args(argv)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     bnb = import_bnb()
     base = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)).to(device)
@@ -304,7 +278,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
 
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         result = {
             "environment": env,
             "unit": "GB/s = numel * 4 / median_s / 1e9 (fp32-equivalent input bytes)",
@@ -319,8 +292,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             ],
             "stochastic_over_nearest": ratios,
         }
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

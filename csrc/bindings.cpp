@@ -11,6 +11,9 @@
 
 #include "kernels.h"
 #include "lowbit/invact.h"
+#ifdef LOWBIT_WITH_CUDA
+#include "cuda/runtime_info.h"
+#endif
 
 namespace py = pybind11;
 using lowbit::DequantizeArgs;
@@ -162,6 +165,22 @@ PYBIND11_MODULE(_C, m) {
 #endif
   });
   m.def("build_info", &build_info);
+  m.def(
+      "cuda_versions",
+      []() {
+        py::dict v;
+#ifdef LOWBIT_WITH_CUDA
+        const lowbit::cuda::CudaVersions found = lowbit::cuda::cuda_versions();
+        v["runtime"] = found.runtime;
+        v["driver"] = found.driver;
+#else
+        v["runtime"] = 0;
+        v["driver"] = 0;
+#endif
+        return v;
+      },
+      "CUDA versions as 1000 * major + 10 * minor: 'runtime', the runtime lowbit was built with and carries "
+      "(0 without CUDA kernels); 'driver', the CUDA version the installed driver supports (0 without a driver).");
 
   // The layout constants of the native calls: the Python op layer builds its tables with these (it
   // reads them here, it does not copy them); lowbit/_reference.py keeps torch-pure copies, which

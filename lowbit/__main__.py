@@ -179,7 +179,11 @@ def _print_info() -> list[torch.device]:
     """Prints versions, build facts and devices; returns the devices the self-check runs on."""
     info = _C.build_info()
     if info["cuda"]:
-        cuda_kernels = f"built (archs {info['cuda_archs']}, CUDA runtime {info['cuda_runtime']})"
+        v = _C.cuda_versions()["driver"]
+        driver = f"{v // 1000}.{v % 1000 // 10}" if v else "none found"
+        cuda_kernels = (
+            f"built (archs {info['cuda_archs']}, CUDA runtime {info['cuda_runtime']}, driver supports CUDA {driver})"
+        )
     else:
         cuda_kernels = "not built"
     openmp = info["openmp"]

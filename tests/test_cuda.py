@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit import _ops
+from lowbit import _C, _ops
 from lowbit import functional as F
 from tests.conftest import DTYPES, HAS_CUDA, sample
 
@@ -183,3 +183,91 @@ def test_lpmm_training_identical_on_cpu_and_cuda():
         # Matmuls differ between devices in the last bits, so codes may differ by one step.
         diff = (a[name].dequantize() - b[name].dequantize().cpu()).abs().max()
         assert float(diff) <= 2 * float(a[name].absmax.max()) / 2047, name
+
+
+def _launch_args() -> tuple[int, int]:
+    device = torch.cuda.current_device()
+    return device, torch.cuda.current_stream(device).cuda_stream
+
+
+# Every CUDA launcher with no elements: each must return before launching (a grid of 0 blocks is a
+# CUDA error). The ops skip empty tensors before reaching _C, so these call _C directly with null pointers.
+EMPTY_LAUNCHES = {
+    "quantize": lambda d, s: _C.quantize_cuda(0, 0, 0, 0, 0, 8, 256, False, 0, 0, 0, 0, d, s),
+    "quantize tensor-wise": lambda d, s: _C.quantize_cuda(0, 0, 0, 0, 0, 8, 0, True, 0, 0, 0, 0, d, s),
+    "dequantize": lambda d, s: _C.dequantize_cuda(0, 0, 0, 0, 0, 8, 256, 0, 0, d, s),
+    "pack_bits": lambda d, s: _C.pack_bits_cuda(0, 0, 0, 3, d, s),
+    "unpack_bits": lambda d, s: _C.unpack_bits_cuda(0, 0, 0, 3, d, s),
+    "fewbit_encode": lambda d, s: _C.fewbit_encode_cuda(0, 0, 0, 0, 3, 0, d, s),
+    "fewbit_grad": lambda d, s: _C.fewbit_grad_cuda(0, 0, 0, 0, 0, 3, 0, d, s),
+    "invact_grad": lambda d, s: _C.invact_grad_cuda(0, 0, 0, 0, 0, 0, 0, 0, d, s),
+    "blpa_encode": lambda d, s: _C.blpa_encode_cuda([0] * 13, 0, 4, 1, 0, 4, 1, d, s),
+    "blpa_decode": lambda d, s: _C.blpa_decode_cuda([0] * 13, 0, 4, 1, 0, 4, 1, d, s),
+    "blpa_backward": lambda d, s: _C.blpa_backward_cuda([0] * 13, 0, 4, 1, 0, 4, 1, d, s),
+    "lpmm_accumulate": lambda d, s: _C.lpmm_accumulate_cuda(0, 0, 0, 0, 0, 8, 256, False, 0, d, s),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY_LAUNCHES))
+def test_empty_launch_returns_without_launching(name):
+    device, stream = _launch_args()
+    EMPTY_LAUNCHES[name](device, stream)
+    torch.cuda.synchronize(device)
+
+
+@pytest.mark.parametrize("name", ["Adam8bit", "AdamW8bit", "LAMB8bit", "AdamW32bit"])
+def test_empty_parameters_step_on_cuda(name):
+    # An empty parameter contributes no blocks: the optimizer launcher gets total_blocks == 0 when it is
+    # the only one, and a block count without it when it sits beside a non-empty one.
+    import lowbit.optim as O
+
+    for shapes in ([(0,)], [(0,), (4096,), (0, 7)]):
+        cpu = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+        o_cpu, o_gpu = getattr(O, name)(cpu), getattr(O, name)(gpu)
+        for p, q in zip(cpu, gpu, strict=True):
+            p.grad = torch.randn(p.shape)
+            q.grad = p.grad.cuda()
+        o_cpu.step()
+        o_gpu.step()
+        for p, q in zip(cpu, gpu, strict=True):
+            _exact(p.detach(), q.detach())
+
+
+def test_empty_lpmm_step_on_cuda():
+    from tests.test_lpmm_ops import _step_args
+
+    kw = dict(rule=1, param_bits=12, grad_bits=8, state_bits=8, group=256, n_states=1, seed=5)
+    cpu = _step_args([0, 300], **kw)
+    gpu = _step_args([0, 300], device="cuda", **kw)
+    _ops.lpmm_step_(*cpu)
+    _ops.lpmm_step_(*gpu)
+    for a, b in zip(cpu[:8], gpu[:8], strict=True):
+        for x, y in zip(a, b, strict=True):
+            _exact(x, y)
+
+
+def test_empty_tensors_through_the_ops_on_cuda():
+    x = torch.empty(0, device="cuda")
+    codes, state = F.quantize_blockwise(x, blocksize=256)
+    assert codes.numel() == 0 and F.dequantize_blockwise(codes, state).numel() == 0
+    assert F.unpack_bits(F.pack_bits(torch.empty(0, dtype=torch.uint8, device="cuda"), 3), 3, 0).numel() == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("current,other", [(0, 1), (1, 0)])
+def test_launchers_restore_the_current_device(current, other):
+    x = sample("normal", 10_000).to(f"cuda:{other}")
+    with torch.cuda.device(current):
+        codes, state = F.quantize_blockwise(x, blocksize=256)
+        assert torch.cuda.current_device() == current
+        y = F.dequantize_blockwise(codes, state)
+        assert torch.cuda.current_device() == current
+        p = torch.nn.Parameter(x.clone())
+        p.grad = torch.ones_like(p)
+        import lowbit.optim as O
+
+        O.AdamW8bit([p]).step()
+        assert torch.cuda.current_device() == current
+    assert y.device == x.device
+    _exact(codes, F.quantize_blockwise(x.cpu(), blocksize=256)[0])

@@ -122,7 +122,7 @@ unsigned int group_blocks(int64_t n) {
 
 void blpa_encode(const BlpaArgs& a, int device, uintptr_t stream_handle) {
   if (a.n == 0) return;
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   LB_DISPATCH_DTYPE(a.dtype, {
     encode_kernel<scalar_t><<<group_blocks(a.n), kThreads, 0, stream>>>(
@@ -134,7 +134,7 @@ void blpa_encode(const BlpaArgs& a, int device, uintptr_t stream_handle) {
 
 void blpa_decode(const BlpaArgs& a, int device, uintptr_t stream_handle) {
   if (a.n == 0) return;
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   LB_DISPATCH_DTYPE(a.dtype, {
     decode_kernel<scalar_t><<<group_blocks(a.n), kThreads, 0, stream>>>(a.codes_in, a.n, a.channels, a.inner,
@@ -146,7 +146,7 @@ void blpa_decode(const BlpaArgs& a, int device, uintptr_t stream_handle) {
 
 void blpa_backward(const BlpaArgs& a, int device, uintptr_t stream_handle) {
   if (a.n == 0) return;
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const int64_t nbytes = packed_bytes(a.n, a.bits);
   const int64_t rows = a.n / (a.channels * a.inner);

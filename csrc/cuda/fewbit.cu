@@ -61,7 +61,7 @@ dim3 grid_for(int64_t n) {
 
 void fewbit_encode(const FewbitEncodeArgs& a, int device, uintptr_t stream_handle) {
   if (a.n == 0) return;
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   LB_DISPATCH_DTYPE(a.dtype, {
     fewbit_encode_kernel<scalar_t><<<grid_for(a.n), kThreads, 0, stream>>>(static_cast<const scalar_t*>(a.x), a.n,
@@ -72,7 +72,7 @@ void fewbit_encode(const FewbitEncodeArgs& a, int device, uintptr_t stream_handl
 
 void fewbit_grad(const FewbitGradArgs& a, int device, uintptr_t stream_handle) {
   if (a.n == 0) return;
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   LB_DISPATCH_DTYPE(a.dtype, {
     fewbit_grad_kernel<scalar_t><<<grid_for(a.n), kThreads, 0, stream>>>(

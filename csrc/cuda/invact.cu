@@ -34,7 +34,7 @@ __global__ void invact_grad_kernel(const T* grad, const T* y, const uint8_t* bit
 
 void invact_grad(const InvactGradArgs& a, int device, uintptr_t stream_handle) {
   if (a.n == 0) return;
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   int sms = 0;
   LB_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));

@@ -173,7 +173,7 @@ unsigned int grid_for(int64_t groups) { return static_cast<unsigned int>(std::mi
 void lpmm_accumulate(const LpmmAccumArgs& a, int device, uintptr_t stream_handle) {
   const int64_t groups = (a.n + a.group_size - 1) / a.group_size;
   if (groups == 0) return;
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const auto threads = static_cast<unsigned int>(a.group_size / kGroup);
   LB_DISPATCH_DTYPE(a.dtype, {
@@ -184,7 +184,7 @@ void lpmm_accumulate(const LpmmAccumArgs& a, int device, uintptr_t stream_handle
 
 void lpmm_step(const LpmmArgs& a, int device, uintptr_t stream_handle) {
   if (a.total_groups == 0) return;
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const auto threads = static_cast<unsigned int>(a.group_size / kGroup);
   dispatch_rule(a.rule, [&](auto rule) {

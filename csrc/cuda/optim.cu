@@ -266,7 +266,7 @@ void launch(const OptimArgs& a, cudaStream_t stream) {
 
 void optimizer_step(const OptimArgs& a, int device, uintptr_t stream_handle) {
   if (a.total_blocks == 0) return;
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   dispatch_rule(a.rule, [&](auto rule) { launch<decltype(rule)::value>(a, stream); });
 }

@@ -259,7 +259,8 @@ void launch_quantize(const QuantizeArgs& a, const Coder& coder, cudaStream_t str
 }  // namespace
 
 void quantize(const QuantizeArgs& a, int device, uintptr_t stream_handle) {
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  if (a.n == 0) return;
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   LB_DISPATCH_DTYPE(a.dtype, with_coder(a.map, a.map_n, a.bits, [&](const auto& coder) {
     if (a.stochastic) {
@@ -271,7 +272,8 @@ void quantize(const QuantizeArgs& a, int device, uintptr_t stream_handle) {
 }
 
 void dequantize(const DequantizeArgs& a, int device, uintptr_t stream_handle) {
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  if (a.n == 0) return;
+  const DeviceGuard device_guard(device);
   const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const bool vec = aligned16(a.in) && aligned16(a.out);
   const int log2_bs = a.blocksize > 0 ? log2_exact(a.blocksize) : kTensorwiseLog2;
@@ -283,14 +285,16 @@ void dequantize(const DequantizeArgs& a, int device, uintptr_t stream_handle) {
 }
 
 void pack_bits(const PackArgs& a, int device, uintptr_t stream_handle) {
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  if (a.n == 0) return;
+  const DeviceGuard device_guard(device);
   pack_kernel<<<grid_for(a.n, kThreads), kThreads, 0, reinterpret_cast<cudaStream_t>(stream_handle)>>>(
       a.in, a.out, a.n, a.bits);
   LB_CUDA_LAUNCH_CHECK();
 }
 
 void unpack_bits(const PackArgs& a, int device, uintptr_t stream_handle) {
-  LB_CUDA_CHECK(cudaSetDevice(device));
+  if (a.n == 0) return;
+  const DeviceGuard device_guard(device);
   unpack_kernel<<<grid_for(a.n, kThreads), kThreads, 0, reinterpret_cast<cudaStream_t>(stream_handle)>>>(
       a.in, a.out, a.n, a.bits);
   LB_CUDA_LAUNCH_CHECK();

@@ -1,0 +1,279 @@
+"""GPU benchmarks for a lent device: the optimizer step per 1B parameters against its memory floor,
+quantize/dequantize throughput, and the activation layers against torch's. Prints Markdown for
+benchmarks/RESULTS.md.
+
+Run from the repository root (benchmarks/gpu_session.sh runs it)::
+
+    python benchmarks/bench_gpu.py                      # on cuda:0, full sizes
+    python benchmarks/bench_gpu.py --cpu-dry-run        # the same code paths on CPU tensors, tiny sizes
+
+Options: ``--numel`` (parameters per optimizer workload and elements per quantize/activation input, default
+2**28), ``--warmup`` (untimed calls first, 3), ``--repeats`` (timed calls, median taken, 20), ``--device``
+(cuda or cpu), ``--tiny`` (tiny sizes, for a dry run), ``--cpu-dry-run`` (``--device cpu --tiny``),
+``--threads``, ``--json PATH``.
+
+Every time is the median of ``--repeats`` calls after ``--warmup`` untimed ones, each call bracketed by
+CUDA events with the device idle before it. The memory floor of an optimizer step is the bytes it must
+move (parameters and states read and written, gradients read: each storage once) over the device-to-device
+copy bandwidth measured in the same process (bytes read plus bytes written); a step can not be faster.
+bitsandbytes and torchao rows appear when those packages are importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Optional
+
+import torch
+from bench_activations import fwd_bwd
+from bench_optim import import_optional, state_bytes
+from common import environment, parse, time_median, write_json
+from torch import Tensor, nn
+
+import lowbit.optim
+from lowbit import functional
+from lowbit.nn.activations import FewBitGELU, FewBitSiLU, InvGELU, InvSiLU
+
+LR = 1e-3
+BASELINE = "torch AdamW fused"
+# One step's tensors: square matrices of a transformer's width, so per-tensor launch costs are realistic.
+MATRIX_SIDE = 4096
+TINY_SIDE = 64
+TINY_NUMEL = 4 * TINY_SIDE * TINY_SIDE
+PER_BILLION = 1e9
+
+Factory = Callable[[list[Tensor]], torch.optim.Optimizer]
+
+
+@dataclasses.dataclass
+class StepRow:
+    """One optimizer's step on one parameter dtype."""
+
+    optimizer: str
+    dtype: str
+    median_s: float
+    floor_bytes: int
+
+    def per_billion_ms(self, numel: int) -> float:
+        """Step time scaled to 1B parameters, in milliseconds."""
+        return self.median_s * 1e3 * PER_BILLION / numel
+
+
+@dataclasses.dataclass
+class ThroughputRow:
+    """One quantize/dequantize or activation call: its median time and the bytes it moves at the least."""
+
+    name: str
+    dtype: str
+    median_s: float
+    bytes_moved: int
+    baseline: Optional[str] = None
+
+
+def copy_bandwidth(numel: int, device: torch.device, warmup: int, repeats: int) -> float:
+    """Device-to-device copy bandwidth in bytes per second, counting bytes read plus bytes written."""
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    seconds = time_median(lambda: dst.copy_(src), device, warmup, repeats)
+    return 2 * src.nbytes / seconds
+
+
+def optimizer_factories() -> tuple[dict[str, Factory], list[str]]:
+    """The optimizers to time by row name (fused torch AdamW first), and those skipped as not installed."""
+    factories: dict[str, Factory] = {
+        BASELINE: lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),
+        "lowbit AdamW8bit": lambda ps: lowbit.optim.AdamW8bit(ps, lr=LR),
+        "lowbit Adam8bit": lambda ps: lowbit.optim.Adam8bit(ps, lr=LR),
+    }
+    skipped = []
+    bnb = import_optional("bitsandbytes")
+    if bnb is not None:
+        factories["bitsandbytes AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=LR)
+    else:
+        skipped.append("bitsandbytes")
+    torchao_optim = import_optional("torchao.optim")
+    if torchao_optim is not None:
+        factories["torchao AdamW8bit"] = lambda ps: torchao_optim.AdamW8bit(ps, lr=LR)
+    else:
+        skipped.append("torchao")
+    return factories, skipped
+
+
+def step_tensors(numel: int, side: int) -> int:
+    """How many side x side parameters a step of about ``numel`` parameters takes (at least one)."""
+    return max(1, numel // (side * side))
+
+
+def make_params(numel: int, side: int, dtype: torch.dtype, device: torch.device) -> list[Tensor]:
+    """:func:`step_tensors` side x side parameters with random gradients."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for _ in range(step_tensors(numel, side)):
+        p = torch.randn(side, side, generator=gen, device=device).to(dtype).requires_grad_()
+        p.grad = torch.randn(side, side, generator=gen, device=device).to(dtype)
+        params.append(p)
+    return params
+
+
+def step_floor_bytes(params: list[Tensor], opt: torch.optim.Optimizer) -> int:
+    """Bytes one step must move: parameters and states read and written once, gradients read once."""
+    param_bytes = sum(p.nbytes for p in params)
+    grad_bytes = sum(p.grad.nbytes for p in params if p.grad is not None)
+    return 2 * param_bytes + grad_bytes + 2 * state_bytes(opt)
+
+
+def time_steps(
+    factories: dict[str, Factory], dtype: torch.dtype, args: argparse.Namespace, device: torch.device
+) -> list[StepRow]:
+    """Each optimizer's median step time on fresh parameters; the first step (state allocation) is untimed."""
+    rows = []
+    for name, factory in factories.items():
+        params = make_params(args.numel, args.side, dtype, device)
+        opt = factory(params)
+        opt.step()
+        seconds = time_median(opt.step, device, args.warmup, args.repeats)
+        rows.append(StepRow(name, str(dtype).removeprefix("torch."), seconds, step_floor_bytes(params, opt)))
+        del opt, params
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def time_quantize(dtype: torch.dtype, args: argparse.Namespace, device: torch.device) -> list[ThroughputRow]:
+    """Block-wise 8-bit quantize and dequantize (block 256, nearest and stochastic rounding)."""
+    x = torch.randn(args.numel, device=device).to(dtype)
+    name = str(dtype).removeprefix("torch.")
+    codes, state = functional.quantize_blockwise(x, blocksize=256)
+    coded_bytes = codes.nbytes + state.absmax.nbytes
+    rows = []
+    for rounding in ("nearest", "stochastic"):
+        seconds = time_median(
+            lambda r=rounding: functional.quantize_blockwise(x, blocksize=256, rounding=r),
+            device,
+            args.warmup,
+            args.repeats,
+        )
+        rows.append(ThroughputRow(f"quantize_blockwise ({rounding})", name, seconds, x.nbytes + coded_bytes))
+    seconds = time_median(lambda: functional.dequantize_blockwise(codes, state), device, args.warmup, args.repeats)
+    rows.append(ThroughputRow("dequantize_blockwise", name, seconds, coded_bytes + x.nbytes))
+    return rows
+
+
+def time_activations(dtype: torch.dtype, args: argparse.Namespace, device: torch.device) -> list[ThroughputRow]:
+    """Forward plus backward of each activation layer; the bytes are torch's (x read, y written, then x and
+    the output gradient read, the input gradient written), so lowbit's rows show against the same yardstick."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(args.numel, generator=gen, device=device).to(dtype).requires_grad_()
+    g = torch.randn(args.numel, generator=gen, device=device).to(dtype)
+    layers: dict[str, tuple[nn.Module, str]] = {
+        "torch GELU": (nn.GELU(), "torch GELU"),
+        "FewBitGELU(3)": (FewBitGELU(3), "torch GELU"),
+        "InvGELU": (InvGELU(), "torch GELU"),
+        "torch SiLU": (nn.SiLU(), "torch SiLU"),
+        "FewBitSiLU(3)": (FewBitSiLU(3), "torch SiLU"),
+        "InvSiLU": (InvSiLU(), "torch SiLU"),
+    }
+    name = str(dtype).removeprefix("torch.")
+    rows = []
+    for label, (layer, baseline) in layers.items():
+        seconds = time_median(fwd_bwd(layer.to(device), x, g), device, args.warmup, args.repeats)
+        rows.append(ThroughputRow(label, name, seconds, 5 * x.nbytes, baseline))
+    return rows
+
+
+def step_table(rows: list[StepRow], numel: int, bandwidth: float) -> str:
+    """Markdown: ms per 1B parameters, x fused AdamW, the floor and how far above it each step is."""
+    base = {r.dtype: r.median_s for r in rows if r.optimizer == BASELINE}
+    lines = [
+        "| optimizer | params | ms / 1B params | x torch AdamW fused | floor bytes / param | floor ms / 1B | x floor |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        floor_s = r.floor_bytes / bandwidth
+        lines.append(
+            f"| {r.optimizer} | {r.dtype} | {r.per_billion_ms(numel):.2f} | {r.median_s / base[r.dtype]:.2f} | "
+            f"{r.floor_bytes / numel:.2f} | {floor_s * 1e3 * PER_BILLION / numel:.2f} | {r.median_s / floor_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def throughput_table(rows: list[ThroughputRow], bandwidth: float) -> str:
+    """Markdown: median time, GB/s of the bytes moved, the fraction of copy bandwidth, x the torch baseline."""
+    times = {(r.name, r.dtype): r.median_s for r in rows}
+    lines = ["| op | dtype | ms | GB/s | x copy bandwidth | x torch |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        rate = r.bytes_moved / r.median_s
+        vs_torch = "" if r.baseline is None else f"{r.median_s / times[(r.baseline, r.dtype)]:.2f}"
+        ms = r.median_s * 1e3
+        lines.append(f"| {r.name} | {r.dtype} | {ms:.3f} | {rate / 1e9:.1f} | {rate / bandwidth:.2f} | {vs_torch} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """Command-line options (see the module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--numel", type=int, default=1 << 28, help="parameters / elements per workload (default 2**28)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls first (default 3)")
+    p.add_argument("--repeats", type=int, default=20, help="timed calls, median taken (default 20)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes: exercises the code paths only")
+    p.add_argument("--cpu-dry-run", action="store_true", help="--device cpu --tiny")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(THREADS)")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write results as JSON")
+    argv = sys.argv[1:] if argv is None else argv
+    if "--cpu-dry-run" in argv:
+        argv = [*argv, "--device", "cpu", "--tiny"]
+    args = parse(p, argv)
+    if args.tiny:
+        args.numel, args.warmup, args.repeats = TINY_NUMEL, 1, 2
+    if args.numel < 1 or args.repeats < 1 or args.warmup < 0:
+        p.error("--numel and --repeats must be positive and --warmup non-negative")
+    args.side = TINY_SIDE if args.tiny else MATRIX_SIDE
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """Run the three benchmarks and print them as Markdown sections."""
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth(args.numel, device, args.warmup, args.repeats)
+    factories, skipped = optimizer_factories()
+    dtypes = (torch.float32, torch.bfloat16)
+    steps = [row for dtype in dtypes for row in time_steps(factories, dtype, args, device)]
+    quantize = [row for dtype in dtypes for row in time_quantize(dtype, args, device)]
+    activations = [row for dtype in dtypes for row in time_activations(dtype, args, device)]
+    env = environment(args.device, numel=args.numel, warmup=args.warmup, repeats=args.repeats)
+
+    print("### Environment\n")
+    print(", ".join(f"{k}={v}" for k, v in env.items()))
+    print(f"\ndevice-to-device copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s")
+    numel_step = step_tensors(args.numel, args.side) * args.side * args.side
+    print(f"\n### Optimizer step ({numel_step} parameters, scaled to 1B)\n")
+    if skipped:
+        print(f"not importable, so no rows: {', '.join(skipped)}\n")
+    print(step_table(steps, numel_step, bandwidth))
+    print(f"\n### Quantize / dequantize (8-bit dynamic map, block 256, {args.numel} elements)\n")
+    print(throughput_table(quantize, bandwidth))
+    print(f"\n### Activation layers, forward + backward ({args.numel} elements)\n")
+    print(throughput_table(activations, bandwidth))
+
+    if args.json is not None:
+        write_json(
+            args.json,
+            {
+                "environment": env,
+                "copy_bandwidth_bytes_per_s": bandwidth,
+                "step_numel": numel_step,
+                "steps": [dataclasses.asdict(r) for r in steps],
+                "quantize": [dataclasses.asdict(r) for r in quantize],
+                "activations": [dataclasses.asdict(r) for r in activations],
+            },
+        )
+
+
+if __name__ == "__main__":
+    main()
