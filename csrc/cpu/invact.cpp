@@ -1,6 +1,5 @@
 // Inverted-activation backward on the CPU (lowbit/invact.h): OpenMP over chunks of whole bytes of
 // the branch bits; fp32 takes the AVX-512 kernel where the CPU has it.
-#include <algorithm>
 #include <type_traits>
 
 #include "avx512.h"
