@@ -6,7 +6,9 @@
 #include <omp.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -74,7 +76,49 @@ lowbit::BlpaArgs blpa_args(const std::vector<uintptr_t>& t, int64_t n, int64_t c
                           ptr<float>(t[12])};
 }
 
-// hyper: lr, beta1, beta2, 1 - beta1, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay, max_unorm.
+// The float fields of lowbit::StepHyper in the order of the `hyper` list of the step calls; exported
+// as STEP_HYPER_FIELDS, so the Python op layer writes the list by these names.
+struct HyperField {
+  const char* name;
+  float lowbit::StepHyper::*field;
+};
+#define LB_HYPER_FIELD(name) HyperField{#name, &lowbit::StepHyper::name}
+constexpr HyperField kHyperFields[] = {LB_HYPER_FIELD(lr),
+                                       LB_HYPER_FIELD(beta1),
+                                       LB_HYPER_FIELD(beta2),
+                                       LB_HYPER_FIELD(one_minus_beta1),
+                                       LB_HYPER_FIELD(one_minus_beta2),
+                                       LB_HYPER_FIELD(eps),
+                                       LB_HYPER_FIELD(weight_decay),
+                                       LB_HYPER_FIELD(decay),
+                                       LB_HYPER_FIELD(max_unorm)};
+#undef LB_HYPER_FIELD
+constexpr size_t kNumHyper = sizeof(kHyperFields) / sizeof(kHyperFields[0]);
+
+py::tuple step_hyper_fields() {
+  py::tuple names(kNumHyper);
+  for (size_t i = 0; i < kNumHyper; ++i) names[i] = kHyperFields[i].name;
+  return names;
+}
+
+// The StepHyper of a step call: its `hyper` list (kHyperFields), flags and norm mode.
+lowbit::StepHyper step_hyper(const std::vector<float>& hyper, int flags, int norm_mode) {
+  if (hyper.size() != kNumHyper) {
+    throw std::invalid_argument("lowbit: optimizer hyper must hold " + std::to_string(kNumHyper) + " values");
+  }
+  lowbit::StepHyper h{};
+  for (size_t i = 0; i < kNumHyper; ++i) h.*kHyperFields[i].field = hyper[i];
+  h.flags = flags;
+  h.norm_mode = norm_mode;
+  return h;
+}
+
+void check_n_states(int n_states) {
+  if (n_states < 0 || n_states > lowbit::kMaxStates) {
+    throw std::invalid_argument("lowbit: an optimizer has 0 to " + std::to_string(lowbit::kMaxStates) + " states");
+  }
+}
+
 lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states,
                              int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t map3, uintptr_t meta,
                              uintptr_t scalars, uintptr_t grad_scales, int64_t count, int64_t total_blocks,
@@ -82,17 +126,14 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
   if (rule < 0 || rule > lowbit::kMaxRule) {
     throw std::invalid_argument("lowbit: unknown optimizer rule " + std::to_string(rule));
   }
-  if (hyper.size() != 9) throw std::invalid_argument("lowbit: optimizer hyper must hold 9 values");
-  if (n_states < 0 || n_states > lowbit::kMaxStates) {
-    throw std::invalid_argument("lowbit: an optimizer has 0 to " + std::to_string(lowbit::kMaxStates) + " states");
-  }
+  const lowbit::StepHyper h = step_hyper(hyper, flags, norm_mode);
+  check_n_states(n_states);
   if (norm_mode < lowbit::kNormNone || norm_mode > lowbit::kNormClip) {
     throw std::invalid_argument("lowbit: unknown norm mode " + std::to_string(norm_mode));
   }
   return lowbit::OptimArgs{
       static_cast<lowbit::Rule>(rule),
-      lowbit::StepHyper{hyper[0], hyper[1], hyper[2], hyper[3], hyper[4], hyper[5], hyper[6], hyper[7], flags,
-                        norm_mode, hyper[8]},
+      h,
       n_states,
       block_size,
       ptr<const float>(map1),
@@ -107,7 +148,7 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
       ptr<const float>(update_scales)};
 }
 
-// hyper as for optim_args; bits: param, grad, state; stochastic: param, state.
+// hyper: kHyperFields, as for optim_args; bits: param, grad, state; stochastic: param, state.
 lowbit::LpmmArgs lpmm_args(int rule, const std::vector<float>& hyper, int flags, int n_states, int64_t group_size,
                            const std::vector<int>& bits, uintptr_t map1, uintptr_t map2,
                            const std::vector<bool>& stochastic, uint64_t seed, uintptr_t meta, uintptr_t scalars,
@@ -118,10 +159,23 @@ lowbit::LpmmArgs lpmm_args(int rule, const std::vector<float>& hyper, int flags,
   if (bits.size() != 3 || stochastic.size() != 2) {
     throw std::invalid_argument("lowbit: lpmm_step takes 3 bit widths and 2 rounding flags");
   }
-  const auto o = optim_args(rule, hyper, flags, lowbit::kNormNone, n_states, group_size, map1, map2, 0, 0, 0, 0, 0, 0);
-  return lowbit::LpmmArgs{o.rule,   o.hyper,     n_states,      group_size,    bits[0],
-                          bits[1],  bits[2],     o.map1,        o.map2,        stochastic[0],
-                          stochastic[1], seed,   ptr<const int64_t>(meta), ptr<const float>(scalars), count,
+  const lowbit::StepHyper h = step_hyper(hyper, flags, lowbit::kNormNone);
+  check_n_states(n_states);
+  return lowbit::LpmmArgs{static_cast<lowbit::Rule>(rule),
+                          h,
+                          n_states,
+                          group_size,
+                          bits[0],
+                          bits[1],
+                          bits[2],
+                          ptr<const float>(map1),
+                          ptr<const float>(map2),
+                          stochastic[0],
+                          stochastic[1],
+                          seed,
+                          ptr<const int64_t>(meta),
+                          ptr<const float>(scalars),
+                          count,
                           total_groups};
 }
 
@@ -129,6 +183,14 @@ lowbit::LpmmAccumArgs lpmm_accum_args(uintptr_t grad, int dtype, int64_t n, uint
                                       int bits, int64_t group_size, bool stochastic, uint64_t seed) {
   return lowbit::LpmmAccumArgs{ptr<const void>(grad), dtype,      n,          ptr<uint8_t>(codes), ptr<float>(absmax),
                                bits,                  group_size, stochastic, seed};
+}
+
+// {name: code} for the codes of an enum, in the order given.
+template <typename Enum>
+py::dict code_table(std::initializer_list<std::pair<const char*, Enum>> entries) {
+  py::dict table;
+  for (const auto& [name, code] : entries) table[name] = static_cast<int>(code);
+  return table;
 }
 
 py::dict build_info() {
@@ -189,27 +251,25 @@ PYBIND11_MODULE(_C, m) {
   m.attr("SCALAR_COLS") = static_cast<int>(lowbit::kScalarCols);
   m.attr("LP_COLS") = static_cast<int>(lowbit::kLpCols);
   m.attr("MAX_STATES") = lowbit::kMaxStates;
-  py::dict rules;
-  rules["adam"] = static_cast<int>(lowbit::Rule::Adam);
-  rules["sgd"] = static_cast<int>(lowbit::Rule::SGD);
-  rules["lion"] = static_cast<int>(lowbit::Rule::Lion);
-  rules["rmsprop"] = static_cast<int>(lowbit::Rule::RMSprop);
-  rules["adagrad"] = static_cast<int>(lowbit::Rule::Adagrad);
-  rules["lamb"] = static_cast<int>(lowbit::Rule::Lamb);
-  rules["adam_amsgrad"] = static_cast<int>(lowbit::Rule::AdamAmsgrad);
-  rules["rmsprop_centered"] = static_cast<int>(lowbit::Rule::RMSpropCentered);
-  m.attr("RULES") = rules;
+  m.attr("STEP_HYPER_FIELDS") = step_hyper_fields();
+  using lowbit::Rule;
+  m.attr("RULES") = code_table<Rule>({{"adam", Rule::Adam},
+                                      {"sgd", Rule::SGD},
+                                      {"lion", Rule::Lion},
+                                      {"rmsprop", Rule::RMSprop},
+                                      {"adagrad", Rule::Adagrad},
+                                      {"lamb", Rule::Lamb},
+                                      {"adam_amsgrad", Rule::AdamAmsgrad},
+                                      {"rmsprop_centered", Rule::RMSpropCentered}});
   m.attr("FLAG_DECOUPLED") = lowbit::kDecoupled;
   m.attr("FLAG_NESTEROV") = lowbit::kNesterov;
   m.attr("FLAG_MAXIMIZE") = lowbit::kMaximize;
   m.attr("NORM_NONE") = static_cast<int>(lowbit::kNormNone);
   m.attr("NORM_TRUST") = static_cast<int>(lowbit::kNormTrust);
   m.attr("NORM_CLIP") = static_cast<int>(lowbit::kNormClip);
-  py::dict dtypes;
-  dtypes["float32"] = static_cast<int>(lowbit::DType::F32);
-  dtypes["float16"] = static_cast<int>(lowbit::DType::F16);
-  dtypes["bfloat16"] = static_cast<int>(lowbit::DType::BF16);
-  m.attr("DTYPE_CODES") = dtypes;
+  using lowbit::DType;
+  m.attr("DTYPE_CODES") =
+      code_table<DType>({{"float32", DType::F32}, {"float16", DType::F16}, {"bfloat16", DType::BF16}});
   m.attr("INVACT_COEFFS") = lowbit::kInvactCoeffs;
   m.attr("INVACT_PARAMS") = lowbit::kInvactParams;
   m.attr("SEED_SALT") = lowbit::kSeedSalt;

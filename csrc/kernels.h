@@ -127,6 +127,15 @@ enum MetaCol : int {
 };
 enum ScalarCol : int { kStepSize, kBias2Sqrt, kFirst, kScalarCols };
 
+// Row t of a `scalars` table (ScalarCol columns) with the given gradient and update multipliers.
+LB_HD StepScalars scalars_row(const float* scalars, int64_t t, float grad_scale, float update_scale) {
+  const float* s = scalars + t * kScalarCols;
+  return StepScalars{s[kStepSize], s[kBias2Sqrt], s[kFirst] != 0.f, grad_scale, update_scale};
+}
+
+// The address held in an int64 cell of a meta table.
+LB_HD void* cell_address(int64_t cell) { return reinterpret_cast<void*>(static_cast<uintptr_t>(cell)); }
+
 struct OptimArgs {
   Rule rule;
   StepHyper hyper;

@@ -12,9 +12,11 @@
 #include "lowbit/dispatch.h"
 #include "lowbit/fewbit.h"
 #include "lowbit/pack.h"
+#include "parallel.h"
 
 // Compiled for baseline x86-64 with AVX2 and AVX-512 clones chosen at load time, as encode.cpp's loops;
-// all clones give identical results (the same IEEE operations, no contraction).
+// all clones give identical results (the same IEEE operations, no contraction). The chunk loops stay in
+// the cloned functions (not parallel.h's parallel_chunks) so that their bodies are compiled per clone.
 #if defined(__x86_64__) && defined(__GNUC__)
 #define LB_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #define LB_INLINE __attribute__((always_inline))
@@ -25,9 +27,6 @@
 
 namespace lowbit::cpu {
 namespace {
-
-constexpr int kChunk = 4096;  // elements per work item, a multiple of kGroup
-constexpr int64_t kParallelMin = 1 << 15;
 
 struct Grid {
   const float* t;
@@ -73,17 +72,15 @@ void pack_chunk(const uint32_t* codes, int cnt, int bits, uint8_t* out) {
   if (cnt > full * kGroup) pack_group(codes + full * kGroup, cnt - full * kGroup, bits, out + full * bits);
 }
 
-int64_t chunks_of(int64_t n) { return (n + kChunk - 1) / kChunk; }
-
 template <typename T>
 LB_CLONES void encode_impl(const BlpaArgs& a, int threads) {
   const T* x = static_cast<const T*>(a.x);
   const T* a2 = static_cast<const T*>(a.a2);
   const Grid g(a);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+#pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, a.n))
   for (int64_t ch = 0; ch < chunks_of(a.n); ++ch) {
     const int64_t lo = ch * kChunk;
-    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    const int cnt = chunk_length(a.n, lo);
     uint32_t codes[kChunk];
     for_runs(lo, cnt, a.channels, a.inner, [&](int j0, int len, int64_t c) LB_INLINE {
       const float mean = a.mean[c], invstd = a.invstd[c], t = g.t[c], o = g.o[c], h = g.h[c], side = g.side[c];
@@ -102,10 +99,10 @@ template <typename T>
 LB_CLONES void decode_impl(const BlpaArgs& a, int threads) {
   T* out = static_cast<T*>(a.out);
   const Grid g(a);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+#pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, a.n))
   for (int64_t ch = 0; ch < chunks_of(a.n); ++ch) {
     const int64_t lo = ch * kChunk;
-    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    const int cnt = chunk_length(a.n, lo);
     uint32_t codes[kChunk];
     unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
     for_runs(lo, cnt, a.channels, a.inner, [&](int j0, int len, int64_t c) LB_INLINE {
@@ -126,10 +123,10 @@ LB_CLONES void backward_impl(const BlpaArgs& a, int threads) {
   const int64_t channels = a.channels;
   // Pass 1: per chunk and channel, sum(mask * g) and sum(mask * g * a1).
   std::vector<double> partial(static_cast<size_t>(nchunks * channels * 2), 0.0);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+#pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, a.n))
   for (int64_t ch = 0; ch < nchunks; ++ch) {
     const int64_t lo = ch * kChunk;
-    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    const int cnt = chunk_length(a.n, lo);
     uint32_t codes[kChunk];
     unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
     double* p = partial.data() + ch * channels * 2;
@@ -162,10 +159,10 @@ LB_CLONES void backward_impl(const BlpaArgs& a, int threads) {
     k2[c] = a.batch_stats ? static_cast<float>(a.gamma[c] * static_cast<double>(a.g_gamma[c]) / m) : 0.0f;
   }
   // Pass 2: dL/dx element-wise.
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+#pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, a.n))
   for (int64_t ch = 0; ch < nchunks; ++ch) {
     const int64_t lo = ch * kChunk;
-    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+    const int cnt = chunk_length(a.n, lo);
     uint32_t codes[kChunk];
     unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
     for_runs(lo, cnt, channels, a.inner, [&](int j0, int len, int64_t c) LB_INLINE {

@@ -10,12 +10,10 @@
 #include "lowbit/dispatch.h"
 #include "lowbit/fewbit.h"
 #include "lowbit/pack.h"
+#include "parallel.h"
 
 namespace lowbit::cpu {
 namespace {
-
-constexpr int kChunk = 4096;  // elements per work item, a multiple of kGroup
-constexpr int64_t kParallelMin = 1 << 15;
 
 // Up to 4 bits (15 boundaries), counting the boundaries < x element-wise is cheaper than a
 // search and vectorises; above, the binary search of fewbit.h.
@@ -95,11 +93,7 @@ void with_bits(int bits, Fn&& fn) {
 template <int kBits, typename T>
 void encode_impl(const FewbitEncodeArgs& a, int threads) {
   const T* x = static_cast<const T*>(a.x);
-  const int64_t nchunks = (a.n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t lo = c * kChunk;
-    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+  parallel_chunks(a.n, threads, [&](int64_t lo, int cnt) {
     uint8_t* out = a.packed + lo / kGroup * kBits;
     int done = 0;
     if constexpr (kBits <= 4 && (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>)) {
@@ -111,18 +105,14 @@ void encode_impl(const FewbitEncodeArgs& a, int threads) {
     uint32_t codes[kChunk];
     encode_chunk<kBits>(x + lo + done, cnt - done, a.bounds, codes);
     pack_chunk<kBits>(codes, cnt - done, out + done / kGroup * kBits);
-  }
+  });
 }
 
 template <int kBits, typename T>
 void grad_impl(const FewbitGradArgs& a, int threads) {
   const T* grad = static_cast<const T*>(a.grad);
   T* out = static_cast<T*>(a.out);
-  const int64_t nchunks = (a.n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t lo = c * kChunk;
-    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+  parallel_chunks(a.n, threads, [&](int64_t lo, int cnt) {
     const uint8_t* in = a.packed + lo / kGroup * kBits;
     int done = 0;
     if constexpr (kBits <= 4 && (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>)) {
@@ -132,7 +122,7 @@ void grad_impl(const FewbitGradArgs& a, int threads) {
       }
     }
     scale_chunk<kBits>(grad + lo + done, in + done / kGroup * kBits, a.levels, cnt - done, out + lo + done);
-  }
+  });
 }
 
 }  // namespace

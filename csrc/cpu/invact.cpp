@@ -1,18 +1,15 @@
 // Inverted-activation backward on the CPU (lowbit/invact.h): OpenMP over chunks of whole bytes of
 // the branch bits; fp32 takes the AVX-512 kernel where the CPU has it.
-#include <algorithm>
 #include <type_traits>
 
 #include "avx512.h"
 #include "kernels.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/invact.h"
+#include "parallel.h"
 
 namespace lowbit::cpu {
 namespace {
-
-constexpr int kChunk = 4096;  // elements per work item, a multiple of 8
-constexpr int64_t kParallelMin = 1 << 15;
 
 template <typename T>
 void invact_chunk(const T* grad, const T* y, const uint8_t* bits, const float* coeffs, const float* params, int cnt,
@@ -28,11 +25,7 @@ void invact_impl(const InvactGradArgs& a, int threads) {
   const T* grad = static_cast<const T*>(a.grad);
   const T* y = static_cast<const T*>(a.y);
   T* out = static_cast<T*>(a.out);
-  const int64_t nchunks = (a.n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t lo = c * kChunk;
-    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kChunk));
+  parallel_chunks(a.n, threads, [&](int64_t lo, int cnt) {
     const uint8_t* bits = a.bits + lo / 8;
     int done = 0;
     if constexpr (std::is_same_v<T, float> || std::is_same_v<T, BFloat16>) {
@@ -42,7 +35,7 @@ void invact_impl(const InvactGradArgs& a, int threads) {
       }
     }
     invact_chunk(grad + lo + done, y + lo + done, bits + done / 8, a.coeffs, a.params, cnt - done, out + lo + done);
-  }
+  });
 }
 
 }  // namespace

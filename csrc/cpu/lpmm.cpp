@@ -15,12 +15,12 @@
 #include "lowbit/rounding.h"
 #include "lowbit/state_form.h"
 #include "map_index.h"
+#include "parallel.h"
 
 namespace lowbit::cpu {
 namespace {
 
 constexpr int kMaxGroup = 4096;
-constexpr int64_t kParallelMin = 1 << 15;
 
 float linear_qmax(int bits) { return static_cast<float>((1 << (bits - 1)) - 1); }
 
@@ -99,7 +99,7 @@ template <typename T>
 void accumulate_all(const LpmmAccumArgs& a, int threads) {
   const int64_t groups = (a.n + a.group_size - 1) / a.group_size;
   const RngKey key = rng_key(a.seed);
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
+#pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, a.n))
   for (int64_t g = 0; g < groups; ++g) accumulate_group<T>(a, g, key);
 }
 
@@ -117,17 +117,16 @@ struct LpTensor {
 
 LpTensor lp_tensor(const LpmmArgs& a, int64_t t) {
   const int64_t* m = a.meta + t * kLpCols;
-  const float* s = a.scalars + t * kScalarCols;
-  auto ptr = [](int64_t v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); };
-  return LpTensor{static_cast<uint8_t*>(ptr(m[kLpParam])),
-                  static_cast<float*>(ptr(m[kLpParamAbsmax])),
-                  static_cast<const uint8_t*>(ptr(m[kLpGrad])),
-                  static_cast<float*>(ptr(m[kLpGradAbsmax])),
-                  {static_cast<uint8_t*>(ptr(m[kLpState1])), static_cast<uint8_t*>(ptr(m[kLpState2]))},
-                  {static_cast<float*>(ptr(m[kLpAbsmax1])), static_cast<float*>(ptr(m[kLpAbsmax2]))},
+  return LpTensor{static_cast<uint8_t*>(cell_address(m[kLpParam])),
+                  static_cast<float*>(cell_address(m[kLpParamAbsmax])),
+                  static_cast<const uint8_t*>(cell_address(m[kLpGrad])),
+                  static_cast<float*>(cell_address(m[kLpGradAbsmax])),
+                  {static_cast<uint8_t*>(cell_address(m[kLpState1])),
+                   static_cast<uint8_t*>(cell_address(m[kLpState2]))},
+                  {static_cast<float*>(cell_address(m[kLpAbsmax1])), static_cast<float*>(cell_address(m[kLpAbsmax2]))},
                   m[kLpNumel],
                   static_cast<uint64_t>(m[kLpOffset]),
-                  StepScalars{s[kStepSize], s[kBias2Sqrt], s[kFirst] != 0.f, 1.f, 1.f}};
+                  scalars_row(a.scalars, t, 1.f, 1.f)};
 }
 
 // Map indexes of the state maps, built once per call outside the parallel loop.
@@ -186,7 +185,7 @@ void step_all(const LpmmArgs& a, int threads) {
   for (int k = 0; k < a.n_states; ++k) coders.index[k] = map_index(k == 0 ? a.map1 : a.map2, map_n);
   // Decided (and on first use timed) here, outside the parallel region.
   coders.gather = a.n_states > 0 && gather_encode_active();
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && elements >= kParallelMin)
+#pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, elements))
   for (int64_t b = 0; b < a.total_groups; ++b) {
     const int64_t t = lpmm_tensor_of_group(a, b);
     const int64_t g = b - a.meta[t * kLpCols + kLpFirstGroup];

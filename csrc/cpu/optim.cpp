@@ -17,12 +17,12 @@
 #include "lowbit/optim_rules.h"
 #include "lowbit/state_form.h"
 #include "map_index.h"
+#include "parallel.h"
 
 namespace lowbit::cpu {
 namespace {
 
 constexpr int kMaxBlock = 4096;
-constexpr int kMaxStates = 3;
 
 struct TensorView {
   void* param;
@@ -37,18 +37,15 @@ struct TensorView {
 
 TensorView view(const OptimArgs& a, int64_t t) {
   const int64_t* m = a.meta + t * kMetaCols;
-  const float* s = a.scalars + t * kScalarCols;
-  auto ptr = [](int64_t v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); };
-  return TensorView{ptr(m[kParam]),
-                    ptr(m[kGrad]),
-                    {ptr(m[kState1]), ptr(m[kState2]), ptr(m[kState3])},
-                    {static_cast<float*>(ptr(m[kAbsmax1])), static_cast<float*>(ptr(m[kAbsmax2])),
-                     static_cast<float*>(ptr(m[kAbsmax3]))},
+  return TensorView{cell_address(m[kParam]),
+                    cell_address(m[kGrad]),
+                    {cell_address(m[kState1]), cell_address(m[kState2]), cell_address(m[kState3])},
+                    {static_cast<float*>(cell_address(m[kAbsmax1])), static_cast<float*>(cell_address(m[kAbsmax2])),
+                     static_cast<float*>(cell_address(m[kAbsmax3]))},
                     m[kNumel],
                     static_cast<int>(m[kDtype]),
                     m[kStateBits] == 8,
-                    StepScalars{s[kStepSize], s[kBias2Sqrt], s[kFirst] != 0.f,
-                                a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f}};
+                    scalars_row(a.scalars, t, a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f)};
 }
 
 // Decodes 8-bit state k of a block into out: the stored forms of state_form.h, which the update
@@ -415,7 +412,7 @@ void step_all(const OptimArgs& a, int threads) {
       coders.planes[k] = planes[k].get();
     }
   }
-  const bool par = threads > 1 && elements >= (1 << 15);
+  const bool par = run_parallel(threads, elements);
   if (a.hyper.norm_mode != kNormNone && a.update_scales == nullptr) {
     // Per-block partial sums, then per-tensor sums in block order: deterministic for any thread count.
     std::vector<double> sums(2 * a.total_blocks);

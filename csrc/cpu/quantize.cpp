@@ -15,14 +15,11 @@
 #include "avx512.h"
 #include "encode.h"
 #include "map_index.h"
+#include "parallel.h"
 
 namespace lowbit::cpu {
 namespace {
 
-// Below this many elements a parallel region costs more than it saves.
-constexpr int64_t kParallelMin = 1 << 15;
-// Work unit for tensor-wise blocks and for packing: a multiple of kGroup that fits in L1.
-constexpr int64_t kChunk = 4096;
 template <typename T>
 uint32_t absmax_bits(const T* x, int64_t n) {
   uint32_t m = 0;
@@ -68,7 +65,7 @@ void quantize_impl(const QuantizeArgs& a, const Span& span, int threads) {
   const T* x = static_cast<const T*>(a.x);
   const int64_t n = a.n;
   const RngKey key = rng_key(a.seed);
-  const bool par = threads > 1 && n >= kParallelMin;
+  const bool par = run_parallel(threads, n);
   if (a.blocksize > 0) {
     const int64_t bs = a.blocksize;
     const int64_t nblocks = (n + bs - 1) / bs;
@@ -104,7 +101,7 @@ void dequantize_impl(const DequantizeArgs& a, const Coder& coder, int threads) {
   const int64_t n = a.n;
   const int64_t len = a.blocksize > 0 ? a.blocksize : kChunk;
   const int64_t nspans = (n + len - 1) / len;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= kParallelMin)
+#pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, n))
   for (int64_t s = 0; s < nspans; ++s) {
     const int64_t lo = s * len;
     decode_range(a.in, lo, std::min(n, lo + len), a.absmax[a.blocksize > 0 ? s : 0], coder, a.bits, out);
@@ -146,27 +143,19 @@ void dequantize(const DequantizeArgs& a, int threads) {
 }
 
 void pack_bits(const PackArgs& a, int threads) {
-  const int64_t nchunks = (a.n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t lo = c * kChunk;
-    const int cnt = static_cast<int>(std::min(a.n, lo + kChunk) - lo);
+  parallel_chunks(a.n, threads, [&](int64_t lo, int cnt) {
     uint32_t codes[kChunk];
     for (int j = 0; j < cnt; ++j) codes[j] = a.in[lo + j] & ((1u << a.bits) - 1u);
     store_codes(codes, cnt, a.bits, lo, a.out);
-  }
+  });
 }
 
 void unpack_bits(const PackArgs& a, int threads) {
-  const int64_t nchunks = (a.n + kChunk - 1) / kChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && a.n >= kParallelMin)
-  for (int64_t c = 0; c < nchunks; ++c) {
-    const int64_t lo = c * kChunk;
-    const int cnt = static_cast<int>(std::min(a.n, lo + kChunk) - lo);
+  parallel_chunks(a.n, threads, [&](int64_t lo, int cnt) {
     uint32_t codes[kChunk];
     load_codes(a.in, cnt, a.bits, lo, codes);
     for (int j = 0; j < cnt; ++j) a.out[lo + j] = static_cast<uint8_t>(codes[j]);
-  }
+  });
 }
 
 }  // namespace lowbit::cpu

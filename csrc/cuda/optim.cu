@@ -174,17 +174,9 @@ __global__ void norm_kernel(OptimArgs a, double* sums) {
   load_maps(a, smap);
   for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
     const BlockTask task = find_block(a, b);
-    switch (static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype])) {
-      case static_cast<int>(DType::F32):
-        norm_block<kRule, float>(a, task, smap, scratch, sums + 2 * b);
-        break;
-      case static_cast<int>(DType::F16):
-        norm_block<kRule, Half>(a, task, smap, scratch, sums + 2 * b);
-        break;
-      default:
-        norm_block<kRule, BFloat16>(a, task, smap, scratch, sums + 2 * b);
-        break;
-    }
+    visit_dtype(static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype]), [&](auto dtype) {
+      norm_block<kRule, typename decltype(dtype)::type>(a, task, smap, scratch, sums + 2 * b);
+    });
   }
 }
 
@@ -221,17 +213,9 @@ __global__ void optimizer_kernel(OptimArgs a, const float* update_scales) {
   load_maps(a, smap);
   for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
     const BlockTask task = find_block(a, b);
-    switch (static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype])) {
-      case static_cast<int>(DType::F32):
-        step_block<kRule, float>(a, task, smap, scratch, update_scales);
-        break;
-      case static_cast<int>(DType::F16):
-        step_block<kRule, Half>(a, task, smap, scratch, update_scales);
-        break;
-      default:
-        step_block<kRule, BFloat16>(a, task, smap, scratch, update_scales);
-        break;
-    }
+    visit_dtype(static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype]), [&](auto dtype) {
+      step_block<kRule, typename decltype(dtype)::type>(a, task, smap, scratch, update_scales);
+    });
   }
 }
 

@@ -103,7 +103,31 @@ inline DType dtype_from_code(int code) {
   return static_cast<DType>(code);
 }
 
-// The single dtype switch: runs BODY with `scalar_t` bound to the storage type of `code`.
+// The storage type T as a value, for the functors of visit_dtype.
+template <typename T>
+struct DTypeTag {
+  using type = T;
+};
+
+// The dtype switch of device code, which reads dtype codes from tables and cannot throw: calls
+// fn(DTypeTag<T>{}) with T the storage type of `code`. The host checked every code (dtype_from_code),
+// so any code other than F32 and F16 is BF16.
+template <typename Fn>
+LB_HD void visit_dtype(int code, Fn&& fn) {
+  switch (code) {
+    case static_cast<int>(DType::F32):
+      fn(DTypeTag<float>{});
+      break;
+    case static_cast<int>(DType::F16):
+      fn(DTypeTag<Half>{});
+      break;
+    default:
+      fn(DTypeTag<BFloat16>{});
+      break;
+  }
+}
+
+// The host dtype switch: runs BODY with `scalar_t` bound to the storage type of `code`.
 #define LB_DISPATCH_DTYPE(code, ...)                         \
   switch (::lowbit::dtype_from_code(code)) {                 \
     case ::lowbit::DType::F32: {                             \

@@ -42,18 +42,33 @@ enum NormMode : int { kNormNone = 0, kNormTrust = 1, kNormClip = 2 };
 
 // Hyperparameters of one native call. Derived constants (1 - beta, 1 - lr * wd, ...) are computed
 // in double on the host and rounded once, as torch.optim does with Python floats, so that the fp32
-// arithmetic below matches torch's. Fields a rule does not use are ignored.
+// arithmetic below matches torch's. Fields a rule does not use are ignored. The float fields arrive
+// as one list in the order of csrc/bindings.cpp's kHyperFields (exported as _C.STEP_HYPER_FIELDS).
+// "Adam" includes AdamAmsgrad and "RMSprop" RMSpropCentered.
 struct StepHyper {
+  // Learning rate of SGD, Lion, RMSprop and LAMB, and of the norm modes' scales (update_scale);
+  // Adam and Adagrad step by StepScalars::step_size instead.
   float lr;
-  float beta1;            // Adam/Lion/LAMB beta1, SGD/RMSprop momentum
-  float beta2;            // Adam/Lion/LAMB beta2, RMSprop alpha
-  float one_minus_beta1;  // SGD: 1 - dampening
+  // Lion beta1; SGD and RMSprop momentum (0: no momentum buffer); Adam/LAMB beta1 (their first
+  // moment reads one_minus_beta1).
+  float beta1;
+  // Adam/Lion/LAMB beta2; RMSprop alpha (the square_avg decay).
+  float beta2;
+  // Adam/LAMB 1 - beta1 (the exp_avg lerp weight); Lion 1 - beta1; SGD 1 - dampening.
+  float one_minus_beta1;
+  // Adam/Lion/LAMB 1 - beta2; RMSprop 1 - alpha (also the grad_avg weight of the centered form).
   float one_minus_beta2;
+  // Adam/LAMB/RMSprop/Adagrad eps, added to the denominator.
   float eps;
+  // Weight decay: without kDecoupled, the L2 term added to the gradient (Adam, SGD, RMSprop,
+  // Adagrad); LAMB's decay term inside the trust-ratio update; with kDecoupled (AdamW, Lion) only
+  // whether to apply `decay`.
   float weight_decay;
-  float decay;            // 1 - lr * weight_decay (decoupled decay)
-  int32_t flags;          // kDecoupled | kNesterov | kMaximize
-  int32_t norm_mode;      // NormMode
+  // 1 - lr * weight_decay: the decoupled decay factor applied to p with kDecoupled (AdamW, Lion).
+  float decay;
+  int32_t flags;      // kDecoupled | kNesterov | kMaximize
+  int32_t norm_mode;  // NormMode
+  // kNormClip: bitsandbytes' max_unorm, the bound on ||u / lr|| relative to ||p|| (update_scale).
   float max_unorm;
 };
 
