@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lowbit.nn import _fewbit_gen, fewbit
+from lowbit.nn.fewbit import solver
 
 TABLE_KEYS = [
     (name, weight, bits) for name in fewbit.ACTIVATIONS for weight in fewbit.WEIGHTS for bits in fewbit.table_bits(name)
@@ -165,7 +166,7 @@ def test_regenerated_tables_match_shipped(name, weight):
     # Bits 1-4 of every table plus GELU's 8 bits (the largest DP) keep this to a few seconds; the full
     # comparison is `python -m lowbit.nn._fewbit_gen --check`.
     bits = [b for b in fewbit.table_bits(name) if b <= 4] + ([8] if (name, weight) == ("gelu", "normal") else [])
-    for b, new in fewbit._builtin_tables(name, weight, bits).items():
+    for b, new in solver._builtin_tables(name, weight, bits).items():
         old = fewbit.table(name, b, weight)
         assert torch.equal(new.boundaries, old.boundaries) and torch.equal(new.levels, old.levels), (name, weight, b)
         # The error is float64 quadrature of transcendental functions whose last bits may differ between CPUs.

@@ -1,26 +1,9 @@
 """Layers for memory-efficient training: embeddings for 8-bit optimizers, activations that save less."""
 
-from lowbit.nn import fewbit, invact
-from lowbit.nn.activations import (
-    FewBitActivation,
-    FewBitELU,
-    FewBitGELU,
-    FewBitHardswish,
-    FewBitLeakyReLU,
-    FewBitMish,
-    FewBitReLU,
-    FewBitSELU,
-    FewBitSigmoid,
-    FewBitSiLU,
-    FewBitSoftplus,
-    FewBitTanh,
-    InvActivation,
-    InvGELU,
-    InvMish,
-    InvSiLU,
-    few_bit,
-    inv_act,
-)
+from lowbit.nn import activations, fewbit, invact
+
+# The activation layers and functions: activations.__all__ is the one list of their names (added to __all__ below).
+from lowbit.nn.activations import *  # noqa: F403
 from lowbit.nn.blpa import ApproxBNReLUConv2d, ApproxBNReLULinear
 from lowbit.nn.compress import CompressionReport, compress_activations
 from lowbit.nn.embedding import Embedding, StableEmbedding
@@ -31,28 +14,11 @@ __all__ = [
     "ApproxBNReLULinear",
     "CompressionReport",
     "Embedding",
-    "FewBitActivation",
-    "FewBitELU",
-    "FewBitGELU",
-    "FewBitHardswish",
-    "FewBitLeakyReLU",
-    "FewBitMish",
-    "FewBitReLU",
-    "FewBitSELU",
-    "FewBitSiLU",
-    "FewBitSigmoid",
-    "FewBitSoftplus",
     "FewBitTable",
-    "FewBitTanh",
-    "InvActivation",
-    "InvGELU",
-    "InvMish",
-    "InvSiLU",
     "StableEmbedding",
     "compress_activations",
-    "few_bit",
     "fewbit",
-    "inv_act",
     "invact",
     "optimal_levels",
 ]
+__all__ += activations.__all__

@@ -18,24 +18,26 @@ from importlib import resources
 
 import torch
 
-from lowbit.nn import fewbit
+from lowbit.nn._registry import ACTIVATIONS
+from lowbit.nn.fewbit.solver import _builtin_tables
+from lowbit.nn.fewbit.tables import TABLE_FILE, TABLE_GRID_CELLS, TABLE_INTERVAL, WEIGHTS, table_bits
 
 FORMAT = 1
 
 
-def generate(names: Sequence[str] = fewbit.ACTIVATIONS, log: bool = False) -> dict:
+def generate(names: Sequence[str] = ACTIVATIONS, log: bool = False) -> dict:
     """All shipped tables of ``names`` as the JSON-ready dictionary that :func:`render` writes.
 
     Args:
-        names: activation names, a subset of ``fewbit.ACTIVATIONS``.
+        names: activation names, a subset of :data:`lowbit.nn.fewbit.ACTIVATIONS`.
         log: print the time each activation takes to stderr.
     """
     tables: dict = {}
     for name in names:
         start = time.perf_counter()
         tables[name] = {}
-        for weight in fewbit.WEIGHTS:
-            solved = fewbit._builtin_tables(name, weight, fewbit.table_bits(name))
+        for weight in WEIGHTS:
+            solved = _builtin_tables(name, weight, table_bits(name))
             tables[name][weight] = {
                 str(bits): {
                     "error": t.error,
@@ -49,8 +51,8 @@ def generate(names: Sequence[str] = fewbit.ACTIVATIONS, log: bool = False) -> di
     return {
         "format": FORMAT,
         "generator": "python -m lowbit.nn._fewbit_gen",
-        "interval": list(fewbit.TABLE_INTERVAL),
-        "grid_cells": fewbit.TABLE_GRID_CELLS,
+        "interval": list(TABLE_INTERVAL),
+        "grid_cells": TABLE_GRID_CELLS,
         "tables": tables,
     }
 
@@ -95,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     text = render(generate(log=True))
     print(f"all tables: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return write_or_check(fewbit.TABLE_FILE, text, args.check)
+    return write_or_check(TABLE_FILE, text, args.check)
 
 
 def write_or_check(name: str, text: str, check: bool) -> int:

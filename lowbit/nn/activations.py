@@ -16,13 +16,14 @@ the shared output. The backward pass evaluates ``f'(f^-1(y))`` by the tables of 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional, TypeVar
+from typing import Any, ClassVar, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from lowbit import _ops
 from lowbit.nn import fewbit, invact
+from lowbit.nn._registry import activation_fn
 
 __all__ = [
     "FewBitActivation",
@@ -51,7 +52,7 @@ class _FewBitFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, name: str, boundaries: Tensor, levels: Tensor, bits: int) -> Tensor:
-        y = fewbit.activation_fn(name)(x)
+        y = activation_fn(name)(x)
         packed = _ops.fewbit_encode(x.contiguous(), boundaries, bits)
         ctx.save_for_backward(packed, levels)
         ctx.bits = bits
@@ -174,6 +175,22 @@ def _gelu_name(approximate: str) -> str:
     return "gelu" if approximate == "none" else "gelu_tanh"
 
 
+class _OneFewBitActivation(FewBitActivation):
+    """A :class:`FewBitActivation` of the one activation its subclass names in its class statement
+    (``class FewBitSiLU(_OneFewBitActivation, activation="silu")``), built from ``bits`` and ``weight``."""
+
+    _activation_name: ClassVar[str]
+
+    def __init_subclass__(cls, activation: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A subclass of a named layer (class MySiLU(FewBitSiLU)) keeps its parent's activation.
+        if activation is not None:
+            cls._activation_name = activation
+
+    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
+        super().__init__(self._activation_name, bits, weight)
+
+
 class FewBitGELU(FewBitActivation):
     """torch.nn.GELU(approximate) with a few-bit backward pass."""
 
@@ -181,74 +198,50 @@ class FewBitGELU(FewBitActivation):
         super().__init__(_gelu_name(approximate), bits, weight)
 
 
-class FewBitSiLU(FewBitActivation):
+class FewBitSiLU(_OneFewBitActivation, activation="silu"):
     """torch.nn.SiLU() with a few-bit backward pass."""
 
-    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__("silu", bits, weight)
 
-
-class FewBitSigmoid(FewBitActivation):
+class FewBitSigmoid(_OneFewBitActivation, activation="sigmoid"):
     """torch.nn.Sigmoid() with a few-bit backward pass."""
 
-    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__("sigmoid", bits, weight)
 
-
-class FewBitTanh(FewBitActivation):
+class FewBitTanh(_OneFewBitActivation, activation="tanh"):
     """torch.nn.Tanh() with a few-bit backward pass."""
 
-    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__("tanh", bits, weight)
 
-
-class FewBitSELU(FewBitActivation):
+class FewBitSELU(_OneFewBitActivation, activation="selu"):
     """torch.nn.SELU() with a few-bit backward pass."""
 
-    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__("selu", bits, weight)
 
-
-class FewBitELU(FewBitActivation):
+class FewBitELU(_OneFewBitActivation, activation="elu"):
     """torch.nn.ELU() with a few-bit backward pass."""
 
-    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__("elu", bits, weight)
 
-
-class FewBitSoftplus(FewBitActivation):
+class FewBitSoftplus(_OneFewBitActivation, activation="softplus"):
     """torch.nn.Softplus() with a few-bit backward pass."""
 
-    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__("softplus", bits, weight)
 
-
-class FewBitMish(FewBitActivation):
+class FewBitMish(_OneFewBitActivation, activation="mish"):
     """torch.nn.Mish() with a few-bit backward pass."""
 
-    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__("mish", bits, weight)
 
-
-class FewBitHardswish(FewBitActivation):
+class FewBitHardswish(_OneFewBitActivation, activation="hardswish"):
     """torch.nn.Hardswish() with a few-bit backward pass."""
 
-    def __init__(self, bits: int = 3, weight: str = "normal") -> None:
-        super().__init__("hardswish", bits, weight)
 
-
-class FewBitLeakyReLU(FewBitActivation):
+class FewBitLeakyReLU(_OneFewBitActivation, activation="leaky_relu"):
     """torch.nn.LeakyReLU() (slope 0.01) with a few-bit backward pass; exact at 1 bit."""
 
     def __init__(self, bits: int = 1, weight: str = "normal") -> None:
-        super().__init__("leaky_relu", bits, weight)
+        super().__init__(bits, weight)
 
 
-class FewBitReLU(FewBitActivation):
+class FewBitReLU(_OneFewBitActivation, activation="relu"):
     """torch.nn.ReLU() with a few-bit backward pass; exact at 1 bit."""
 
     def __init__(self, bits: int = 1, weight: str = "normal") -> None:
-        super().__init__("relu", bits, weight)
+        super().__init__(bits, weight)
 
 
 class _InvActFunction(torch.autograd.Function):
@@ -256,7 +249,7 @@ class _InvActFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, name: str, threshold: Tensor, coeffs: Tensor, params: Tensor) -> Tensor:
-        y = fewbit.activation_fn(name)(x)
+        y = activation_fn(name)(x)
         bits = _ops.fewbit_encode(x.contiguous(), threshold, 1)
         ctx.save_for_backward(y, bits)
         # The tables are constants shared by every call, kept by reference rather than saved: what the
@@ -278,7 +271,7 @@ class _InvActInPlaceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, name: str, threshold: Tensor, coeffs: Tensor, params: Tensor) -> Tensor:
         bits = _ops.fewbit_encode(x.contiguous(), threshold, 1)
-        x.copy_(fewbit.activation_fn(name)(x))
+        x.copy_(activation_fn(name)(x))
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, bits)
         ctx.coeffs, ctx.params = coeffs, params

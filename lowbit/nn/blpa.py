@@ -121,8 +121,25 @@ class _ApproxFunction(torch.autograd.Function):
 
 
 class _ApproxBlock(nn.Module):
+    """BatchNorm -> ReLU -> a linear map, its backward from K-bit codes; subclasses give the linear map."""
+
     bn: Union[nn.BatchNorm1d, nn.BatchNorm2d]
     bits: int
+
+    def __init__(
+        self,
+        norm: type[Union[nn.BatchNorm1d, nn.BatchNorm2d]],
+        features: int,
+        bits: int,
+        *,
+        eps: float,
+        momentum: Optional[float],
+        device: Optional[torch.device],
+        dtype: Optional[torch.dtype],
+    ) -> None:
+        super().__init__()
+        self.bits = _check_bits(bits)
+        self.bn = norm(features, eps=eps, momentum=momentum, device=device, dtype=dtype)
 
     def _linear(self, a3: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
         raise NotImplementedError
@@ -178,9 +195,7 @@ class ApproxBNReLULinear(_ApproxBlock):
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
-        super().__init__()
-        self.bits = _check_bits(bits)
-        self.bn = nn.BatchNorm1d(in_features, eps=eps, momentum=momentum, device=device, dtype=dtype)
+        super().__init__(nn.BatchNorm1d, in_features, bits, eps=eps, momentum=momentum, device=device, dtype=dtype)
         self.linear = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
 
     def _layer(self) -> nn.Linear:
@@ -223,9 +238,7 @@ class ApproxBNReLUConv2d(_ApproxBlock):
         device: Optional[torch.device] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
-        super().__init__()
-        self.bits = _check_bits(bits)
-        self.bn = nn.BatchNorm2d(in_channels, eps=eps, momentum=momentum, device=device, dtype=dtype)
+        super().__init__(nn.BatchNorm2d, in_channels, bits, eps=eps, momentum=momentum, device=device, dtype=dtype)
         self.conv = nn.Conv2d(
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, device=device, dtype=dtype
         )

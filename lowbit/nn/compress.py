@@ -28,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lowbit.nn import fewbit, invact
+from lowbit.nn import invact
 from lowbit.nn.activations import FewBitActivation, InvActivation
+from lowbit.nn.fewbit.tables import WEIGHTS, _check_bits, table_bits
 
 __all__ = ["CompressionReport", "Replacement", "compress_activations"]
 
@@ -269,7 +270,7 @@ def _is_default(value: Any, default: Any) -> bool:
 
 def _fewbit_bits(name: str, bits: int) -> int:
     # ReLU and LeakyReLU are exact at 1 bit, their only table.
-    return 1 if fewbit.table_bits(name) == (1,) else bits
+    return 1 if table_bits(name) == (1,) else bits
 
 
 def _make(
@@ -326,9 +327,9 @@ def compress_activations(
     if method not in METHODS:
         raise ValueError(f"lowbit: method must be one of {METHODS}, got {method!r}")
     if method == "fewbit":
-        fewbit._check_bits(bits)
-        if weight not in fewbit.WEIGHTS:
-            raise ValueError(f"lowbit: weight must be one of {fewbit.WEIGHTS}, got {weight!r}")
+        _check_bits(bits)
+        if weight not in WEIGHTS:
+            raise ValueError(f"lowbit: weight must be one of {WEIGHTS}, got {weight!r}")
     # The new layers' tables go where the model lives (activations themselves hold no tensors).
     device = next(iter(model.parameters()), torch.empty(0)).device
     report = CompressionReport()

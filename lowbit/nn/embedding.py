@@ -64,6 +64,10 @@ class _Fp32StateEmbedding(nn.Embedding):
             dtype=dtype,
         )
         override(self.weight, optim_bits=32)
+        self._add_modules()
+
+    def _add_modules(self) -> None:
+        """Adds the layer's submodules once its weight exists; none here."""
 
     def reset_parameters(self) -> None:
         """Xavier-uniform weight (section 2.3), then the ``padding_idx`` row zeroed as nn.Embedding does."""
@@ -179,34 +183,9 @@ class StableEmbedding(_Fp32StateEmbedding):
         dtype: dtype of the weight and the layer norm's parameters.
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: Optional[int] = None,
-        max_norm: Optional[float] = None,
-        norm_type: float = 2.0,
-        scale_grad_by_freq: bool = False,
-        sparse: bool = False,
-        _weight: Optional[Tensor] = None,
-        _freeze: bool = False,
-        device: Device = None,
-        dtype: Optional[torch.dtype] = None,
-    ) -> None:
-        super().__init__(
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            max_norm,
-            norm_type,
-            scale_grad_by_freq,
-            sparse,
-            _weight,
-            _freeze,
-            device=device,
-            dtype=dtype,
-        )
-        self.norm = nn.LayerNorm(embedding_dim, device=self.weight.device, dtype=self.weight.dtype)
+    def _add_modules(self) -> None:
+        """The layer norm, on the weight's device in its dtype."""
+        self.norm = nn.LayerNorm(self.embedding_dim, device=self.weight.device, dtype=self.weight.dtype)
 
     def reset_parameters(self) -> None:
         """Xavier-uniform weight, zero ``padding_idx`` row, and a fresh layer norm (ones, zeros)."""

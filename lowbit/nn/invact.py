@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lowbit.nn import fewbit
+from lowbit.nn._registry import activation_fn, derivative
 
 __all__ = ["ACTIVATIONS", "DEGREE", "PIECES", "InvActTable", "fit", "gradient_error", "paper_slope", "table"]
 
@@ -121,7 +121,7 @@ def fit(name: str) -> InvActTable:
         name: one of :data:`ACTIVATIONS`.
     """
     name = _check_name(name)
-    f, fprime = fewbit.activation_fn(name), fewbit.derivative(name)
+    f, fprime = activation_fn(name), derivative(name)
     t_min = _minimum(fprime)
     y_min = float(np.float32(_f64(f, np.array([t_min]))[0]))
     # The right branch saturates where |f' - 1| < _SATURATION from there on.
@@ -256,9 +256,9 @@ def gradient_error(
     tab = table(name)
     x = torch.linspace(-10.0, 10.0, points, dtype=torch.float32)
     if forward == "torch":
-        y = fewbit.activation_fn(name)(x)
+        y = activation_fn(name)(x)
     elif forward == "exact":
-        y = fewbit.activation_fn(name)(x.double()).float()
+        y = activation_fn(name)(x.double()).float()
     else:
         raise ValueError(f"lowbit: forward must be 'torch' or 'exact', got {forward!r}")
     bits = _ops.fewbit_encode(x, torch.tensor([tab.threshold]), 1)
@@ -269,7 +269,7 @@ def gradient_error(
     else:
         raise ValueError(f"lowbit: slope must be None or 'paper', got {slope!r}")
     xd = x.double()
-    err = got - fewbit.derivative(name)(xd)
+    err = got - derivative(name)(xd)
     dx = 20.0 / (points - 1)
     density = torch.exp(-0.5 * xd * xd) / math.sqrt(2 * math.pi)
     return {
