@@ -23,14 +23,10 @@ from lowbit import _ops
 from lowbit._ops import LpmmStepArgs, StepHyper
 from lowbit.lpmm import LowPrecisionParameter, any_alive, draw_seed
 from lowbit.optim.hyperparams import check_options, plain_lr
-from lowbit.optim.optimizer import (
-    FLAG_DECOUPLED,
-    FLAG_NESTEROV,
-    RULE_CODES,
+from lowbit.optim.optimizer import FLAG_DECOUPLED, FLAG_NESTEROV, RULE_CODES, Params, decay_factor
+from lowbit.optim.state_storage import (
     STATE_FORMAT,
-    Params,
     check_state_format,
-    decay_factor,
     restore_state_dtypes,
     state_map,
     upgrade_second_moment,
@@ -299,7 +295,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict; codes and absmaxes keep their dtypes whatever the compute dtype, and states
         saved whole or sharded load into either layout (their groups are the parameter's). Second moments
-        saved in format 1 (``lowbit.optim.optimizer.STATE_FORMAT``) are re-encoded."""
+        saved in format 1 (``lowbit.optim.state_storage.STATE_FORMAT``) are re-encoded."""
         for group in state_dict["param_groups"]:
             check_state_format(self, group)
         super().load_state_dict(state_dict)
