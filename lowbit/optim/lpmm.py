@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lowbit import _ops
-from lowbit.lpmm import LowPrecisionParameter, any_alive, draw_seed
+from lowbit.lpmm.parameter import LowPrecisionParameter, any_alive, draw_seed
 from lowbit.optim.hyperparams import check_options, plain_lr
 from lowbit.optim.optimizer import (
     FLAG_DECOUPLED,
@@ -277,8 +277,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
         )
         for lp, state in items:
             state["step"] += 1.0
-            lp.version += 1
-            lp.has_grad = False
+            lp.mark_stepped()
 
     @torch._disable_dynamo  # as torch.optim's zero_grad: the accumulators are not traceable tensors
     def zero_grad(self, set_to_none: bool = True) -> None:
