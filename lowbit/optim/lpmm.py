@@ -346,10 +346,9 @@ class LPMMSGD(LPMMOptimizer):
         momentum: momentum factor; 0 keeps no state.
         weight_decay: L2 penalty.
         nesterov: Nesterov momentum (needs momentum > 0).
-        momentum_bits: bits per momentum element (1..8; paper: 8).
-        rounding: ``"stochastic"`` or ``"nearest"`` for the momentum.
-        generator: source of rounding seeds.
-        data_parallel, process_group: gradient averaging over ranks (see :class:`LPMMOptimizer`).
+        **options: ``momentum_bits`` (bits per momentum element, 1..8; paper: 8), ``rounding``
+            (``"stochastic"`` or ``"nearest"`` for the momentum), ``generator``, ``data_parallel``,
+            ``process_group``: see :class:`LPMMOptimizer`.
     """
 
     _rule = "sgd"
@@ -362,23 +361,10 @@ class LPMMSGD(LPMMOptimizer):
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         nesterov: bool = False,
-        *,
-        momentum_bits: int = 8,
-        rounding: str = "stochastic",
-        generator: Optional[torch.Generator] = None,
-        data_parallel: Optional[bool] = None,
-        process_group: Optional[dist.ProcessGroup] = None,
+        **options: Any,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(
-            params,
-            defaults,
-            momentum_bits=momentum_bits,
-            rounding=rounding,
-            generator=generator,
-            data_parallel=data_parallel,
-            process_group=process_group,
-        )
+        super().__init__(params, defaults, **options)
 
     def _check_config(self, config: dict[str, Any], where: str) -> None:
         super()._check_config(config, where)
@@ -413,10 +399,9 @@ class LPMMAdamW(LPMMOptimizer):
         betas: decay rates of the first and second moments.
         eps: added to the denominator.
         weight_decay: decoupled weight decay.
-        momentum_bits: bits per moment element (1..8; paper: 8).
-        rounding: ``"stochastic"`` or ``"nearest"`` for the moments.
-        generator: source of rounding seeds.
-        data_parallel, process_group: gradient averaging over ranks (see :class:`LPMMOptimizer`).
+        **options: ``momentum_bits`` (bits per moment element, 1..8; paper: 8), ``rounding``
+            (``"stochastic"`` or ``"nearest"`` for the moments), ``generator``, ``data_parallel``,
+            ``process_group``: see :class:`LPMMOptimizer`.
     """
 
     _rule = "adam"
@@ -429,23 +414,10 @@ class LPMMAdamW(LPMMOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        *,
-        momentum_bits: int = 8,
-        rounding: str = "stochastic",
-        generator: Optional[torch.Generator] = None,
-        data_parallel: Optional[bool] = None,
-        process_group: Optional[dist.ProcessGroup] = None,
+        **options: Any,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(
-            params,
-            defaults,
-            momentum_bits=momentum_bits,
-            rounding=rounding,
-            generator=generator,
-            data_parallel=data_parallel,
-            process_group=process_group,
-        )
+        super().__init__(params, defaults, **options)
 
     def _hyper(self, group: dict[str, Any]) -> tuple[list[float], int]:
         lr, (b1, b2), wd = plain_lr(group["lr"]), group["betas"], group["weight_decay"]
