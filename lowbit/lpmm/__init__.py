@@ -55,6 +55,7 @@ _IN_MEMORY = ("MemoryReport", "memory_report")
 
 
 def __getattr__(name: str) -> Any:
+    """``MemoryReport`` and ``memory_report``, from :mod:`lowbit.memory`."""
     if name in _IN_MEMORY:
         from lowbit import memory
 
