@@ -1,21 +1,28 @@
-"""Measured memory accounting: the bytes autograd keeps for the backward pass.
+"""Measured memory accounting.
 
-Counted through ``torch.autograd.graph.saved_tensors_hooks``, so the numbers are what autograd really
-saves, whatever the layers do internally. A storage saved several times (an output that the next
-layer saves as its input too) counts once, and parameter storages are left out: they are there with
-or without a backward pass.
+:func:`memory_report`: the bytes of model memory (parameters, gradients, optimizer state) that a model
+and its optimizer hold, counted from their storage, converted (:mod:`lowbit.lpmm`) or not.
+
+:func:`saved_tensor_bytes`: the bytes autograd keeps for the backward pass, counted through
+``torch.autograd.graph.saved_tensors_hooks``, so the numbers are what autograd really saves, whatever
+the layers do internally. A storage saved several times (an output that the next layer saves as its
+input too) counts once, and parameter storages are left out: they are there with or without a
+backward pass.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SavedBytes", "saved_tensor_bytes"]
+from lowbit import _ops
+from lowbit.lpmm.convert import low_precision_parameters
+
+__all__ = ["MemoryReport", "SavedBytes", "memory_report", "saved_tensor_bytes"]
 
 
 @dataclass
@@ -82,3 +89,77 @@ def saved_tensor_bytes(model_or_fn: Union[nn.Module, Callable[..., Any]], *input
         for h in handles:
             h.remove()
     return result
+
+
+def _nbytes(t: Optional[Tensor]) -> int:
+    """Bytes of ``t`` held by this process (a DTensor's local shard)."""
+    return 0 if t is None else _ops.local(t).numel() * t.element_size()
+
+
+@dataclass
+class MemoryReport:
+    """Measured bytes of model memory (lpmm.txt section 3.1): parameters, gradients, optimizer state.
+
+    Attributes:
+        params: bytes of parameter storage (codes and absmaxes, or float tensors).
+        grads: bytes of gradient storage (accumulators, or existing ``.grad`` tensors).
+        optimizer_state: bytes of the optimizer's state tensors for these parameters.
+        num_params: number of parameter elements.
+        per_parameter: the same three byte counts per parameter name.
+    """
+
+    params: int = 0
+    grads: int = 0
+    optimizer_state: int = 0
+    num_params: int = 0
+    per_parameter: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        """params + grads + optimizer_state."""
+        return self.params + self.grads + self.optimizer_state
+
+    @property
+    def bytes_per_param(self) -> float:
+        """total / num_params."""
+        return self.total / max(self.num_params, 1)
+
+    def __str__(self) -> str:
+        n = max(self.num_params, 1)
+        rows = [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer_state)]
+        lines = [f"{'':<16}{'bytes':>14}{'bytes/param':>13}"]
+        lines += [f"{label:<16}{b:>14,}{b / n:>13.3f}" for label, b in (*rows, ("total", self.total))]
+        return "\n".join(lines + [f"{self.num_params:,} parameters"])
+
+
+def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> MemoryReport:
+    """Measure the model memory of ``model`` (converted or not) and ``optimizer`` from their storage.
+
+    Gradient bytes count accumulators of low-precision parameters (allocated for their whole life)
+    and the ``.grad`` tensors that ordinary parameters hold at the time of the call.
+    """
+    state = optimizer.state if optimizer is not None else {}
+    report = MemoryReport()
+
+    def add(name: str, key: Tensor, n: int, params: int, grads: int) -> None:
+        st = sum(_nbytes(v) for v in state.get(key, {}).values() if isinstance(v, Tensor))
+        report.per_parameter[name] = {"params": params, "grads": grads, "optimizer_state": st}
+        report.params += params
+        report.grads += grads
+        report.optimizer_state += st
+        report.num_params += n
+
+    handles = set()
+    for name, lp in low_precision_parameters(model).items():
+        handles.add(id(lp.handle))
+        add(
+            name,
+            lp.handle,
+            lp.numel(),
+            _nbytes(lp.codes) + _nbytes(lp.absmax),
+            _nbytes(lp.grad_codes) + _nbytes(lp.grad_absmax),
+        )
+    for name, p in model.named_parameters():
+        if id(p) not in handles:
+            add(name, p, p.numel(), _nbytes(p), _nbytes(p.grad))
+    return report

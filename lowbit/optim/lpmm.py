@@ -21,7 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lowbit import _ops
 from lowbit._ops import LpmmStepArgs, StepHyper
-from lowbit.lpmm import LowPrecisionParameter, any_alive, draw_seed
+from lowbit.lpmm.parameter import LowPrecisionParameter, any_alive, draw_seed
 from lowbit.optim.hyperparams import check_options, plain_lr
 from lowbit.optim.optimizer import FLAG_DECOUPLED, FLAG_NESTEROV, RULE_CODES, Params, decay_factor
 from lowbit.optim.state_storage import (
@@ -275,8 +275,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
         _ops.lpmm_step_eager(args)
         for lp, state in items:
             state["step"] += 1.0
-            lp.version += 1
-            lp.has_grad = False
+            lp.mark_stepped()
 
     @torch._disable_dynamo  # as torch.optim's zero_grad: the accumulators are not traceable tensors
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -345,10 +344,9 @@ class LPMMSGD(LPMMOptimizer):
         momentum: momentum factor; 0 keeps no state.
         weight_decay: L2 penalty.
         nesterov: Nesterov momentum (needs momentum > 0).
-        momentum_bits: bits per momentum element (1..8; paper: 8).
-        rounding: ``"stochastic"`` or ``"nearest"`` for the momentum.
-        generator: source of rounding seeds.
-        data_parallel, process_group: gradient averaging over ranks (see :class:`LPMMOptimizer`).
+        **options: ``momentum_bits`` (bits per momentum element, 1..8; paper: 8), ``rounding``
+            (``"stochastic"`` or ``"nearest"`` for the momentum), ``generator``, ``data_parallel``,
+            ``process_group``: see :class:`LPMMOptimizer`.
     """
 
     _rule = "sgd"
@@ -361,23 +359,10 @@ class LPMMSGD(LPMMOptimizer):
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         nesterov: bool = False,
-        *,
-        momentum_bits: int = 8,
-        rounding: str = "stochastic",
-        generator: Optional[torch.Generator] = None,
-        data_parallel: Optional[bool] = None,
-        process_group: Optional[dist.ProcessGroup] = None,
+        **options: Any,
     ) -> None:
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(
-            params,
-            defaults,
-            momentum_bits=momentum_bits,
-            rounding=rounding,
-            generator=generator,
-            data_parallel=data_parallel,
-            process_group=process_group,
-        )
+        super().__init__(params, defaults, **options)
 
     def _check_config(self, config: dict[str, Any], where: str) -> None:
         super()._check_config(config, where)
@@ -417,10 +402,9 @@ class LPMMAdamW(LPMMOptimizer):
         betas: decay rates of the first and second moments.
         eps: added to the denominator.
         weight_decay: decoupled weight decay.
-        momentum_bits: bits per moment element (1..8; paper: 8).
-        rounding: ``"stochastic"`` or ``"nearest"`` for the moments.
-        generator: source of rounding seeds.
-        data_parallel, process_group: gradient averaging over ranks (see :class:`LPMMOptimizer`).
+        **options: ``momentum_bits`` (bits per moment element, 1..8; paper: 8), ``rounding``
+            (``"stochastic"`` or ``"nearest"`` for the moments), ``generator``, ``data_parallel``,
+            ``process_group``: see :class:`LPMMOptimizer`.
     """
 
     _rule = "adam"
@@ -433,23 +417,10 @@ class LPMMAdamW(LPMMOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        *,
-        momentum_bits: int = 8,
-        rounding: str = "stochastic",
-        generator: Optional[torch.Generator] = None,
-        data_parallel: Optional[bool] = None,
-        process_group: Optional[dist.ProcessGroup] = None,
+        **options: Any,
     ) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(
-            params,
-            defaults,
-            momentum_bits=momentum_bits,
-            rounding=rounding,
-            generator=generator,
-            data_parallel=data_parallel,
-            process_group=process_group,
-        )
+        super().__init__(params, defaults, **options)
 
     def _hyper(self, group: dict[str, Any]) -> tuple[StepHyper, int]:
         lr, (b1, b2), wd = plain_lr(group["lr"]), group["betas"], group["weight_decay"]
