@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lowbit import _ops
+from lowbit._checks import ROUNDING_MODES, is_block_size
 
 __all__ = [
     "LinearQuantState",
@@ -37,8 +38,6 @@ __all__ = [
     "quantize_linear",
     "unpack_bits",
 ]
-
-ROUNDING_MODES = ("nearest", "stochastic")
 
 
 def _check_int(name: str, value: object, lo: int, hi: int) -> int:
@@ -284,7 +283,7 @@ def _native_blocksize(blocksize: object) -> int:
         return 0
     if isinstance(blocksize, bool) or not isinstance(blocksize, int):
         raise TypeError(f"lowbit: blocksize must be an int or None (tensor-wise), got {type(blocksize).__name__}")
-    if not (64 <= blocksize <= 4096 and blocksize & (blocksize - 1) == 0):
+    if not is_block_size(blocksize):
         raise ValueError(f"lowbit: blocksize must be a power of two in 64..4096 or None, got {blocksize}")
     return blocksize
 

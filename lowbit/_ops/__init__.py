@@ -8,10 +8,10 @@ One file per native feature, as in ``csrc/``: :mod:`.quantize`, :mod:`.fewbit`, 
 the launcher.
 """
 
+from lowbit._checks import MAX_LINEAR_BITS
 from lowbit._ops._common import (
     CUDA_NOT_BUILT,
     FLOAT_DTYPES,
-    MAX_LINEAR_BITS,
     MAX_MAP_BITS,
     local,
     num_blocks,

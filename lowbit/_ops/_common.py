@@ -14,12 +14,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowbit import _C
+from lowbit._checks import is_block_size
 
 # The native module owns the dtype codes (csrc/bindings.cpp, include/lowbit/dispatch.h).
 DTYPE_CODES = {getattr(torch, name): code for name, code in _C.DTYPE_CODES.items()}
 FLOAT_DTYPES = tuple(DTYPE_CODES)
 MAX_MAP_BITS = 8
-MAX_LINEAR_BITS = 16
 
 CUDA_NOT_BUILT = (
     "lowbit was built without CUDA kernels, but a CUDA tensor was passed. Rebuild with nvcc on PATH "
@@ -109,7 +109,7 @@ def check_map(code: Tensor, bits: int) -> None:
 def check_blocksize(blocksize: int) -> None:
     """A power of two in 64..4096 (the block sizes the native loops support), or 0 for tensor-wise."""
     check(
-        blocksize == 0 or (64 <= blocksize <= 4096 and blocksize & (blocksize - 1) == 0),
+        blocksize == 0 or is_block_size(blocksize),
         f"blocksize must be a power of two in 64..4096, or 0 for tensor-wise; got {blocksize}",
     )
 

@@ -7,10 +7,10 @@ import torch
 from torch import Tensor
 
 from lowbit import _C
+from lowbit._checks import MAX_LINEAR_BITS
 from lowbit._ops._common import (
     DTYPE_CODES,
     FLOAT_DTYPES,
-    MAX_LINEAR_BITS,
     Kernel,
     check,
     check_absmax,

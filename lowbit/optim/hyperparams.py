@@ -11,14 +11,13 @@ tensor, as in torch.optim; the step reads its value.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lowbit.functional import ROUNDING_MODES
+from lowbit._checks import ROUNDING_MODES, is_betas, is_block_size, is_finite_nonneg, is_finite_number, is_int_in
 
 __all__ = ["GNORM_HISTORY", "LAYOUT_OPTIONS", "check_option", "check_options", "plain_lr"]
 
@@ -29,58 +28,38 @@ LAYOUT_OPTIONS = ("optim_bits", "block_size", "min_8bit_size")
 GNORM_HISTORY = 100
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _nonneg(value: Any) -> bool:
-    return _number(value) and value >= 0
-
-
 def _lr(value: Any) -> bool:
     if isinstance(value, Tensor):
-        return value.numel() == 1 and value.is_floating_point() and _nonneg(float(value.detach().cpu()))
-    return _nonneg(value)
-
-
-def _betas(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) and len(value) == 2 and all(_number(b) and 0 <= b < 1 for b in value)
+        return value.numel() == 1 and value.is_floating_point() and is_finite_nonneg(float(value.detach().cpu()))
+    return is_finite_nonneg(value)
 
 
 def _flag(value: Any) -> bool:
     return isinstance(value, bool)
 
 
-def _int_in(low: int, high: int) -> Callable[[Any], bool]:
-    return lambda v: isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
-
-
-def _block_size(value: Any) -> bool:
-    return _int_in(64, 4096)(value) and value & (value - 1) == 0
-
-
 # option -> (torch.optim's name for it, the rule, what the rule expects).
 _RULES: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "lr": ("learning rate", _lr, "a finite number >= 0, or a one-element floating-point tensor holding one"),
-    "eps": ("epsilon value", _nonneg, "a finite number >= 0"),
-    "weight_decay": ("weight_decay value", _nonneg, "a finite number >= 0"),
-    "betas": ("beta parameters", _betas, "a pair of numbers in [0, 1)"),
-    "momentum": ("momentum value", _nonneg, "a finite number >= 0"),
-    "dampening": ("dampening value", _number, "a finite number"),
-    "alpha": ("alpha value", _nonneg, "a finite number >= 0"),
-    "lr_decay": ("lr_decay value", _nonneg, "a finite number >= 0"),
-    "initial_accumulator_value": ("initial_accumulator_value", _nonneg, "a finite number >= 0"),
-    "trust_coefficient": ("trust_coefficient", _nonneg, "a finite number >= 0"),
-    "max_unorm": ("max_unorm", _nonneg, "a finite number >= 0"),
-    "percentile_clipping": ("percentile_clipping", _int_in(1, 100), "an int in 1..100"),
+    "eps": ("epsilon value", is_finite_nonneg, "a finite number >= 0"),
+    "weight_decay": ("weight_decay value", is_finite_nonneg, "a finite number >= 0"),
+    "betas": ("beta parameters", is_betas, "a pair of numbers in [0, 1)"),
+    "momentum": ("momentum value", is_finite_nonneg, "a finite number >= 0"),
+    "dampening": ("dampening value", is_finite_number, "a finite number"),
+    "alpha": ("alpha value", is_finite_nonneg, "a finite number >= 0"),
+    "lr_decay": ("lr_decay value", is_finite_nonneg, "a finite number >= 0"),
+    "initial_accumulator_value": ("initial_accumulator_value", is_finite_nonneg, "a finite number >= 0"),
+    "trust_coefficient": ("trust_coefficient", is_finite_nonneg, "a finite number >= 0"),
+    "max_unorm": ("max_unorm", is_finite_nonneg, "a finite number >= 0"),
+    "percentile_clipping": ("percentile_clipping", lambda v: is_int_in(v, 1, 100), "an int in 1..100"),
     "optim_bits": ("optim_bits", lambda v: type(v) is int and v in (8, 32), "8 or 32"),
-    "block_size": ("block_size", _block_size, "a power of two in 64..4096"),
-    "min_8bit_size": ("min_8bit_size", _int_in(0, 2**63 - 1), "a non-negative int"),
+    "block_size": ("block_size", is_block_size, "a power of two in 64..4096"),
+    "min_8bit_size": ("min_8bit_size", lambda v: is_int_in(v, 0, 2**63 - 1), "a non-negative int"),
     "maximize": ("maximize", _flag, "a bool"),
     "nesterov": ("nesterov", _flag, "a bool"),
     "amsgrad": ("amsgrad", _flag, "a bool"),
     "centered": ("centered", _flag, "a bool"),
-    "momentum_bits": ("momentum_bits", _int_in(1, 8), "an int in 1..8"),
+    "momentum_bits": ("momentum_bits", lambda v: is_int_in(v, 1, 8), "an int in 1..8"),
     "rounding": ("rounding", lambda v: v in ROUNDING_MODES, f"one of {sorted(ROUNDING_MODES)}"),
 }
 
