@@ -155,3 +155,13 @@ def op_signature(fields: type[tuple]) -> inspect.Signature:
         ],
         return_annotation=None,
     )
+
+
+def call_tables(rows: list[list[int]], cols: int, scalars: list[float], device: torch.device) -> tuple[Tensor, Tensor]:
+    """The per-tensor tables of a fused call: ``rows`` as an int64 (count, cols) table and ``scalars`` as
+    fp32, on ``device`` (pinned and copied in stream order to a GPU, so the host does not wait)."""
+    meta = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), cols)
+    scal = torch.tensor(scalars, dtype=torch.float32)
+    if device.type != "cpu":
+        meta, scal = (t.pin_memory().to(device, non_blocking=True) for t in (meta, scal))
+    return meta, scal

@@ -5,22 +5,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lowbit import _C
-from lowbit._ops._common import (
-    DTYPE_CODES,
-    FLOAT_DTYPES,
-    Kernel,
-    check,
-    check_codes,
-    check_input,
-    check_same_device,
-    launch,
-    packed_bytes,
-)
+from lowbit._ops import _common
+from lowbit._ops._common import DTYPE_CODES, FLOAT_DTYPES, Kernel, launch
 
 _ENCODE = Kernel(_C.blpa_encode_cpu, lambda: _C.blpa_encode_cuda)
 _DECODE = Kernel(_C.blpa_decode_cpu, lambda: _C.blpa_decode_cuda)
@@ -29,15 +21,15 @@ _BACKWARD = Kernel(_C.blpa_backward_cpu, lambda: _C.blpa_backward_cuda)
 
 def _blpa_dims(shape: Sequence[int]) -> tuple[int, int]:
     """(channels, inner) of an (N, C, *spatial) shape."""
-    check(len(shape) >= 2, f"blpa tensors are (N, C, ...), got shape {tuple(shape)}")
+    _common.check(len(shape) >= 2, f"blpa tensors are (N, C, ...), got shape {tuple(shape)}")
     return int(shape[1]), int(math.prod(shape[2:]))
 
 
 def _check_blpa_channels(channels: int, **vectors: Tensor) -> None:
     for name, v in vectors.items():
-        check_input(name, v, (torch.float32,))
+        _common.check_input(name, v, (torch.float32,))
         rows = 4 if name == "grid" else 1
-        check(v.numel() == rows * channels, f"{name} must hold {rows * channels} fp32 values, got {v.numel()}")
+        _common.check(v.numel() == rows * channels, f"{name} must hold {rows * channels} fp32 values, got {v.numel()}")
 
 
 def _blpa_call(
@@ -59,14 +51,14 @@ def _blpa_call(
 def blpa_encode(x: Tensor, a2: Tensor, mean: Tensor, invstd: Tensor, grid: Tensor, bits: int) -> Tensor:
     """Packed ``bits``-bit codes of ``a1 = (x - mean) * invstd`` on the per-channel ``grid`` (rows t, o, h,
     side), each on the side of the cut that ``a2 > 0`` names. ``x`` and ``a2``: (N, C, ...), same dtype."""
-    check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
-    check_input("x", x, FLOAT_DTYPES)
-    check_input("a2", a2, FLOAT_DTYPES)
-    check(a2.shape == x.shape and a2.dtype == x.dtype, "a2 must have x's shape and dtype")
+    _common.check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
+    _common.check_input("x", x, FLOAT_DTYPES)
+    _common.check_input("a2", a2, FLOAT_DTYPES)
+    _common.check(a2.shape == x.shape and a2.dtype == x.dtype, "a2 must have x's shape and dtype")
     channels, _ = _blpa_dims(x.shape)
     _check_blpa_channels(channels, mean=mean, invstd=invstd, grid=grid)
-    check_same_device("x", x, a2=a2, mean=mean, invstd=invstd, grid=grid)
-    out = torch.empty(packed_bytes(x.numel(), bits), dtype=torch.uint8, device=x.device)
+    _common.check_same_device("x", x, a2=a2, mean=mean, invstd=invstd, grid=grid)
+    out = torch.empty(_common.packed_bytes(x.numel(), bits), dtype=torch.uint8, device=x.device)
     if x.numel() > 0:
         ptrs = [x, a2, None, None, out, mean, invstd, grid, None, None, None, None, None]
         _blpa_call(_ENCODE, x.device, ptrs, x.numel(), x.shape, x.dtype, bits)
@@ -75,7 +67,7 @@ def blpa_encode(x: Tensor, a2: Tensor, mean: Tensor, invstd: Tensor, grid: Tenso
 
 @blpa_encode.register_fake
 def _(x: Tensor, a2: Tensor, mean: Tensor, invstd: Tensor, grid: Tensor, bits: int) -> Tensor:
-    return x.new_empty(packed_bytes(x.numel(), bits), dtype=torch.uint8)
+    return x.new_empty(_common.packed_bytes(x.numel(), bits), dtype=torch.uint8)
 
 
 @torch.library.custom_op("lowbit::blpa_decode", mutates_args=())
@@ -84,13 +76,13 @@ def blpa_decode(
 ) -> Tensor:
     """``relu(gamma * a1 + beta)`` of shape ``shape`` and dtype ``dtype`` from the codes of
     :func:`blpa_encode`, zero exactly where the encoded ``a2 > 0`` was false."""
-    check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
-    check(dtype in FLOAT_DTYPES, f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    _common.check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
+    _common.check(dtype in FLOAT_DTYPES, f"dtype must be float32, float16 or bfloat16, got {dtype}")
     channels, _ = _blpa_dims(shape)
     n = math.prod(shape)
-    check_codes("packed", packed, n, bits)
+    _common.check_codes("packed", packed, n, bits)
     _check_blpa_channels(channels, grid=grid, gamma=gamma, beta=beta)
-    check_same_device("packed", packed, grid=grid, gamma=gamma, beta=beta)
+    _common.check_same_device("packed", packed, grid=grid, gamma=gamma, beta=beta)
     out = torch.empty(shape, dtype=dtype, device=packed.device)
     if n > 0:
         ptrs = [None, None, None, packed, None, None, None, grid, gamma, beta, out, None, None]
@@ -119,12 +111,12 @@ def blpa_backward(
     """(dL/dx, dL/dgamma, dL/dbeta) of BatchNorm -> ReLU from ``grad`` = dL/d(ReLU output) and the codes of
     :func:`blpa_encode` (eq. 6-8; with ``batch_stats`` False, the running-statistics form without the
     mean terms). Gradients of gamma and beta are fp32."""
-    check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
-    check_input("grad", grad, FLOAT_DTYPES)
+    _common.check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
+    _common.check_input("grad", grad, FLOAT_DTYPES)
     channels, _ = _blpa_dims(grad.shape)
-    check_codes("packed", packed, grad.numel(), bits)
+    _common.check_codes("packed", packed, grad.numel(), bits)
     _check_blpa_channels(channels, grid=grid, gamma=gamma, beta=beta, invstd=invstd)
-    check_same_device("grad", grad, packed=packed, grid=grid, gamma=gamma, beta=beta, invstd=invstd)
+    _common.check_same_device("grad", grad, packed=packed, grid=grid, gamma=gamma, beta=beta, invstd=invstd)
     out = torch.empty_like(grad)
     g_gamma = torch.zeros(channels, dtype=torch.float32, device=grad.device)
     g_beta = torch.zeros(channels, dtype=torch.float32, device=grad.device)
@@ -135,15 +127,6 @@ def blpa_backward(
 
 
 @blpa_backward.register_fake
-def _(
-    packed: Tensor,
-    grad: Tensor,
-    grid: Tensor,
-    gamma: Tensor,
-    beta: Tensor,
-    invstd: Tensor,
-    bits: int,
-    batch_stats: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
+def _(packed: Tensor, grad: Tensor, *rest: Any) -> tuple[Tensor, Tensor, Tensor]:
     c = grad.shape[1]
     return torch.empty_like(grad), grad.new_empty(c, dtype=torch.float32), grad.new_empty(c, dtype=torch.float32)

@@ -7,16 +7,8 @@ import torch
 from torch import Tensor
 
 from lowbit import _C
-from lowbit._ops._common import (
-    DTYPE_CODES,
-    FLOAT_DTYPES,
-    Kernel,
-    check,
-    check_codes,
-    check_input,
-    check_same_device,
-    launch,
-)
+from lowbit._ops import _common
+from lowbit._ops._common import DTYPE_CODES, FLOAT_DTYPES, Kernel, launch
 
 # Table sizes of include/lowbit/invact.h, owned by the native module.
 INVACT_COEFFS = _C.INVACT_COEFFS
@@ -32,17 +24,19 @@ def invact_grad(grad: Tensor, y: Tensor, bits: Tensor, coeffs: Tensor, params: T
     ``fewbit_encode(x, [T], 1)`` writes it; ``coeffs`` (192 fp32) and ``params`` (5 fp32) are a table of
     :mod:`lowbit.nn.invact`. ``grad`` and ``y`` share shape and dtype; so does the result.
     """
-    check_input("grad", grad, FLOAT_DTYPES)
-    check_input("y", y, FLOAT_DTYPES)
-    check(y.dtype == grad.dtype, f"y has dtype {y.dtype} but grad has {grad.dtype}; they must match")
-    check(y.shape == grad.shape, f"y has shape {tuple(y.shape)} but grad has {tuple(grad.shape)}; they must match")
+    _common.check_input("grad", grad, FLOAT_DTYPES)
+    _common.check_input("y", y, FLOAT_DTYPES)
+    _common.check(y.dtype == grad.dtype, f"y has dtype {y.dtype} but grad has {grad.dtype}; they must match")
+    _common.check(
+        y.shape == grad.shape, f"y has shape {tuple(y.shape)} but grad has {tuple(grad.shape)}; they must match"
+    )
     n = grad.numel()
-    check_codes("bits", bits, n, 1)
-    check_input("coeffs", coeffs, (torch.float32,))
-    check_input("params", params, (torch.float32,))
-    check(coeffs.numel() == INVACT_COEFFS, f"coeffs must hold {INVACT_COEFFS} values, got {coeffs.numel()}")
-    check(params.numel() == INVACT_PARAMS, f"params must hold {INVACT_PARAMS} values, got {params.numel()}")
-    check_same_device("grad", grad, y=y, bits=bits, coeffs=coeffs, params=params)
+    _common.check_codes("bits", bits, n, 1)
+    _common.check_input("coeffs", coeffs, (torch.float32,))
+    _common.check_input("params", params, (torch.float32,))
+    _common.check(coeffs.numel() == INVACT_COEFFS, f"coeffs must hold {INVACT_COEFFS} values, got {coeffs.numel()}")
+    _common.check(params.numel() == INVACT_PARAMS, f"params must hold {INVACT_PARAMS} values, got {params.numel()}")
+    _common.check_same_device("grad", grad, y=y, bits=bits, coeffs=coeffs, params=params)
     out = torch.empty_like(grad)
     if n > 0:
         launch(_GRAD, grad.device)(

@@ -10,22 +10,8 @@ from torch import Tensor
 
 from lowbit import _C
 from lowbit._checks import MAX_LINEAR_BITS
-from lowbit._ops._common import (
-    DTYPE_CODES,
-    FLOAT_DTYPES,
-    MAX_MAP_BITS,
-    Kernel,
-    check,
-    check_blocksize,
-    check_codes,
-    check_input,
-    check_map,
-    check_rng,
-    check_same_device,
-    launch,
-    num_blocks,
-    op_signature,
-)
+from lowbit._ops import _common
+from lowbit._ops._common import DTYPE_CODES, FLOAT_DTYPES, MAX_MAP_BITS, Kernel, launch
 from lowbit._ops.optim import SCALAR_COLS, StepHyper
 
 # Column layout of the per-tensor table (csrc/kernels.h: LpmmCol), owned by the native module.
@@ -37,7 +23,7 @@ MIN_LPMM_BITS = 2
 
 
 def _check_lpmm_bits(name: str, bits: int, low: int, high: int) -> None:
-    check(
+    _common.check(
         isinstance(bits, int) and not isinstance(bits, bool) and low <= bits <= high,
         f"{name} must be an int in {low}..{high}, got {bits!r}",
     )
@@ -47,11 +33,13 @@ def _check_lpmm_tensor(
     name: str, codes: Tensor, absmax: Tensor, numel: int, bits: int, group_size: int, device: torch.device
 ) -> None:
     """Packed codes and group absmaxes of one quantized tensor (``name`` names it in errors)."""
-    check_codes(f"{name} codes", codes, numel, bits)
-    check_input(f"{name} absmax", absmax, (torch.float32,))
-    groups = num_blocks(numel, group_size)
-    check(absmax.numel() == groups, f"{name} absmax has {absmax.numel()} entries but {numel} elements need {groups}")
-    check(codes.device == device and absmax.device == device, f"{name} codes and absmax must be on {device}")
+    _common.check_codes(f"{name} codes", codes, numel, bits)
+    _common.check_input(f"{name} absmax", absmax, (torch.float32,))
+    groups = _common.num_blocks(numel, group_size)
+    _common.check(
+        absmax.numel() == groups, f"{name} absmax has {absmax.numel()} entries but {numel} elements need {groups}"
+    )
+    _common.check(codes.device == device and absmax.device == device, f"{name} codes and absmax must be on {device}")
 
 
 @torch.library.custom_op("lowbit::lpmm_accumulate_", mutates_args=("codes", "absmax"))
@@ -65,11 +53,11 @@ def lpmm_accumulate_(
     decoded, ``grad`` added in fp32, and the sum re-encoded against its new absmax, with stochastic
     rounding (draws keyed by ``seed``) or round-to-nearest.
     """
-    check_input("grad", grad, FLOAT_DTYPES)
+    _common.check_input("grad", grad, FLOAT_DTYPES)
     _check_lpmm_bits("bits", bits, MIN_LPMM_BITS, MAX_LINEAR_BITS)
-    check_blocksize(group_size)
-    check(group_size > 0, "group_size must be positive")
-    check_rng(seed, 0)
+    _common.check_blocksize(group_size)
+    _common.check(group_size > 0, "group_size must be positive")
+    _common.check_rng(seed, 0)
     _check_lpmm_tensor("accumulator", codes, absmax, grad.numel(), bits, group_size, grad.device)
     if grad.numel() == 0:
         return
@@ -145,31 +133,31 @@ _MUTATED = ("params", "param_absmax", "grad_absmax", "state1", "state2", "absmax
 def _check_step(a: LpmmStepArgs) -> None:
     """The checks of ``lowbit::lpmm_step_``."""
     count = len(a.params)
-    check(a.rule in (0, 1), f"rule must be 0 (Adam) or 1 (SGD), got {a.rule}")
-    check(0 <= a.n_states <= 2, f"n_states must be 0, 1 or 2, got {a.n_states}")
-    check_blocksize(a.group_size)
-    check(a.group_size > 0, "group_size must be positive")
+    _common.check(a.rule in (0, 1), f"rule must be 0 (Adam) or 1 (SGD), got {a.rule}")
+    _common.check(0 <= a.n_states <= 2, f"n_states must be 0, 1 or 2, got {a.n_states}")
+    _common.check_blocksize(a.group_size)
+    _common.check(a.group_size > 0, "group_size must be positive")
     _check_lpmm_bits("param_bits", a.param_bits, MIN_LPMM_BITS, MAX_LINEAR_BITS)
     _check_lpmm_bits("grad_bits", a.grad_bits, MIN_LPMM_BITS, MAX_LINEAR_BITS)
     _check_lpmm_bits("state_bits", a.state_bits, 1, MAX_MAP_BITS)
-    check_rng(a.seed, 0)
-    check(
+    _common.check_rng(a.seed, 0)
+    _common.check(
         len(a.hyper) == len(StepHyper._fields), f"hyper must hold {len(StepHyper._fields)} values, got {len(a.hyper)}"
     )
-    check(len(a.scalars) == SCALAR_COLS * count, "scalars must hold 3 values per tensor")
+    _common.check(len(a.scalars) == SCALAR_COLS * count, "scalars must hold 3 values per tensor")
     lists = {"param_absmax": a.param_absmax, "grads": a.grads, "grad_absmax": a.grad_absmax, "numels": a.numels}
     for k, (s, m) in enumerate(((a.state1, a.absmax1), (a.state2, a.absmax2))[: a.n_states]):
         lists[f"state{k + 1}"], lists[f"absmax{k + 1}"] = s, m
     for name, lst in lists.items():
-        check(len(lst) == count, f"{name} has {len(lst)} entries but params has {count}")
+        _common.check(len(lst) == count, f"{name} has {len(lst)} entries but params has {count}")
     if count == 0:
         return
     device = a.params[0].device
-    check_map(a.map1, a.state_bits)
-    check_map(a.map2, a.state_bits)
-    check_same_device("params[0]", a.params[0], map1=a.map1, map2=a.map2)
+    _common.check_map(a.map1, a.state_bits)
+    _common.check_map(a.map2, a.state_bits)
+    _common.check_same_device("params[0]", a.params[0], map1=a.map1, map2=a.map2)
     for i, n in enumerate(a.numels):
-        check(isinstance(n, int) and n >= 0, f"numels[{i}] must be a non-negative int, got {n!r}")
+        _common.check(isinstance(n, int) and n >= 0, f"numels[{i}] must be a non-negative int, got {n!r}")
         _check_lpmm_tensor(f"params[{i}]", a.params[i], a.param_absmax[i], n, a.param_bits, a.group_size, device)
         _check_lpmm_tensor(f"grads[{i}]", a.grads[i], a.grad_absmax[i], n, a.grad_bits, a.group_size, device)
         for k, (s, m) in enumerate(((a.state1, a.absmax1), (a.state2, a.absmax2))[: a.n_states]):
@@ -203,12 +191,9 @@ def _call(a: LpmmStepArgs) -> None:
                 offset,
             ]
         )
-        first_group += num_blocks(n, a.group_size)
+        first_group += _common.num_blocks(n, a.group_size)
         offset += n
-    meta = torch.tensor(rows, dtype=torch.int64).reshape(count, LP_COLS)
-    scal = torch.tensor(a.scalars, dtype=torch.float32)
-    if device.type != "cpu":
-        meta, scal = (t.pin_memory().to(device, non_blocking=True) for t in (meta, scal))
+    meta, scal = _common.call_tables(rows, LP_COLS, a.scalars, device)
     launch(_STEP, device)(
         a.rule,
         a.hyper,
@@ -233,7 +218,7 @@ def _step(*args: Any, **kwargs: Any) -> None:
     _call(LpmmStepArgs(*args, **kwargs))
 
 
-_step.__signature__ = op_signature(LpmmStepArgs)  # type: ignore[attr-defined]
+_step.__signature__ = _common.op_signature(LpmmStepArgs)  # type: ignore[attr-defined]
 lpmm_step_ = torch.library.custom_op("lowbit::lpmm_step_", _step, mutates_args=_MUTATED)
 
 

@@ -10,19 +10,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowbit import _C
-from lowbit._ops._common import (
-    DTYPE_CODES,
-    FLOAT_DTYPES,
-    Kernel,
-    check,
-    check_blocksize,
-    check_input,
-    check_map,
-    check_same_device,
-    launch,
-    num_blocks,
-    op_signature,
-)
+from lowbit._ops import _common
+from lowbit._ops._common import DTYPE_CODES, FLOAT_DTYPES, Kernel, launch
 
 # Column layout of the per-tensor tables (csrc/kernels.h: MetaCol, ScalarCol), owned by the native module.
 META_COLS = _C.META_COLS
@@ -53,6 +42,13 @@ class StepHyper(NamedTuple):
     """1 - lr * weight_decay: the decoupled (AdamW-style) factor of the parameter."""
     max_unorm: float = 0.0
     """The bound of max_unorm clipping (norm mode 2), relative to the parameter's norm."""
+
+    @classmethod
+    def with_betas(cls, lr: float, betas: tuple[float, float], **rest: float) -> StepHyper:
+        """Adam's, Lion's and LAMB's form: both betas and their complements (``1 - beta`` in double, as
+        torch.optim computes them); ``rest`` names the other fields."""
+        b1, b2 = betas
+        return cls(lr=lr, beta1=b1, beta2=b2, one_minus_beta1=1.0 - b1, one_minus_beta2=1.0 - b2, **rest)
 
     def values(self) -> list[float]:
         """The flat list the native step takes (the ops' ``hyper``)."""
@@ -118,10 +114,10 @@ def _tensor_width(args: StepArgs, i: int, device: Optional[torch.device]) -> int
     width, 8 or 32. The messages are built only when a check fails."""
     p, g = args.params[i], args.grads[i]
     if not (_plain(p, FLOAT_DTYPES, device) and _plain(g, (p.dtype,), device) and g.shape == p.shape):
-        check_input(f"params[{i}]", p, FLOAT_DTYPES)
-        check_input(f"grads[{i}]", g, (p.dtype,))
-        check(g.shape == p.shape, f"grads[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}")
-        check(p.device == device and g.device == device, f"params[{i}] and grads[{i}] must be on {device}")
+        _common.check_input(f"params[{i}]", p, FLOAT_DTYPES)
+        _common.check_input(f"grads[{i}]", g, (p.dtype,))
+        _common.check(g.shape == p.shape, f"grads[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}")
+        _common.check(p.device == device and g.device == device, f"params[{i}] and grads[{i}] must be on {device}")
     n = p.numel()
     states = (args.state1, args.state2, args.state3)[: args.n_states]
     absmaxes = (args.absmax1, args.absmax2, args.absmax3)
@@ -129,14 +125,20 @@ def _tensor_width(args: StepArgs, i: int, device: Optional[torch.device]) -> int
     for k, state in enumerate(states):
         s, a = state[i], absmaxes[k][i]
         if not (_plain(s, (torch.uint8, torch.float32), device) and s.numel() == n):
-            check_input(f"state{k + 1}[{i}]", s, (torch.uint8, torch.float32))
-            check(s.numel() == n and s.device == device, f"state{k + 1}[{i}] must have {n} elements on {device}")
-        check((s.dtype == torch.uint8) == (width == 8), f"the states of params[{i}] must all be 8-bit or all 32-bit")
+            _common.check_input(f"state{k + 1}[{i}]", s, (torch.uint8, torch.float32))
+            _common.check(
+                s.numel() == n and s.device == device, f"state{k + 1}[{i}] must have {n} elements on {device}"
+            )
+        _common.check(
+            (s.dtype == torch.uint8) == (width == 8), f"the states of params[{i}] must all be 8-bit or all 32-bit"
+        )
         if width == 8:
-            blocks = num_blocks(n, args.block_size)
+            blocks = _common.num_blocks(n, args.block_size)
             if not (_plain(a, (torch.float32,), device) and a.numel() == blocks):
-                check_input(f"absmax{k + 1}[{i}]", a, (torch.float32,))
-                check(a.numel() == blocks and a.device == device, f"absmax{k + 1}[{i}] must have {blocks} entries")
+                _common.check_input(f"absmax{k + 1}[{i}]", a, (torch.float32,))
+                _common.check(
+                    a.numel() == blocks and a.device == device, f"absmax{k + 1}[{i}] must have {blocks} entries"
+                )
     return width
 
 
@@ -144,36 +146,36 @@ def check_optimizer_step(args: StepArgs) -> list[int]:
     """The checks of ``lowbit::optimizer_step_``; returns each tensor's state width (8 or 32). An optimizer
     that steps several fused calls checks every one before the first one writes."""
     count = len(args.params)
-    check(0 <= args.n_states <= MAX_STATES, f"n_states must be 0 to {MAX_STATES}, got {args.n_states}")
-    check(args.norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {args.norm_mode}")
-    check_blocksize(args.block_size)
-    check(args.block_size > 0, "block_size must be positive for optimizer states")
-    check(
+    _common.check(0 <= args.n_states <= MAX_STATES, f"n_states must be 0 to {MAX_STATES}, got {args.n_states}")
+    _common.check(args.norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {args.norm_mode}")
+    _common.check_blocksize(args.block_size)
+    _common.check(args.block_size > 0, "block_size must be positive for optimizer states")
+    _common.check(
         len(args.hyper) == len(StepHyper._fields),
         f"hyper must hold {len(StepHyper._fields)} values, got {len(args.hyper)}",
     )
-    check(len(args.scalars) == SCALAR_COLS * count, "scalars must hold 3 values per tensor")
+    _common.check(len(args.scalars) == SCALAR_COLS * count, "scalars must hold 3 values per tensor")
     for name in ("grad_scales", "update_scales"):
         t = getattr(args, name)
         if t is not None:
-            check_input(name, t, (torch.float32,))
-            check(t.numel() == count, f"{name} must hold one value per tensor")
+            _common.check_input(name, t, (torch.float32,))
+            _common.check(t.numel() == count, f"{name} must hold one value per tensor")
     states = (args.state1, args.state2, args.state3)[: args.n_states]
     absmaxes = (args.absmax1, args.absmax2, args.absmax3)[: args.n_states]
     lists = [("grads", args.grads)]
     lists += [(f"state{k + 1}", lst) for k, lst in enumerate(states)]
     lists += [(f"absmax{k + 1}", lst) for k, lst in enumerate(absmaxes)]
     for name, lst in lists:
-        check(len(lst) == count, f"{name} has {len(lst)} tensors but params has {count}")
+        _common.check(len(lst) == count, f"{name} has {len(lst)} tensors but params has {count}")
     if not count:
         return []
     device = args.params[0].device
     widths = [_tensor_width(args, i, device) for i in range(count)]
     maps = {"map1": args.map1, "map2": args.map2, "map3": args.map3}
     scales = {name: getattr(args, name) for name in ("grad_scales", "update_scales") if getattr(args, name) is not None}
-    check_same_device("params[0]", args.params[0], **maps, **scales)
+    _common.check_same_device("params[0]", args.params[0], **maps, **scales)
     for t in maps.values():
-        check_map(t, 8)
+        _common.check_map(t, 8)
     return widths
 
 
@@ -194,12 +196,9 @@ def _call(args: StepArgs, norm_sums: Optional[Tensor]) -> None:
         rows.append(
             [p.data_ptr(), args.grads[i].data_ptr(), *ptrs, *amax, n, DTYPE_CODES[p.dtype], widths[i], first_block]
         )
-        first_block += num_blocks(n, args.block_size)
+        first_block += _common.num_blocks(n, args.block_size)
     device = args.params[0].device
-    meta = torch.tensor(rows, dtype=torch.int64).reshape(len(args.params), META_COLS)
-    scal = torch.tensor(args.scalars, dtype=torch.float32)
-    if device.type != "cpu":
-        meta, scal = (t.pin_memory().to(device, non_blocking=True) for t in (meta, scal))
+    meta, scal = _common.call_tables(rows, META_COLS, args.scalars, device)
     launch(_STEP, device)(
         args.rule,
         args.hyper,
@@ -225,7 +224,7 @@ def _step(*args: Any, **kwargs: Any) -> None:
     _call(StepArgs(*args, **kwargs), None)
 
 
-_step.__signature__ = op_signature(StepArgs)  # type: ignore[attr-defined]
+_step.__signature__ = _common.op_signature(StepArgs)  # type: ignore[attr-defined]
 optimizer_step_ = torch.library.custom_op("lowbit::optimizer_step_", _step, mutates_args=_MUTATED)
 
 
@@ -254,8 +253,8 @@ def _norms(*args: Any, **kwargs: Any) -> Tensor:
     scales to the step as ``update_scales`` (which this pre-pass does not take).
     """
     call = StepArgs(*args, **kwargs)
-    check(call.update_scales is None, "optimizer_norms computes the update scales; update_scales must be None")
-    check(
+    _common.check(call.update_scales is None, "optimizer_norms computes the update scales; update_scales must be None")
+    _common.check(
         call.norm_mode in (1, 2), f"norm_mode must be 1 (trust ratio) or 2 (max_unorm) for norms, got {call.norm_mode}"
     )
     device = call.params[0].device if call.params else torch.device("cpu")
@@ -264,7 +263,7 @@ def _norms(*args: Any, **kwargs: Any) -> Tensor:
     return sums
 
 
-_norms.__signature__ = op_signature(StepArgs).replace(return_annotation=Tensor)  # type: ignore[attr-defined]
+_norms.__signature__ = _common.op_signature(StepArgs).replace(return_annotation=Tensor)  # type: ignore[attr-defined]
 optimizer_norms = torch.library.custom_op("lowbit::optimizer_norms", _norms, mutates_args=())
 
 

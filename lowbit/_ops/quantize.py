@@ -8,22 +8,8 @@ from torch import Tensor
 
 from lowbit import _C
 from lowbit._checks import MAX_LINEAR_BITS
-from lowbit._ops._common import (
-    DTYPE_CODES,
-    FLOAT_DTYPES,
-    Kernel,
-    check,
-    check_absmax,
-    check_blocksize,
-    check_codes,
-    check_input,
-    check_map,
-    check_rng,
-    check_same_device,
-    launch,
-    num_blocks,
-    packed_bytes,
-)
+from lowbit._ops import _common
+from lowbit._ops._common import DTYPE_CODES, FLOAT_DTYPES, Kernel, launch
 
 _QUANTIZE = Kernel(_C.quantize_cpu, lambda: _C.quantize_cuda)
 _DEQUANTIZE = Kernel(_C.dequantize_cpu, lambda: _C.dequantize_cuda)
@@ -35,8 +21,8 @@ def _quantize(
     x: Tensor, code: Tensor | None, bits: int, blocksize: int, stochastic: bool, seed: int, offset: int
 ) -> tuple[Tensor, Tensor]:
     n = x.numel()
-    out = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=x.device)
-    absmax = torch.empty(num_blocks(n, blocksize), dtype=torch.float32, device=x.device)
+    out = torch.empty(_common.packed_bytes(n, bits), dtype=torch.uint8, device=x.device)
+    absmax = torch.empty(_common.num_blocks(n, blocksize), dtype=torch.float32, device=x.device)
     if n > 0:
         map_ptr, map_n = (code.data_ptr(), code.numel()) if code is not None else (0, 0)
         launch(_QUANTIZE, x.device)(
@@ -86,19 +72,19 @@ def quantize_blockwise(
     one fp32 absmax per block. Stochastic rounding draws element ``i`` from counter ``offset + i``
     of the stream keyed by ``seed``.
     """
-    check_input("x", x, FLOAT_DTYPES)
-    check_map(code, bits)
-    check_same_device("x", x, code=code)
-    check_blocksize(blocksize)
-    check_rng(seed, offset)
+    _common.check_input("x", x, FLOAT_DTYPES)
+    _common.check_map(code, bits)
+    _common.check_same_device("x", x, code=code)
+    _common.check_blocksize(blocksize)
+    _common.check_rng(seed, offset)
     return _quantize(x, code, bits, blocksize, stochastic, seed, offset)
 
 
 def _fake_quantized(x: Tensor, bits: int, blocksize: int) -> tuple[Tensor, Tensor]:
     n = x.numel()
     return (
-        x.new_empty(packed_bytes(n, bits), dtype=torch.uint8),
-        x.new_empty(num_blocks(n, blocksize), dtype=torch.float32),
+        x.new_empty(_common.packed_bytes(n, bits), dtype=torch.uint8),
+        x.new_empty(_common.num_blocks(n, blocksize), dtype=torch.float32),
     )
 
 
@@ -114,12 +100,12 @@ def dequantize_blockwise(
     codes: Tensor, absmax: Tensor, code: Tensor, bits: int, blocksize: int, numel: int, dtype: torch.dtype
 ) -> Tensor:
     """Inverse of :func:`quantize_blockwise`: a flat tensor of ``numel`` elements of ``dtype``."""
-    check_map(code, bits)
-    check_blocksize(blocksize)
-    check(dtype in FLOAT_DTYPES, f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    check_codes("codes", codes, numel, bits)
-    check_absmax(absmax, numel, blocksize)
-    check_same_device("codes", codes, absmax=absmax, code=code)
+    _common.check_map(code, bits)
+    _common.check_blocksize(blocksize)
+    _common.check(dtype in FLOAT_DTYPES, f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    _common.check_codes("codes", codes, numel, bits)
+    _common.check_absmax(absmax, numel, blocksize)
+    _common.check_same_device("codes", codes, absmax=absmax, code=code)
     return _dequantize(codes, absmax, code, bits, blocksize, numel, dtype)
 
 
@@ -137,10 +123,10 @@ def quantize_linear(
     Element codes are ``q + qmax`` with ``q = round(xn * qmax)``, ``qmax = 2**(bits-1) - 1``, where
     ``xn = x * (1 / absmax)`` (exactly +-1 at the absmax element), bit-packed. Returns ``(packed, absmax)``.
     """
-    check_input("x", x, FLOAT_DTYPES)
-    check(2 <= bits <= MAX_LINEAR_BITS, f"bits must be in 2..{MAX_LINEAR_BITS}, got {bits}")
-    check_blocksize(blocksize)
-    check_rng(seed, offset)
+    _common.check_input("x", x, FLOAT_DTYPES)
+    _common.check(2 <= bits <= MAX_LINEAR_BITS, f"bits must be in 2..{MAX_LINEAR_BITS}, got {bits}")
+    _common.check_blocksize(blocksize)
+    _common.check_rng(seed, offset)
     return _quantize(x, None, bits, blocksize, stochastic, seed, offset)
 
 
@@ -154,12 +140,12 @@ def dequantize_linear(
     codes: Tensor, absmax: Tensor, bits: int, blocksize: int, numel: int, dtype: torch.dtype
 ) -> Tensor:
     """Inverse of :func:`quantize_linear`: a flat tensor of ``numel`` elements of ``dtype``."""
-    check(2 <= bits <= MAX_LINEAR_BITS, f"bits must be in 2..{MAX_LINEAR_BITS}, got {bits}")
-    check_blocksize(blocksize)
-    check(dtype in FLOAT_DTYPES, f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    check_codes("codes", codes, numel, bits)
-    check_absmax(absmax, numel, blocksize)
-    check_same_device("codes", codes, absmax=absmax)
+    _common.check(2 <= bits <= MAX_LINEAR_BITS, f"bits must be in 2..{MAX_LINEAR_BITS}, got {bits}")
+    _common.check_blocksize(blocksize)
+    _common.check(dtype in FLOAT_DTYPES, f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    _common.check_codes("codes", codes, numel, bits)
+    _common.check_absmax(absmax, numel, blocksize)
+    _common.check_same_device("codes", codes, absmax=absmax)
     return _dequantize(codes, absmax, None, bits, blocksize, numel, dtype)
 
 
@@ -171,10 +157,10 @@ def _(codes: Tensor, absmax: Tensor, bits: int, blocksize: int, numel: int, dtyp
 @torch.library.custom_op("lowbit::pack_bits", mutates_args=())
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
     """Packs uint8 codes (each below ``2**bits``) into ``ceil(numel*bits/8)`` bytes, LSB first."""
-    check_input("codes", codes, (torch.uint8,))
-    check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
+    _common.check_input("codes", codes, (torch.uint8,))
+    _common.check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
     n = codes.numel()
-    out = torch.empty(packed_bytes(n, bits), dtype=torch.uint8, device=codes.device)
+    out = torch.empty(_common.packed_bytes(n, bits), dtype=torch.uint8, device=codes.device)
     if n > 0:
         launch(_PACK_BITS, codes.device)(codes.data_ptr(), out.data_ptr(), n, bits)
     return out
@@ -182,15 +168,15 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
 
 @pack_bits.register_fake
 def _(codes: Tensor, bits: int) -> Tensor:
-    return codes.new_empty(packed_bytes(codes.numel(), bits))
+    return codes.new_empty(_common.packed_bytes(codes.numel(), bits))
 
 
 @torch.library.custom_op("lowbit::unpack_bits", mutates_args=())
 def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
     """Inverse of :func:`pack_bits`: ``numel`` uint8 codes."""
-    check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
-    check(numel >= 0, f"numel must be non-negative, got {numel}")
-    check_codes("packed", packed, numel, bits)
+    _common.check(1 <= bits <= 8, f"bits must be in 1..8, got {bits}")
+    _common.check(numel >= 0, f"numel must be non-negative, got {numel}")
+    _common.check_codes("packed", packed, numel, bits)
     out = torch.empty(numel, dtype=torch.uint8, device=packed.device)
     if numel > 0:
         launch(_UNPACK_BITS, packed.device)(packed.data_ptr(), out.data_ptr(), numel, bits)

@@ -49,14 +49,15 @@ def _rule_step(
     when ``s3`` is given."""
     if s3 is not None:
         return _rule_step3(rule, h, flags, sc, p, g, s1, s2, s3)
-    lr, b1, b2, omb1, omb2 = (
-        float(h.lr),
-        float(h.beta1),
-        float(h.beta2),
-        float(h.one_minus_beta1),
-        float(h.one_minus_beta2),
+    lr, b1, b2, omb1, omb2, eps, wd = (
+        h.lr,
+        h.beta1,
+        h.beta2,
+        h.one_minus_beta1,
+        h.one_minus_beta2,
+        h.eps,
+        h.weight_decay,
     )
-    eps, wd = float(h.eps), float(h.weight_decay)
     step_size, bias2_sqrt, first = float(sc[0]), float(sc[1]), bool(sc[2])
     f32 = torch.float32
     if rule in (_RULE_ADAM, _RULE_LAMB):
@@ -100,14 +101,15 @@ def _rule_step3(
     rule: int, h: StepHyper, flags: int, sc: Tensor, p: Tensor, g: Tensor, s1: Tensor, s2: Tensor, s3: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(u, s1, s2, s3) of optim_rules.h's rules that keep up to three states."""
-    lr, b1, b2, omb1, omb2 = (
-        float(h.lr),
-        float(h.beta1),
-        float(h.beta2),
-        float(h.one_minus_beta1),
-        float(h.one_minus_beta2),
+    lr, b1, b2, omb1, omb2, eps, wd = (
+        h.lr,
+        h.beta1,
+        h.beta2,
+        h.one_minus_beta1,
+        h.one_minus_beta2,
+        h.eps,
+        h.weight_decay,
     )
-    eps, wd = float(h.eps), float(h.weight_decay)
     f32 = torch.float32
     if rule == _RULE_AMSGRAD:
         if wd != 0 and not flags & _DECOUPLED:
@@ -165,7 +167,7 @@ def optimizer_step_(*args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("the reference step computes the norm modes' scales itself")
     params, grads, scalars, grad_scales = a.params, a.grads, a.scalars, a.grad_scales
     rule, flags, norm_mode, n_states, block_size = a.rule, a.flags, a.norm_mode, a.n_states, a.block_size
-    hyper = StepHyper(*a.hyper)
+    hyper = StepHyper(*map(float, a.hyper))
     states, absmaxes, maps = [a.state1, a.state2, a.state3], [a.absmax1, a.absmax2, a.absmax3], [a.map1, a.map2, a.map3]
     f32 = torch.float32
     for i, p in enumerate(params):
@@ -193,15 +195,15 @@ def optimizer_step_(*args: Any, **kwargs: Any) -> None:
         scale = 1.0
         if norm_mode != 0:
             p_norm, u_norm = float(pf.double().norm()), float(u.double().norm())
-            lr, max_unorm = float(hyper.lr), float(hyper.max_unorm)
+            lr, max_unorm = hyper.lr, hyper.max_unorm
             if math.isnan(p_norm) or math.isnan(u_norm):
                 scale = math.nan
             elif norm_mode == 1 and p_norm > 0 and u_norm > 0:
                 scale = p_norm * lr / u_norm
             elif norm_mode == 2 and p_norm > 0 and u_norm > max_unorm * p_norm * lr:
                 scale = max_unorm * p_norm * lr / u_norm
-        if float(hyper.weight_decay) != 0 and flags & _DECOUPLED:
-            pf = pf * torch.tensor(float(hyper.decay), dtype=f32)
+        if hyper.weight_decay != 0 and flags & _DECOUPLED:
+            pf = pf * torch.tensor(hyper.decay, dtype=f32)
         pf = pf - torch.tensor(scale, dtype=f32) * u
         p.data.copy_(pf.reshape(p.shape).to(p.dtype))
         new_states = updated[:n_states]
@@ -241,7 +243,7 @@ def lpmm_step_(*args: Any, **kwargs: Any) -> None:
     params, param_absmax, grads, grad_absmax = a.params, a.param_absmax, a.grads, a.grad_absmax
     rule, flags, n_states, group_size, seed = a.rule, a.flags, a.n_states, a.group_size, a.seed
     param_bits, grad_bits, state_bits = a.param_bits, a.grad_bits, a.state_bits
-    hyper = StepHyper(*a.hyper)
+    hyper = StepHyper(*map(float, a.hyper))
     f32 = torch.float32
     states, absmaxes, maps = [a.state1, a.state2], [a.absmax1, a.absmax2], [a.map1, a.map2]
     root = _second_moment_slot(rule)
@@ -258,8 +260,8 @@ def lpmm_step_(*args: Any, **kwargs: Any) -> None:
         values[root] = values[root] * values[root] if root >= 0 else values[root]
         sc = torch.tensor(a.scalars[3 * i : 3 * i + 3], dtype=f32)
         u, s1, s2 = _rule_step(rule, hyper, flags, sc, p, g, values[0], values[1])
-        if float(hyper.weight_decay) != 0 and flags & _DECOUPLED:
-            p = p * torch.tensor(float(hyper.decay), dtype=f32)
+        if hyper.weight_decay != 0 and flags & _DECOUPLED:
+            p = p * torch.tensor(hyper.decay, dtype=f32)
         p = p - u
         codes, amax = quantize_linear(p, param_bits, group_size, a.stochastic_param, _lpmm_stream_seed(seed, 0), offset)
         params[i].copy_(codes)

@@ -8,25 +8,6 @@ from lowbit.optim.optimizer import LowbitOptimizer, Params
 from lowbit.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
 from lowbit.optim.trust_ratio import LAMB, LARS
 
-__all__ = [
-    "Adagrad8bit",
-    "Adagrad32bit",
-    "Adam8bit",
-    "Adam32bit",
-    "AdamW8bit",
-    "AdamW32bit",
-    "LAMB8bit",
-    "LAMB32bit",
-    "LARS8bit",
-    "LARS32bit",
-    "Lion8bit",
-    "Lion32bit",
-    "RMSprop8bit",
-    "RMSprop32bit",
-    "SGD8bit",
-    "SGD32bit",
-]
-
 
 def _fixed_bits(base: type[LowbitOptimizer], bits: int) -> type[LowbitOptimizer]:
     """``base`` with ``optim_bits`` fixed (the ``X8bit`` / ``X32bit`` classes)."""

@@ -423,17 +423,8 @@ class LPMMAdamW(LPMMOptimizer):
         super().__init__(params, defaults, **options)
 
     def _hyper(self, group: dict[str, Any]) -> tuple[StepHyper, int]:
-        lr, (b1, b2), wd = plain_lr(group["lr"]), group["betas"], group["weight_decay"]
-        hyper = StepHyper(
-            lr=lr,
-            beta1=b1,
-            beta2=b2,
-            one_minus_beta1=1.0 - b1,
-            one_minus_beta2=1.0 - b2,
-            eps=group["eps"],
-            weight_decay=wd,
-            decay=decay_factor(lr, wd),
-        )
+        lr, wd = plain_lr(group["lr"]), group["weight_decay"]
+        hyper = StepHyper.with_betas(lr, group["betas"], eps=group["eps"], weight_decay=wd, decay=decay_factor(lr, wd))
         return hyper, FLAG_DECOUPLED
 
     def _scalars(self, group: dict[str, Any], step: int) -> list[float]:

@@ -59,16 +59,8 @@ class LAMB(LowbitOptimizer):
         super().__init__(params, defaults, **options)
 
     def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
-        lr, (b1, b2), wd = config["lr"], config["betas"], config["weight_decay"]
-        hyper = StepHyper(
-            lr=lr,
-            beta1=b1,
-            beta2=b2,
-            one_minus_beta1=1.0 - b1,
-            one_minus_beta2=1.0 - b2,
-            eps=config["eps"],
-            weight_decay=wd,
-        )
+        lr, wd = config["lr"], config["weight_decay"]
+        hyper = StepHyper.with_betas(lr, config["betas"], eps=config["eps"], weight_decay=wd)
         return hyper, step_flags(config)
 
     def _step_scalars(self, config: dict[str, Any], step: int) -> tuple[float, float, float]:
