@@ -97,49 +97,67 @@ class StepArgs(NamedTuple):
 _MUTATED = ("params", "state1", "state2", "state3", "absmax1", "absmax2", "absmax3")
 
 
-def _plain(t: Any, dtypes: tuple[torch.dtype, ...], device: Optional[torch.device]) -> bool:
-    """``t`` is a contiguous plain tensor of one of ``dtypes`` on ``device``: the common case, tested
-    without building any message."""
-    return (
-        isinstance(t, Tensor)
-        and not is_traceable_wrapper_subclass(t)
-        and t.dtype in dtypes
-        and t.device == device
-        and t.is_contiguous()
-    )
-
-
-def _tensor_width(args: StepArgs, i: int, device: Optional[torch.device]) -> int:
-    """Checks tensor ``i`` of the step (its parameter, gradient, states and absmaxes) and returns its state
-    width, 8 or 32. The messages are built only when a check fails."""
-    p, g = args.params[i], args.grads[i]
-    if not (_plain(p, FLOAT_DTYPES, device) and _plain(g, (p.dtype,), device) and g.shape == p.shape):
-        _common.check_input(f"params[{i}]", p, FLOAT_DTYPES)
-        _common.check_input(f"grads[{i}]", g, (p.dtype,))
-        _common.check(g.shape == p.shape, f"grads[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}")
-        _common.check(p.device == device and g.device == device, f"params[{i}] and grads[{i}] must be on {device}")
-    n = p.numel()
-    states = (args.state1, args.state2, args.state3)[: args.n_states]
-    absmaxes = (args.absmax1, args.absmax2, args.absmax3)
-    width = 8 if states and isinstance(states[0][i], Tensor) and states[0][i].dtype == torch.uint8 else 32
-    for k, state in enumerate(states):
-        s, a = state[i], absmaxes[k][i]
-        if not (_plain(s, (torch.uint8, torch.float32), device) and s.numel() == n):
-            _common.check_input(f"state{k + 1}[{i}]", s, (torch.uint8, torch.float32))
+def _tensor_widths(
+    params: list[Any], grads: list[Any], states: list[list[Any]], absmaxes: list[list[Any]], block_size: int
+) -> list[int]:
+    """Checks every tensor of a step (parameters, gradients, and the states and absmaxes in use) and returns
+    each one's state width, 8 or 32. Each rule is one condition, written out inline (this runs for every
+    tensor of every step); the message, and the type check that names what is wrong, are built only when it
+    fails."""
+    device = params[0].device
+    num_blocks = _common.num_blocks
+    widths = []
+    for i, p in enumerate(params):
+        g = grads[i]
+        if not (
+            isinstance(p, Tensor)
+            and isinstance(g, Tensor)
+            and not is_traceable_wrapper_subclass(p)
+            and not is_traceable_wrapper_subclass(g)
+            and p.dtype in DTYPE_CODES
+            and g.dtype == p.dtype
+            and g.shape == p.shape
+            and p.device == device
+            and g.device == device
+            and p.is_contiguous()
+            and g.is_contiguous()
+        ):
+            _common.check_input(f"params[{i}]", p, FLOAT_DTYPES)
+            _common.check_input(f"grads[{i}]", g, (p.dtype,))
             _common.check(
-                s.numel() == n and s.device == device, f"state{k + 1}[{i}] must have {n} elements on {device}"
+                g.shape == p.shape, f"grads[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}"
             )
-        _common.check(
-            (s.dtype == torch.uint8) == (width == 8), f"the states of params[{i}] must all be 8-bit or all 32-bit"
-        )
-        if width == 8:
-            blocks = _common.num_blocks(n, args.block_size)
-            if not (_plain(a, (torch.float32,), device) and a.numel() == blocks):
-                _common.check_input(f"absmax{k + 1}[{i}]", a, (torch.float32,))
+            _common.check(False, f"params[{i}] and grads[{i}] must be on {device}")
+        n = p.numel()
+        eight = bool(states) and isinstance(states[0][i], Tensor) and states[0][i].dtype == torch.uint8
+        for k, state in enumerate(states):
+            s = state[i]
+            if not (
+                isinstance(s, Tensor)
+                and not is_traceable_wrapper_subclass(s)
+                and s.dtype == (torch.uint8 if eight else torch.float32)
+                and s.numel() == n
+                and s.device == device
+                and s.is_contiguous()
+            ):
+                _common.check_input(f"state{k + 1}[{i}]", s, (torch.uint8, torch.float32))
                 _common.check(
-                    a.numel() == blocks and a.device == device, f"absmax{k + 1}[{i}] must have {blocks} entries"
+                    s.numel() == n and s.device == device, f"state{k + 1}[{i}] must have {n} elements on {device}"
                 )
-    return width
+                _common.check(False, f"the states of params[{i}] must all be 8-bit or all 32-bit")
+            a = absmaxes[k][i]
+            if eight and not (
+                isinstance(a, Tensor)
+                and a.dtype == torch.float32
+                and a.numel() == num_blocks(n, block_size)
+                and a.device == device
+                and a.is_contiguous()
+            ):
+                _common.check_input(f"absmax{k + 1}[{i}]", a, (torch.float32,))
+                blocks = num_blocks(n, block_size)
+                _common.check(False, f"absmax{k + 1}[{i}] must have {blocks} entries")
+        widths.append(8 if eight else 32)
+    return widths
 
 
 def check_optimizer_step(args: StepArgs) -> list[int]:
@@ -169,8 +187,7 @@ def check_optimizer_step(args: StepArgs) -> list[int]:
         _common.check(len(lst) == count, f"{name} has {len(lst)} tensors but params has {count}")
     if not count:
         return []
-    device = args.params[0].device
-    widths = [_tensor_width(args, i, device) for i in range(count)]
+    widths = _tensor_widths(args.params, args.grads, states, absmaxes, args.block_size)
     maps = {"map1": args.map1, "map2": args.map2, "map3": args.map3}
     scales = {name: getattr(args, name) for name in ("grad_scales", "update_scales") if getattr(args, name) is not None}
     _common.check_same_device("params[0]", args.params[0], **maps, **scales)
@@ -186,17 +203,15 @@ def _call(args: StepArgs, norm_sums: Optional[Tensor]) -> None:
         return
     states = (args.state1, args.state2, args.state3)
     absmaxes = (args.absmax1, args.absmax2, args.absmax3)
-    n_states = args.n_states
+    n_states, block_size, grads, num_blocks = args.n_states, args.block_size, args.grads, _common.num_blocks
     rows = []
     first_block = 0
     for i, p in enumerate(args.params):
         ptrs = [states[k][i].data_ptr() if k < n_states else 0 for k in range(MAX_STATES)]
         amax = [absmaxes[k][i].data_ptr() if k < n_states and widths[i] == 8 else 0 for k in range(MAX_STATES)]
         n = p.numel()
-        rows.append(
-            [p.data_ptr(), args.grads[i].data_ptr(), *ptrs, *amax, n, DTYPE_CODES[p.dtype], widths[i], first_block]
-        )
-        first_block += _common.num_blocks(n, args.block_size)
+        rows.append([p.data_ptr(), grads[i].data_ptr(), *ptrs, *amax, n, DTYPE_CODES[p.dtype], widths[i], first_block])
+        first_block += num_blocks(n, block_size)
     device = args.params[0].device
     meta, scal = _common.call_tables(rows, META_COLS, args.scalars, device)
     launch(_STEP, device)(

@@ -49,15 +49,8 @@ def _rule_step(
     when ``s3`` is given."""
     if s3 is not None:
         return _rule_step3(rule, h, flags, sc, p, g, s1, s2, s3)
-    lr, b1, b2, omb1, omb2, eps, wd = (
-        h.lr,
-        h.beta1,
-        h.beta2,
-        h.one_minus_beta1,
-        h.one_minus_beta2,
-        h.eps,
-        h.weight_decay,
-    )
+    lr, b1, b2, eps, wd = h.lr, h.beta1, h.beta2, h.eps, h.weight_decay
+    omb1, omb2 = h.one_minus_beta1, h.one_minus_beta2
     step_size, bias2_sqrt, first = float(sc[0]), float(sc[1]), bool(sc[2])
     f32 = torch.float32
     if rule in (_RULE_ADAM, _RULE_LAMB):
@@ -101,15 +94,8 @@ def _rule_step3(
     rule: int, h: StepHyper, flags: int, sc: Tensor, p: Tensor, g: Tensor, s1: Tensor, s2: Tensor, s3: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(u, s1, s2, s3) of optim_rules.h's rules that keep up to three states."""
-    lr, b1, b2, omb1, omb2, eps, wd = (
-        h.lr,
-        h.beta1,
-        h.beta2,
-        h.one_minus_beta1,
-        h.one_minus_beta2,
-        h.eps,
-        h.weight_decay,
-    )
+    lr, b1, b2, eps, wd = h.lr, h.beta1, h.beta2, h.eps, h.weight_decay
+    omb1, omb2 = h.one_minus_beta1, h.one_minus_beta2
     f32 = torch.float32
     if rule == _RULE_AMSGRAD:
         if wd != 0 and not flags & _DECOUPLED:
