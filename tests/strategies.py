@@ -8,10 +8,14 @@ values per array), while nearly every element of these arrays is distinct, and t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
+from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.conftest import BLOCKSIZES, DTYPES
 
 KINDS = ("wide", "heavy", "normal")
 # Odd sizes (one element, around a 4096 block, no multiple of a block) besides 64..3000; hypothesis
@@ -111,3 +115,23 @@ def linear_ties(bits: int, dtype: torch.dtype) -> np.ndarray:
     cand = np.concatenate([near, np.nextafter(near, np.float32(2)), np.nextafter(near, np.float32(-2))])
     hit = cand[np.isin(cand * np.float32(qmax), half.astype(np.float32))].astype(np.float64)
     return np.unique(hit[_representable(hit, dtype)])
+
+
+def quantizer_examples(max_bits: int, **extra: st.SearchStrategy) -> Callable[[Callable], Callable]:
+    """The ``@settings`` and ``@given`` of a quantizer property test: it gets ``case`` (:func:`float_cases`),
+    ``dtype``, ``blocksize`` (one of tests/conftest.py's), ``bits`` (2 to ``max_bits``), ``extra``, then a
+    rounding ``seed``, drawn in that order. Examples are cheap: five times the profile's budget (300 under the
+    default profile)."""
+    draws = dict(
+        case=float_cases(),
+        dtype=st.sampled_from(DTYPES),
+        blocksize=st.sampled_from(BLOCKSIZES),
+        bits=st.integers(2, max_bits),
+        **extra,
+        seed=st.integers(0, 2**63 - 2),
+    )
+
+    def decorate(test: Callable) -> Callable:
+        return settings(max_examples=5 * settings().max_examples)(given(**draws)(test))
+
+    return decorate

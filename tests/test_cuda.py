@@ -139,15 +139,12 @@ def test_lpmm_accumulate_identical_on_cpu_and_cuda(dtype, bits, group, stochasti
     _exact(absmax, ga)
 
 
-@pytest.mark.parametrize("rule,n_states", [(1, 1), (1, 0), (0, 2)])
-@pytest.mark.parametrize("bits", [(12, 8, 8), (16, 4, 4), (5, 13, 6)])
-@pytest.mark.parametrize("group", [64, 256, 2048, 4096])
-def test_lpmm_step_identical_on_cpu_and_cuda(rule, n_states, bits, group):
+def _lpmm_step_identical(sizes: list[int], **kw: int) -> None:
+    """One lowbit::lpmm_step_ on tensors of ``sizes`` (tests/test_lpmm_ops.py's ``_step_args(sizes, **kw)``)
+    on the CPU and on CUDA: afterwards its eight lists of codes and absmax (parameters, gradients, states)
+    must agree bit for bit."""
     from tests.test_lpmm_ops import _step_args
 
-    pb, gb, sb = bits
-    kw = dict(rule=rule, param_bits=pb, grad_bits=gb, state_bits=sb, group=group, n_states=n_states, seed=5)
-    sizes = [1, 4095, 4097, 300_000]
     cpu = _step_args(sizes, **kw)
     gpu = _step_args(sizes, device="cuda", **kw)
     _ops.lpmm_step_(*cpu)
@@ -155,6 +152,15 @@ def test_lpmm_step_identical_on_cpu_and_cuda(rule, n_states, bits, group):
     for a, b in zip(cpu[:8], gpu[:8], strict=True):
         for x, y in zip(a, b, strict=True):
             _exact(x, y)
+
+
+@pytest.mark.parametrize("rule,n_states", [(1, 1), (1, 0), (0, 2)])
+@pytest.mark.parametrize("bits", [(12, 8, 8), (16, 4, 4), (5, 13, 6)])
+@pytest.mark.parametrize("group", [64, 256, 2048, 4096])
+def test_lpmm_step_identical_on_cpu_and_cuda(rule, n_states, bits, group):
+    pb, gb, sb = bits
+    kw = dict(rule=rule, param_bits=pb, grad_bits=gb, state_bits=sb, group=group, n_states=n_states, seed=5)
+    _lpmm_step_identical([1, 4095, 4097, 300_000], **kw)
 
 
 def test_lpmm_training_identical_on_cpu_and_cuda():
@@ -235,16 +241,7 @@ def test_empty_parameters_step_on_cuda(name):
 
 
 def test_empty_lpmm_step_on_cuda():
-    from tests.test_lpmm_ops import _step_args
-
-    kw = dict(rule=1, param_bits=12, grad_bits=8, state_bits=8, group=256, n_states=1, seed=5)
-    cpu = _step_args([0, 300], **kw)
-    gpu = _step_args([0, 300], device="cuda", **kw)
-    _ops.lpmm_step_(*cpu)
-    _ops.lpmm_step_(*gpu)
-    for a, b in zip(cpu[:8], gpu[:8], strict=True):
-        for x, y in zip(a, b, strict=True):
-            _exact(x, y)
+    _lpmm_step_identical([0, 300], rule=1, param_bits=12, grad_bits=8, state_bits=8, group=256, n_states=1, seed=5)
 
 
 def test_empty_tensors_through_the_ops_on_cuda():

@@ -70,16 +70,22 @@ def _pair(cls: type, tcls: type, kw: dict, p0: torch.Tensor, **lowbit_kw) -> tup
     return a, b, cls([a], **kw, **lowbit_kw), tcls([b], foreach=False, **kw)
 
 
-@pytest.mark.parametrize(("name", "tcls", "kw"), CASES, ids=IDS)
-@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 20000])
-def test_fp32_states_match_torch(name, tcls, kw, n):
-    gen = torch.Generator().manual_seed(n)
+def _stepped_pair(cls: type, tcls: type, kw: dict, gen: torch.Generator, n: int, steps: int) -> tuple:
+    """p0 (n elements drawn from ``gen``, times 0.1) and :func:`_pair`'s four after ``steps`` steps of both
+    optimizers on the same gradients (:func:`_grad`)."""
     p0 = torch.randn(n, generator=gen) * 0.1
-    a, b, oa, ob = _pair(getattr(O, f"{name}32bit"), tcls, kw, p0)
-    for _ in range(30):
+    a, b, oa, ob = _pair(cls, tcls, kw, p0)
+    for _ in range(steps):
         a.grad = b.grad = _grad(gen, n)
         oa.step()
         ob.step()
+    return p0, a, b, oa, ob
+
+
+@pytest.mark.parametrize(("name", "tcls", "kw"), CASES, ids=IDS)
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, 20000])
+def test_fp32_states_match_torch(name, tcls, kw, n):
+    _, a, b, _, _ = _stepped_pair(getattr(O, f"{name}32bit"), tcls, kw, torch.Generator().manual_seed(n), n, 30)
     # Same fp32 formulas as torch.optim's single-tensor path, up to the order of a few products
     # (measured: at most 2e-6 absolute after 30 steps, on parameters of size ~0.1-10).
     torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-5)
@@ -87,6 +93,23 @@ def test_fp32_states_match_torch(name, tcls, kw, n):
 
 def _relative(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x - ref).norm() / ref.norm())
+
+
+def _resynced_step_error(
+    a: nn.Parameter, b: nn.Parameter, oa: torch.optim.Optimizer, ob: torch.optim.Optimizer, grad: torch.Tensor
+) -> float:
+    """The relative error of one step of ``oa`` on ``a`` against torch's ``ob`` on ``b``, both stepped with
+    ``grad`` after ``a`` and ``oa``'s state are set to ``b`` and ``ob``'s (so only this step's quantization
+    error is left)."""
+    with torch.no_grad():
+        a.copy_(b)
+    if ob.state[b]:
+        oa.load_dequantized_state(a, ob.state[b])
+    before = b.detach().clone()
+    a.grad = b.grad = grad
+    oa.step()
+    ob.step()
+    return _relative(a.detach() - before, b.detach() - before)
 
 
 @pytest.mark.parametrize(("name", "tcls", "kw"), CASES, ids=IDS)
@@ -100,15 +123,7 @@ def test_8bit_states_per_step_error(name, tcls, kw):
         gen = torch.Generator().manual_seed(seed)
         a, b, oa, ob = _pair(getattr(O, f"{name}8bit"), tcls, kw, torch.randn(n, generator=gen) * 0.1)
         for _ in range(20):
-            with torch.no_grad():
-                a.copy_(b)
-            if ob.state[b]:
-                oa.load_dequantized_state(a, ob.state[b])
-            before = b.detach().clone()
-            a.grad = b.grad = _grad(gen, n)
-            oa.step()
-            ob.step()
-            assert _relative(a.detach() - before, b.detach() - before) < BOUNDS.get(name, DEFAULT_BOUNDS)[0]
+            assert _resynced_step_error(a, b, oa, ob, _grad(gen, n)) < BOUNDS.get(name, DEFAULT_BOUNDS)[0]
 
 
 @pytest.mark.parametrize(("name", "tcls", "kw"), CASES, ids=IDS)
@@ -117,13 +132,7 @@ def test_8bit_states_drift_over_100_steps(name, tcls, kw):
     # fraction of how far torch moved them, after 100 steps (3 seeds): at most 3.1% (Adam); bound 6%
     # (BOUNDS).
     n = 20000
-    gen = torch.Generator().manual_seed(7)
-    p0 = torch.randn(n, generator=gen) * 0.1
-    a, b, oa, ob = _pair(getattr(O, f"{name}8bit"), tcls, kw, p0)
-    for _ in range(100):
-        a.grad = b.grad = _grad(gen, n)
-        oa.step()
-        ob.step()
+    p0, a, b, oa, _ = _stepped_pair(getattr(O, f"{name}8bit"), tcls, kw, torch.Generator().manual_seed(7), n, 100)
     if "state1" in oa.state[a]:  # plain SGD keeps no state
         assert oa.state[a]["state1"].dtype == torch.uint8
     assert _relative(a.detach() - p0, b.detach() - p0) < BOUNDS.get(name, DEFAULT_BOUNDS)[1]

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import lowbit
@@ -16,7 +15,7 @@ from lowbit import _reference as R
 from lowbit import functional as F
 from lowbit._reference import quantize as reference_quantize
 from tests.conftest import BLOCKSIZES, DTYPES, sample
-from tests.strategies import FloatCase, float_cases, map_ties
+from tests.strategies import FloatCase, map_ties, quantizer_examples
 
 SIZES = [1, 7, 64, 4095, 4097, 10007]
 DISTS = ["normal", "uniform", "heavy"]
@@ -262,16 +261,7 @@ def test_quant_state_saves_and_loads_with_weights_only(tmp_path):
     assert loaded["state"].shape == x.shape and loaded["state"].dtype == torch.bfloat16
 
 
-# Cheap examples: five times the profile's budget (300 under the default profile).
-@settings(max_examples=5 * settings().max_examples)
-@given(
-    case=float_cases(),
-    dtype=st.sampled_from(DTYPES),
-    blocksize=st.sampled_from(BLOCKSIZES),
-    bits=st.integers(2, 8),
-    signed=st.booleans(),
-    seed=st.integers(0, 2**63 - 2),
-)
+@quantizer_examples(max_bits=8, signed=st.booleans())
 def test_property_matches_reference_and_oracle(case, dtype, blocksize, bits, signed, seed):
     code = F.create_dynamic_map(signed=signed, total_bits=bits)
     x = case.tensor(dtype, blocksize, map_ties(code, dtype))

@@ -7,14 +7,12 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from lowbit import _ops
 from lowbit import _reference as R
 from lowbit import functional as F
-from tests.conftest import BLOCKSIZES, DTYPES, sample
-from tests.strategies import float_cases, linear_ties
+from tests.conftest import DTYPES, sample
+from tests.strategies import linear_ties, quantizer_examples
 
 BITS = list(range(2, 17))
 
@@ -135,15 +133,7 @@ def test_state_round_trip_and_empty():
     assert codes.numel() == 0 and F.dequantize_linear(codes, state).numel() == 0
 
 
-# Cheap examples: five times the profile's budget (300 under the default profile).
-@settings(max_examples=5 * settings().max_examples)
-@given(
-    case=float_cases(),
-    dtype=st.sampled_from(DTYPES),
-    blocksize=st.sampled_from(BLOCKSIZES),
-    bits=st.integers(2, 16),
-    seed=st.integers(0, 2**63 - 2),
-)
+@quantizer_examples(max_bits=16)
 def test_property_matches_reference(case, dtype, blocksize, bits, seed):
     x = case.tensor(dtype, blocksize, linear_ties(bits, dtype))
     bs = blocksize or 0

@@ -7,6 +7,8 @@ not recompile when a scheduler changes the learning rate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch._dynamo
@@ -48,20 +50,29 @@ def _batches(n: int) -> list[torch.Tensor]:
     return [torch.randn(4, 3, 8, 8, generator=gen).to(memory_format=torch.channels_last) for _ in range(n)]
 
 
-def _train(make, compiled: bool, backend: str, tensor_lr: bool, steps: int = 4) -> tuple[list[torch.Tensor], list]:
-    """Parameters after ``steps`` steps of a StepLR-scheduled run, and the graph count after each step."""
-    model = _model()
-    # The tensor learning rate is fp32, the float one its value: StepLR's halvings are exact in both.
-    opt = make(model.parameters(), torch.tensor(0.01) if tensor_lr else float(torch.tensor(0.01)))
+def _scheduled_step(
+    model: nn.Module, opt: torch.optim.Optimizer, compiled: bool, backend: str, clear: nn.Module | None = None
+) -> Callable[[torch.Tensor], None]:
+    """A training step on a batch (loss: the mean square of ``model``'s output) that steps ``opt``, zeroes the
+    gradients (through ``clear`` when given, else ``opt``) and steps a StepLR halving the learning rate each
+    step; ``torch.compile``d with ``backend`` when ``compiled``."""
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
 
     def train_step(x: torch.Tensor) -> None:
         model(x).square().mean().backward()
         opt.step()
-        opt.zero_grad()
+        (opt if clear is None else clear).zero_grad()
         sched.step()
 
-    fn = torch.compile(train_step, backend=backend) if compiled else train_step
+    return torch.compile(train_step, backend=backend) if compiled else train_step
+
+
+def _train(make, compiled: bool, backend: str, tensor_lr: bool, steps: int = 4) -> tuple[list[torch.Tensor], list]:
+    """Parameters after ``steps`` steps of a StepLR-scheduled run, and the graph count after each step."""
+    model = _model()
+    # The tensor learning rate is fp32, the float one its value: StepLR's halvings are exact in both.
+    opt = make(model.parameters(), torch.tensor(0.01) if tensor_lr else float(torch.tensor(0.01)))
+    fn = _scheduled_step(model, opt, compiled, backend)
     graphs = []
     for x in _batches(steps):
         fn(x)
@@ -171,15 +182,7 @@ def test_compiled_lpmm_training_step_matches_eager(backend, zero_grad):
         model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
         lowbit.lpmm.convert(model, generator=torch.Generator().manual_seed(1))
         opt = O.LPMMAdamW(model.parameters(), lr=torch.tensor(0.01), generator=torch.Generator().manual_seed(2))
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-
-        def train_step(x: torch.Tensor) -> None:
-            model(x).square().mean().backward()
-            opt.step()
-            (opt if zero_grad == "optimizer" else model).zero_grad()
-            sched.step()
-
-        fn = torch.compile(train_step, backend=backend) if compiled else train_step
+        fn = _scheduled_step(model, opt, compiled, backend, clear=None if zero_grad == "optimizer" else model)
         gen = torch.Generator().manual_seed(3)
         for _ in range(4):
             fn(torch.randn(8, 16, generator=gen))
@@ -202,15 +205,7 @@ def test_compiled_transformer_block_step_matches_eager(backend):
         block = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
         opt = O.AdamW8bit(block.parameters(), lr=torch.tensor(0.01), min_8bit_size=0)
         O.override([p for n, p in block.named_parameters() if n.endswith("bias")], optim_bits=32)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-
-        def train_step(x: torch.Tensor) -> None:
-            block(x).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-
-        fn = torch.compile(train_step, backend=backend) if compiled else train_step
+        fn = _scheduled_step(block, opt, compiled, backend)
         gen = torch.Generator().manual_seed(1)
         for _ in range(3):
             fn(torch.randn(2, 5, 32, generator=gen))
