@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -41,6 +42,10 @@ DequantizeArgs dequantize_args(uintptr_t in, uintptr_t absmax, int64_t n, uintpt
                                int64_t blocksize, uintptr_t out, int dtype) {
   return DequantizeArgs{ptr<const uint8_t>(in), ptr<const float>(absmax), n, ptr<const float>(map), map_n, bits,
                         blocksize,              ptr<void>(out),           dtype};
+}
+
+PackArgs pack_args(uintptr_t in, uintptr_t out, int64_t n, int bits) {
+  return PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits};
 }
 
 lowbit::FewbitEncodeArgs fewbit_encode_args(uintptr_t x, int64_t n, int dtype, uintptr_t bounds, int bits,
@@ -193,6 +198,30 @@ py::dict code_table(std::initializer_list<std::pair<const char*, Enum>> entries)
   return table;
 }
 
+// Binds a native loop as NAME_cpu(inputs..., threads) and, in a CUDA build, NAME_cuda(inputs..., device,
+// stream): `make` turns the inputs into the argument struct that both the CPU loop and the CUDA launcher
+// take; the GIL is released around both.
+template <typename OnCuda, typename Args, typename... In>
+void def_loop(py::module_& m, const std::string& name, Args (*make)(In...), void (*on_cpu)(const Args&, int),
+              OnCuda on_cuda) {
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def(
+      (name + "_cpu").c_str(), [make, on_cpu](In... in, int threads) { on_cpu(make(in...), threads); }, nogil);
+  if constexpr (!std::is_null_pointer_v<OnCuda>) {
+    m.def(
+        (name + "_cuda").c_str(),
+        [make, on_cuda](In... in, int device, uintptr_t stream) { on_cuda(make(in...), device, stream); }, nogil);
+  }
+}
+
+// The CUDA launcher of a native loop for def_loop, or none in a CPU-only build (lowbit::cuda is then
+// not declared, so a function cannot name it).
+#ifdef LOWBIT_WITH_CUDA
+#define LB_CUDA_LOOP(name) &lowbit::cuda::name
+#else
+#define LB_CUDA_LOOP(name) nullptr
+#endif
+
 py::dict build_info() {
   py::dict info;
   info["version"] = LOWBIT_VERSION;
@@ -217,7 +246,6 @@ py::dict build_info() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "lowbit native core (torch-free): block-wise quantization, packing";
-  const auto nogil = py::call_guard<py::gil_scoped_release>();
 
   m.def("cuda_built", []() {
 #ifdef LOWBIT_WITH_CUDA
@@ -278,203 +306,17 @@ PYBIND11_MODULE(_C, m) {
   m.def("_set_cpu_gather_encode", &lowbit::cpu::set_gather_encode);
   m.def("_set_cpu_vbmi_decode", &lowbit::cpu::set_vbmi_decode);
 
-  m.def(
-      "quantize_cpu",
-      [](uintptr_t x, int64_t n, int dtype, uintptr_t map, int64_t map_n, int bits, int64_t blocksize,
-         bool stochastic, uint64_t seed, uint64_t offset, uintptr_t out, uintptr_t absmax, int threads) {
-        lowbit::cpu::quantize(
-            quantize_args(x, n, dtype, map, map_n, bits, blocksize, stochastic, seed, offset, out, absmax),
-            threads);
-      },
-      nogil);
-  m.def(
-      "dequantize_cpu",
-      [](uintptr_t in, uintptr_t absmax, int64_t n, uintptr_t map, int64_t map_n, int bits, int64_t blocksize,
-         uintptr_t out, int dtype, int threads) {
-        lowbit::cpu::dequantize(dequantize_args(in, absmax, n, map, map_n, bits, blocksize, out, dtype), threads);
-      },
-      nogil);
-  m.def(
-      "pack_bits_cpu",
-      [](uintptr_t in, uintptr_t out, int64_t n, int bits, int threads) {
-        lowbit::cpu::pack_bits(PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits}, threads);
-      },
-      nogil);
-  m.def(
-      "unpack_bits_cpu",
-      [](uintptr_t in, uintptr_t out, int64_t n, int bits, int threads) {
-        lowbit::cpu::unpack_bits(PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits}, threads);
-      },
-      nogil);
-
-  m.def(
-      "fewbit_encode_cpu",
-      [](uintptr_t x, int64_t n, int dtype, uintptr_t bounds, int bits, uintptr_t packed, int threads) {
-        lowbit::cpu::fewbit_encode(fewbit_encode_args(x, n, dtype, bounds, bits, packed), threads);
-      },
-      nogil);
-  m.def(
-      "fewbit_grad_cpu",
-      [](uintptr_t grad, uintptr_t packed, int64_t n, int dtype, uintptr_t levels, int bits, uintptr_t out,
-         int threads) {
-        lowbit::cpu::fewbit_grad(fewbit_grad_args(grad, packed, n, dtype, levels, bits, out), threads);
-      },
-      nogil);
-  for (const char* which : {"encode", "decode", "backward"}) {
-    const std::string kind = which;
-    m.def(
-        ("blpa_" + kind + "_cpu").c_str(),
-        [kind](const std::vector<uintptr_t>& t, int64_t n, int64_t channels, int64_t inner, int dtype, int bits,
-               int batch_stats, int threads) {
-          const auto a = blpa_args(t, n, channels, inner, dtype, bits, batch_stats);
-          if (kind == "encode") {
-            lowbit::cpu::blpa_encode(a, threads);
-          } else if (kind == "decode") {
-            lowbit::cpu::blpa_decode(a, threads);
-          } else {
-            lowbit::cpu::blpa_backward(a, threads);
-          }
-        },
-        nogil);
-  }
-  m.def(
-      "invact_grad_cpu",
-      [](uintptr_t grad, uintptr_t y, uintptr_t bits, int64_t n, int dtype, uintptr_t coeffs, uintptr_t params,
-         uintptr_t out, int threads) {
-        lowbit::cpu::invact_grad(invact_grad_args(grad, y, bits, n, dtype, coeffs, params, out), threads);
-      },
-      nogil);
-
-  m.def(
-      "optimizer_step_cpu",
-      [](int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states, int64_t block_size,
-         uintptr_t map1, uintptr_t map2, uintptr_t map3, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales,
-         int64_t count, int64_t total_blocks, uintptr_t norm_sums, uintptr_t update_scales, int threads) {
-        lowbit::cpu::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, map3,
-                                               meta, scalars, grad_scales, count, total_blocks, norm_sums,
-                                               update_scales),
-                                    threads);
-      },
-      nogil);
-
-  m.def(
-      "lpmm_accumulate_cpu",
-      [](uintptr_t grad, int dtype, int64_t n, uintptr_t codes, uintptr_t absmax, int bits, int64_t group_size,
-         bool stochastic, uint64_t seed, int threads) {
-        lowbit::cpu::lpmm_accumulate(lpmm_accum_args(grad, dtype, n, codes, absmax, bits, group_size, stochastic, seed),
-                                     threads);
-      },
-      nogil);
-  m.def(
-      "lpmm_step_cpu",
-      [](int rule, const std::vector<float>& hyper, int flags, int n_states, int64_t group_size,
-         const std::vector<int>& bits, uintptr_t map1, uintptr_t map2, const std::vector<bool>& stochastic,
-         uint64_t seed, uintptr_t meta, uintptr_t scalars, int64_t count, int64_t total_groups, int threads) {
-        lowbit::cpu::lpmm_step(lpmm_args(rule, hyper, flags, n_states, group_size, bits, map1, map2, stochastic, seed,
-                                         meta, scalars, count, total_groups),
-                               threads);
-      },
-      nogil);
-
-#ifdef LOWBIT_WITH_CUDA
-  m.def(
-      "quantize_cuda",
-      [](uintptr_t x, int64_t n, int dtype, uintptr_t map, int64_t map_n, int bits, int64_t blocksize,
-         bool stochastic, uint64_t seed, uint64_t offset, uintptr_t out, uintptr_t absmax, int device,
-         uintptr_t stream) {
-        lowbit::cuda::quantize(
-            quantize_args(x, n, dtype, map, map_n, bits, blocksize, stochastic, seed, offset, out, absmax), device,
-            stream);
-      },
-      nogil);
-  m.def(
-      "dequantize_cuda",
-      [](uintptr_t in, uintptr_t absmax, int64_t n, uintptr_t map, int64_t map_n, int bits, int64_t blocksize,
-         uintptr_t out, int dtype, int device, uintptr_t stream) {
-        lowbit::cuda::dequantize(dequantize_args(in, absmax, n, map, map_n, bits, blocksize, out, dtype), device,
-                                 stream);
-      },
-      nogil);
-  m.def(
-      "optimizer_step_cuda",
-      [](int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states, int64_t block_size,
-         uintptr_t map1, uintptr_t map2, uintptr_t map3, uintptr_t meta, uintptr_t scalars, uintptr_t grad_scales,
-         int64_t count, int64_t total_blocks, uintptr_t norm_sums, uintptr_t update_scales, int device,
-         uintptr_t stream) {
-        lowbit::cuda::optimizer_step(optim_args(rule, hyper, flags, norm_mode, n_states, block_size, map1, map2, map3,
-                                                meta, scalars, grad_scales, count, total_blocks, norm_sums,
-                                                update_scales),
-                                     device, stream);
-      },
-      nogil);
-  m.def(
-      "fewbit_encode_cuda",
-      [](uintptr_t x, int64_t n, int dtype, uintptr_t bounds, int bits, uintptr_t packed, int device,
-         uintptr_t stream) {
-        lowbit::cuda::fewbit_encode(fewbit_encode_args(x, n, dtype, bounds, bits, packed), device, stream);
-      },
-      nogil);
-  m.def(
-      "fewbit_grad_cuda",
-      [](uintptr_t grad, uintptr_t packed, int64_t n, int dtype, uintptr_t levels, int bits, uintptr_t out,
-         int device, uintptr_t stream) {
-        lowbit::cuda::fewbit_grad(fewbit_grad_args(grad, packed, n, dtype, levels, bits, out), device, stream);
-      },
-      nogil);
-  for (const char* which : {"encode", "decode", "backward"}) {
-    const std::string kind = which;
-    m.def(
-        ("blpa_" + kind + "_cuda").c_str(),
-        [kind](const std::vector<uintptr_t>& t, int64_t n, int64_t channels, int64_t inner, int dtype, int bits,
-               int batch_stats, int device, uintptr_t stream) {
-          const auto a = blpa_args(t, n, channels, inner, dtype, bits, batch_stats);
-          if (kind == "encode") {
-            lowbit::cuda::blpa_encode(a, device, stream);
-          } else if (kind == "decode") {
-            lowbit::cuda::blpa_decode(a, device, stream);
-          } else {
-            lowbit::cuda::blpa_backward(a, device, stream);
-          }
-        },
-        nogil);
-  }
-  m.def(
-      "invact_grad_cuda",
-      [](uintptr_t grad, uintptr_t y, uintptr_t bits, int64_t n, int dtype, uintptr_t coeffs, uintptr_t params,
-         uintptr_t out, int device, uintptr_t stream) {
-        lowbit::cuda::invact_grad(invact_grad_args(grad, y, bits, n, dtype, coeffs, params, out), device, stream);
-      },
-      nogil);
-  m.def(
-      "pack_bits_cuda",
-      [](uintptr_t in, uintptr_t out, int64_t n, int bits, int device, uintptr_t stream) {
-        lowbit::cuda::pack_bits(PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits}, device, stream);
-      },
-      nogil);
-  m.def(
-      "unpack_bits_cuda",
-      [](uintptr_t in, uintptr_t out, int64_t n, int bits, int device, uintptr_t stream) {
-        lowbit::cuda::unpack_bits(PackArgs{ptr<const uint8_t>(in), ptr<uint8_t>(out), n, bits}, device, stream);
-      },
-      nogil);
-  m.def(
-      "lpmm_accumulate_cuda",
-      [](uintptr_t grad, int dtype, int64_t n, uintptr_t codes, uintptr_t absmax, int bits, int64_t group_size,
-         bool stochastic, uint64_t seed, int device, uintptr_t stream) {
-        lowbit::cuda::lpmm_accumulate(
-            lpmm_accum_args(grad, dtype, n, codes, absmax, bits, group_size, stochastic, seed), device, stream);
-      },
-      nogil);
-  m.def(
-      "lpmm_step_cuda",
-      [](int rule, const std::vector<float>& hyper, int flags, int n_states, int64_t group_size,
-         const std::vector<int>& bits, uintptr_t map1, uintptr_t map2, const std::vector<bool>& stochastic,
-         uint64_t seed, uintptr_t meta, uintptr_t scalars, int64_t count, int64_t total_groups, int device,
-         uintptr_t stream) {
-        lowbit::cuda::lpmm_step(lpmm_args(rule, hyper, flags, n_states, group_size, bits, map1, map2, stochastic, seed,
-                                          meta, scalars, count, total_groups),
-                                device, stream);
-      },
-      nogil);
-#endif
+  def_loop(m, "quantize", &quantize_args, &lowbit::cpu::quantize, LB_CUDA_LOOP(quantize));
+  def_loop(m, "dequantize", &dequantize_args, &lowbit::cpu::dequantize, LB_CUDA_LOOP(dequantize));
+  def_loop(m, "pack_bits", &pack_args, &lowbit::cpu::pack_bits, LB_CUDA_LOOP(pack_bits));
+  def_loop(m, "unpack_bits", &pack_args, &lowbit::cpu::unpack_bits, LB_CUDA_LOOP(unpack_bits));
+  def_loop(m, "fewbit_encode", &fewbit_encode_args, &lowbit::cpu::fewbit_encode, LB_CUDA_LOOP(fewbit_encode));
+  def_loop(m, "fewbit_grad", &fewbit_grad_args, &lowbit::cpu::fewbit_grad, LB_CUDA_LOOP(fewbit_grad));
+  def_loop(m, "blpa_encode", &blpa_args, &lowbit::cpu::blpa_encode, LB_CUDA_LOOP(blpa_encode));
+  def_loop(m, "blpa_decode", &blpa_args, &lowbit::cpu::blpa_decode, LB_CUDA_LOOP(blpa_decode));
+  def_loop(m, "blpa_backward", &blpa_args, &lowbit::cpu::blpa_backward, LB_CUDA_LOOP(blpa_backward));
+  def_loop(m, "invact_grad", &invact_grad_args, &lowbit::cpu::invact_grad, LB_CUDA_LOOP(invact_grad));
+  def_loop(m, "optimizer_step", &optim_args, &lowbit::cpu::optimizer_step, LB_CUDA_LOOP(optimizer_step));
+  def_loop(m, "lpmm_accumulate", &lpmm_accum_args, &lowbit::cpu::lpmm_accumulate, LB_CUDA_LOOP(lpmm_accumulate));
+  def_loop(m, "lpmm_step", &lpmm_args, &lowbit::cpu::lpmm_step, LB_CUDA_LOOP(lpmm_step));
 }

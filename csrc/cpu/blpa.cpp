@@ -4,14 +4,13 @@
 // channel (double, a fixed chunking independent of the thread count) and adds them in chunk order, so
 // results do not depend on the number of threads.
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "kernels.h"
 #include "lowbit/blpa.h"
 #include "lowbit/dispatch.h"
-#include "lowbit/fewbit.h"
 #include "lowbit/pack.h"
+#include "pack_chunk.h"
 #include "parallel.h"
 
 // Compiled for baseline x86-64 with AVX2 and AVX-512 clones chosen at load time, as encode.cpp's loops;
@@ -49,27 +48,6 @@ LB_INLINE inline void for_runs(int64_t lo, int cnt, int64_t channels, int64_t in
     s = 0;
     c = c + 1 == channels ? 0 : c + 1;
   }
-}
-
-// The chunk's codes, unpacked (a chunk starts on a whole group).
-void unpack_chunk(const uint8_t* in, int cnt, int bits, uint32_t* codes) {
-  const uint64_t mask = (uint64_t{1} << bits) - 1u;
-  const int full = cnt / kGroup;
-  for (int g = 0; g < full; ++g) {
-    uint64_t acc = 0;
-    std::memcpy(&acc, in + g * bits, bits);
-    for (int k = 0; k < kGroup; ++k) codes[g * kGroup + k] = static_cast<uint32_t>((acc >> (bits * k)) & mask);
-  }
-  if (cnt > full * kGroup) unpack_group(in + full * bits, cnt - full * kGroup, bits, codes + full * kGroup);
-}
-
-void pack_chunk(const uint32_t* codes, int cnt, int bits, uint8_t* out) {
-  const int full = cnt / kGroup;
-  for (int g = 0; g < full; ++g) {
-    const uint64_t acc = pack8(codes + g * kGroup, bits);
-    std::memcpy(out + g * bits, &acc, bits);
-  }
-  if (cnt > full * kGroup) pack_group(codes + full * kGroup, cnt - full * kGroup, bits, out + full * bits);
 }
 
 template <typename T>

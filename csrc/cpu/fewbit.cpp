@@ -4,12 +4,14 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "avx512.h"
 #include "kernels.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/fewbit.h"
 #include "lowbit/pack.h"
+#include "pack_chunk.h"
 #include "parallel.h"
 
 namespace lowbit::cpu {
@@ -34,17 +36,6 @@ void encode_chunk(const T* x, int cnt, const float* bounds, uint32_t* codes) {
   }
 }
 
-// Packs cnt codes to out (the chunk's first byte); only the tensor's last chunk has a partial group.
-template <int kBits>
-void pack_chunk(const uint32_t* codes, int cnt, uint8_t* out) {
-  const int full = cnt / kGroup;
-  for (int g = 0; g < full; ++g) {
-    const uint64_t acc = pack8(codes + g * kGroup, kBits);
-    std::memcpy(out + g * kBits, &acc, kBits);
-  }
-  if (cnt > full * kGroup) pack_group(codes + full * kGroup, cnt - full * kGroup, kBits, out + full * kBits);
-}
-
 // out = grad * levels[code], decoding each 8-code group from one 64-bit word in registers.
 template <int kBits, typename T>
 void scale_chunk(const T* grad, const uint8_t* in, const float* levels, int cnt, T* out) {
@@ -67,26 +58,16 @@ void scale_chunk(const T* grad, const uint8_t* in, const float* levels, int cnt,
   }
 }
 
-// Calls fn(std::integral_constant<int, B>{}) for B = bits (1..8).
-template <typename Fn>
+// Calls fn(std::integral_constant<int, B>{}) for B = bits (1 to kMaxFewbitBits; other widths read as
+// the largest), so the loops see the width as a constant.
+template <int B = 1, typename Fn>
 void with_bits(int bits, Fn&& fn) {
-  switch (bits) {
-    case 1:
-      return fn(std::integral_constant<int, 1>{});
-    case 2:
-      return fn(std::integral_constant<int, 2>{});
-    case 3:
-      return fn(std::integral_constant<int, 3>{});
-    case 4:
-      return fn(std::integral_constant<int, 4>{});
-    case 5:
-      return fn(std::integral_constant<int, 5>{});
-    case 6:
-      return fn(std::integral_constant<int, 6>{});
-    case 7:
-      return fn(std::integral_constant<int, 7>{});
-    default:
-      return fn(std::integral_constant<int, 8>{});
+  if constexpr (B == kMaxFewbitBits) {
+    fn(std::integral_constant<int, B>{});
+  } else if (bits == B) {
+    fn(std::integral_constant<int, B>{});
+  } else {
+    with_bits<B + 1>(bits, std::forward<Fn>(fn));
   }
 }
 
@@ -104,7 +85,7 @@ void encode_impl(const FewbitEncodeArgs& a, int threads) {
     }
     uint32_t codes[kChunk];
     encode_chunk<kBits>(x + lo + done, cnt - done, a.bounds, codes);
-    pack_chunk<kBits>(codes, cnt - done, out + done / kGroup * kBits);
+    pack_chunk(codes, cnt - done, std::integral_constant<int, kBits>{}, out + done / kGroup * kBits);
   });
 }
 

@@ -4,11 +4,11 @@
 // order, so results are deterministic), then a grid-stride pass writes dL/dx.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "check.cuh"
 #include "kernels.h"
+#include "launch.cuh"
 #include "lowbit/blpa.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/pack.h"
@@ -35,7 +35,7 @@ __global__ void encode_kernel(const T* x, const T* a2, int64_t n, int64_t channe
   const int64_t grp = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t e0 = grp * kGroup;
   if (e0 >= n) return;
-  const int cnt = n - e0 < kGroup ? static_cast<int>(n - e0) : kGroup;
+  const int cnt = group_count(n, e0);
   uint32_t codes[kGroup] = {};
   for (int k = 0; k < cnt; ++k) {
     const int64_t i = e0 + k;
@@ -52,7 +52,7 @@ __global__ void decode_kernel(const uint8_t* packed, int64_t n, int64_t channels
   const int64_t grp = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t e0 = grp * kGroup;
   if (e0 >= n) return;
-  const int cnt = n - e0 < kGroup ? static_cast<int>(n - e0) : kGroup;
+  const int cnt = group_count(n, e0);
   uint32_t codes[kGroup];
   unpack_group(packed + grp * bits, cnt, bits, codes);
   for (int k = 0; k < cnt; ++k) {
@@ -113,55 +113,38 @@ __global__ void grad_kernel(const uint8_t* packed, const T* grad, int64_t n, int
   }
 }
 
-unsigned int group_blocks(int64_t n) {
-  const int64_t groups = (n + kGroup - 1) / kGroup;
-  return static_cast<unsigned int>((groups + kThreads - 1) / kThreads);
-}
-
 }  // namespace
 
 void blpa_encode(const BlpaArgs& a, int device, uintptr_t stream_handle) {
-  if (a.n == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  LB_DISPATCH_DTYPE(a.dtype, {
-    encode_kernel<scalar_t><<<group_blocks(a.n), kThreads, 0, stream>>>(
-        static_cast<const scalar_t*>(a.x), static_cast<const scalar_t*>(a.a2), a.n, a.channels, a.inner, a.mean,
-        a.invstd, grid_ptrs(a), a.bits, a.codes_out);
-    LB_CUDA_LAUNCH_CHECK();
+  launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
+    using T = typename decltype(type)::type;
+    encode_kernel<T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(
+        static_cast<const T*>(a.x), static_cast<const T*>(a.a2), a.n, a.channels, a.inner, a.mean, a.invstd,
+        grid_ptrs(a), a.bits, a.codes_out);
   });
 }
 
 void blpa_decode(const BlpaArgs& a, int device, uintptr_t stream_handle) {
-  if (a.n == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  LB_DISPATCH_DTYPE(a.dtype, {
-    decode_kernel<scalar_t><<<group_blocks(a.n), kThreads, 0, stream>>>(a.codes_in, a.n, a.channels, a.inner,
-                                                                         grid_ptrs(a), a.gamma, a.beta, a.bits,
-                                                                         static_cast<scalar_t*>(a.out));
-    LB_CUDA_LAUNCH_CHECK();
+  launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
+    using T = typename decltype(type)::type;
+    decode_kernel<T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(
+        a.codes_in, a.n, a.channels, a.inner, grid_ptrs(a), a.gamma, a.beta, a.bits, static_cast<T*>(a.out));
   });
 }
 
 void blpa_backward(const BlpaArgs& a, int device, uintptr_t stream_handle) {
-  if (a.n == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const int64_t nbytes = packed_bytes(a.n, a.bits);
   const int64_t rows = a.n / (a.channels * a.inner);
-  int sms = 0;
-  LB_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const auto blocks = static_cast<unsigned int>(std::min<int64_t>((a.n + kThreads - 1) / kThreads, sms * 8LL));
-  LB_DISPATCH_DTYPE(a.dtype, {
-    const auto* grad = static_cast<const scalar_t*>(a.grad);
-    reduce_kernel<scalar_t><<<static_cast<unsigned int>(a.channels), kThreads, 0, stream>>>(
+  launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
+    using T = typename decltype(type)::type;
+    const unsigned int blocks = stride_blocks(a.n, kThreads, device);
+    const auto* grad = static_cast<const T*>(a.grad);
+    reduce_kernel<T><<<static_cast<unsigned int>(a.channels), kThreads, 0, stream>>>(
         a.codes_in, grad, rows, a.channels, a.inner, grid_ptrs(a), a.beta, a.bits, nbytes, a.g_gamma, a.g_beta);
     LB_CUDA_LAUNCH_CHECK();
-    grad_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(a.codes_in, grad, a.n, a.channels, a.inner, grid_ptrs(a),
-                                                           a.gamma, a.beta, a.invstd, a.bits, nbytes, a.batch_stats,
-                                                           a.g_gamma, a.g_beta, static_cast<scalar_t*>(a.out));
-    LB_CUDA_LAUNCH_CHECK();
+    grad_kernel<T><<<blocks, kThreads, 0, stream>>>(a.codes_in, grad, a.n, a.channels, a.inner, grid_ptrs(a), a.gamma,
+                                                    a.beta, a.invstd, a.bits, nbytes, a.batch_stats, a.g_gamma,
+                                                    a.g_beta, static_cast<T*>(a.out));
   });
 }
 

@@ -7,6 +7,7 @@
 
 #include "check.cuh"
 #include "kernels.h"
+#include "launch.cuh"
 #include "lowbit/dispatch.h"
 #include "lowbit/fewbit.h"
 #include "lowbit/pack.h"
@@ -26,7 +27,7 @@ __global__ void fewbit_encode_kernel(const T* x, int64_t n, const float* bounds,
   const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t e0 = g * kGroup;
   if (e0 >= n) return;
-  const int cnt = n - e0 < kGroup ? static_cast<int>(n - e0) : kGroup;
+  const int cnt = group_count(n, e0);
   uint32_t codes[kGroup] = {};
   for (int k = 0; k < cnt; ++k) codes[k] = interval_code(to_float(x[e0 + k]), sb, bits);
   if (cnt == kGroup) {
@@ -46,38 +47,27 @@ __global__ void fewbit_grad_kernel(const T* grad, const uint8_t* packed, int64_t
   const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t e0 = g * kGroup;
   if (e0 >= n) return;
-  const int cnt = n - e0 < kGroup ? static_cast<int>(n - e0) : kGroup;
+  const int cnt = group_count(n, e0);
   uint32_t codes[kGroup];
   unpack_group(packed + g * bits, cnt, bits, codes);
   for (int k = 0; k < cnt; ++k) out[e0 + k] = from_float<T>(to_float(grad[e0 + k]) * sl[codes[k]]);
 }
 
-dim3 grid_for(int64_t n) {
-  const int64_t groups = (n + kGroup - 1) / kGroup;
-  return dim3(static_cast<unsigned int>((groups + kThreads - 1) / kThreads));
-}
-
 }  // namespace
 
 void fewbit_encode(const FewbitEncodeArgs& a, int device, uintptr_t stream_handle) {
-  if (a.n == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  LB_DISPATCH_DTYPE(a.dtype, {
-    fewbit_encode_kernel<scalar_t><<<grid_for(a.n), kThreads, 0, stream>>>(static_cast<const scalar_t*>(a.x), a.n,
-                                                                           a.bounds, a.bits, a.packed);
-    LB_CUDA_LAUNCH_CHECK();
+  launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
+    using T = typename decltype(type)::type;
+    fewbit_encode_kernel<T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(static_cast<const T*>(a.x), a.n,
+                                                                                a.bounds, a.bits, a.packed);
   });
 }
 
 void fewbit_grad(const FewbitGradArgs& a, int device, uintptr_t stream_handle) {
-  if (a.n == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  LB_DISPATCH_DTYPE(a.dtype, {
-    fewbit_grad_kernel<scalar_t><<<grid_for(a.n), kThreads, 0, stream>>>(
-        static_cast<const scalar_t*>(a.grad), a.packed, a.n, a.levels, a.bits, static_cast<scalar_t*>(a.out));
-    LB_CUDA_LAUNCH_CHECK();
+  launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
+    using T = typename decltype(type)::type;
+    fewbit_grad_kernel<T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(
+        static_cast<const T*>(a.grad), a.packed, a.n, a.levels, a.bits, static_cast<T*>(a.out));
   });
 }
 

@@ -2,11 +2,11 @@
 // grid-stride loop with 64-bit indices; the coefficient table (192 floats) is staged in shared memory.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 
 #include "check.cuh"
 #include "kernels.h"
+#include "launch.cuh"
 #include "lowbit/dispatch.h"
 #include "lowbit/invact.h"
 
@@ -33,18 +33,11 @@ __global__ void invact_grad_kernel(const T* grad, const T* y, const uint8_t* bit
 }  // namespace
 
 void invact_grad(const InvactGradArgs& a, int device, uintptr_t stream_handle) {
-  if (a.n == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  int sms = 0;
-  LB_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t wanted = (a.n + kThreads - 1) / kThreads;
-  const auto blocks = static_cast<unsigned int>(std::min<int64_t>(wanted, static_cast<int64_t>(sms) * 8));
-  LB_DISPATCH_DTYPE(a.dtype, {
-    invact_grad_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-        static_cast<const scalar_t*>(a.grad), static_cast<const scalar_t*>(a.y), a.bits, a.n, a.coeffs, a.params,
-        static_cast<scalar_t*>(a.out));
-    LB_CUDA_LAUNCH_CHECK();
+  launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
+    using T = typename decltype(type)::type;
+    invact_grad_kernel<T><<<stride_blocks(a.n, kThreads, device), kThreads, 0, stream>>>(
+        static_cast<const T*>(a.grad), static_cast<const T*>(a.y), a.bits, a.n, a.coeffs, a.params,
+        static_cast<T*>(a.out));
   });
 }
 

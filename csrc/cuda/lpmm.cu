@@ -9,6 +9,7 @@
 
 #include "check.cuh"
 #include "kernels.h"
+#include "launch.cuh"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/optim_rules.h"
@@ -91,8 +92,7 @@ struct GroupTask {
 __device__ GroupTask find_group(const LpmmArgs& a, int64_t b) {
   const int64_t t = lpmm_tensor_of_group(a, b);
   const int64_t* m = a.meta + t * kLpCols;
-  const float* s = a.scalars + t * kScalarCols;
-  return GroupTask{m, b - m[kLpFirstGroup], StepScalars{s[kStepSize], s[kBias2Sqrt], s[kFirst] != 0.f, 1.f, 1.f}};
+  return GroupTask{m, b - m[kLpFirstGroup], scalars_row(a.scalars, t, 1.f, 1.f)};
 }
 
 template <typename P>
@@ -172,24 +172,19 @@ unsigned int grid_for(int64_t groups) { return static_cast<unsigned int>(std::mi
 
 void lpmm_accumulate(const LpmmAccumArgs& a, int device, uintptr_t stream_handle) {
   const int64_t groups = (a.n + a.group_size - 1) / a.group_size;
-  if (groups == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const auto threads = static_cast<unsigned int>(a.group_size / kGroup);
-  LB_DISPATCH_DTYPE(a.dtype, {
-    accumulate_kernel<scalar_t><<<grid_for(groups), threads, 0, stream>>>(a, groups);
-    LB_CUDA_LAUNCH_CHECK();
+  launch_typed(groups, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
+    accumulate_kernel<typename decltype(type)::type><<<grid_for(groups), threads, 0, stream>>>(a, groups);
   });
 }
 
 void lpmm_step(const LpmmArgs& a, int device, uintptr_t stream_handle) {
-  if (a.total_groups == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const auto threads = static_cast<unsigned int>(a.group_size / kGroup);
-  dispatch_rule(a.rule, [&](auto rule) {
-    step_kernel<decltype(rule)::value><<<grid_for(a.total_groups), threads, 0, stream>>>(a);
-    LB_CUDA_LAUNCH_CHECK();
+  launch_on(a.total_groups, device, stream_handle, [&](cudaStream_t stream) {
+    dispatch_rule(a.rule, [&](auto rule) {
+      step_kernel<decltype(rule)::value><<<grid_for(a.total_groups), threads, 0, stream>>>(a);
+      LB_CUDA_LAUNCH_CHECK();
+    });
   });
 }
 

@@ -9,6 +9,7 @@
 
 #include "check.cuh"
 #include "kernels.h"
+#include "launch.cuh"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/optim_rules.h"
@@ -21,7 +22,6 @@ namespace {
 
 constexpr int kMaxThreads = 256;
 constexpr int kMaxPerThread = 4096 / kMaxThreads;
-constexpr int kMaxStates = 3;
 
 struct BlockTask {
   int64_t tensor;
@@ -38,10 +38,8 @@ __device__ BlockTask find_block(const OptimArgs& a, int64_t b) {
 }
 
 __device__ StepScalars tensor_scalars(const OptimArgs& a, int64_t t, const float* update_scales) {
-  const float* sc = a.scalars + t * kScalarCols;
-  return StepScalars{sc[kStepSize], sc[kBias2Sqrt], sc[kFirst] != 0.f,
-                     a.grad_scales != nullptr ? a.grad_scales[t] : 1.f,
-                     update_scales != nullptr ? update_scales[t] : 1.f};
+  return scalars_row(a.scalars, t, a.grad_scales != nullptr ? a.grad_scales[t] : 1.f,
+                     update_scales != nullptr ? update_scales[t] : 1.f);
 }
 
 // Sum over the thread block in a fixed tree order (deterministic); every thread gets the result.
@@ -249,10 +247,8 @@ void launch(const OptimArgs& a, cudaStream_t stream) {
 }  // namespace
 
 void optimizer_step(const OptimArgs& a, int device, uintptr_t stream_handle) {
-  if (a.total_blocks == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  dispatch_rule(a.rule, [&](auto rule) { launch<decltype(rule)::value>(a, stream); });
+  launch_on(a.total_blocks, device, stream_handle,
+            [&](cudaStream_t stream) { dispatch_rule(a.rule, [&](auto rule) { launch<decltype(rule)::value>(a, stream); }); });
 }
 
 }  // namespace lowbit::cuda

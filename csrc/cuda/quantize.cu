@@ -10,6 +10,7 @@
 
 #include "check.cuh"
 #include "kernels.h"
+#include "launch.cuh"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/pack.h"
@@ -21,10 +22,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxMap = 256;
 constexpr int kTensorwiseLog2 = 63;  // e >> 63 == 0: every element reads absmax[0]
-
-__host__ __device__ __forceinline__ int group_count(int64_t n, int64_t e0) {
-  return n - e0 < kGroup ? static_cast<int>(n - e0) : kGroup;
-}
 
 __device__ __forceinline__ MapCoder shared_coder(const MapCoder& c, float* smap) {
   for (uint32_t i = threadIdx.x; i < c.n; i += blockDim.x) smap[i] = c.map[i];
@@ -215,11 +212,6 @@ int log2_exact(int64_t v) {
   return k;
 }
 
-dim3 grid_for(int64_t n, int threads) {
-  const int64_t groups = (n + kGroup - 1) / kGroup;
-  return dim3(static_cast<unsigned int>((groups + threads - 1) / threads));
-}
-
 template <typename Fn>
 void with_coder(const float* map, int64_t map_n, int bits, Fn&& fn) {
   if (map_n > 0) {
@@ -229,6 +221,7 @@ void with_coder(const float* map, int64_t map_n, int bits, Fn&& fn) {
   }
 }
 
+// The caller checks the last launch (launch_typed).
 template <bool kSR, typename T, typename Coder>
 void launch_quantize(const QuantizeArgs& a, const Coder& coder, cudaStream_t stream) {
   const T* x = static_cast<const T*>(a.x);
@@ -237,9 +230,8 @@ void launch_quantize(const QuantizeArgs& a, const Coder& coder, cudaStream_t str
   if (a.blocksize > 0) {
     const int groups_per_block = static_cast<int>(a.blocksize / kGroup);
     const int threads = std::max(kThreads, groups_per_block);
-    quantize_kernel<kSR, false, T><<<grid_for(a.n, threads), threads, 0, stream>>>(
+    quantize_kernel<kSR, false, T><<<group_grid(a.n, threads), threads, 0, stream>>>(
         x, a.n, coder, a.bits, log2_exact(a.blocksize), groups_per_block, key, a.offset, vec, a.out, a.absmax);
-    LB_CUDA_LAUNCH_CHECK();
     return;
   }
   LB_CUDA_CHECK(cudaMemsetAsync(a.absmax, 0, sizeof(float), stream));
@@ -247,64 +239,63 @@ void launch_quantize(const QuantizeArgs& a, const Coder& coder, cudaStream_t str
   int dev = 0;
   LB_CUDA_CHECK(cudaGetDevice(&dev));
   LB_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const dim3 reduce_grid(std::min<unsigned int>(grid_for(a.n, kThreads).x, static_cast<unsigned int>(4 * sms)));
+  const dim3 reduce_grid(std::min<unsigned int>(group_grid(a.n, kThreads).x, static_cast<unsigned int>(4 * sms)));
   absmax_tensor_kernel<T><<<reduce_grid, kThreads, 0, stream>>>(x, a.n, vec,
                                                                  reinterpret_cast<unsigned int*>(a.absmax));
   LB_CUDA_LAUNCH_CHECK();
-  quantize_kernel<kSR, true, T><<<grid_for(a.n, kThreads), kThreads, 0, stream>>>(
+  quantize_kernel<kSR, true, T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(
       x, a.n, coder, a.bits, kTensorwiseLog2, 0, key, a.offset, vec, a.out, a.absmax);
-  LB_CUDA_LAUNCH_CHECK();
+}
+
+// One launch of a packing kernel (pack_kernel or unpack_kernel) over a.n codes.
+void launch_packing(void (*kernel)(const uint8_t*, uint8_t*, int64_t, int), const PackArgs& a, int device,
+                    uintptr_t stream_handle) {
+  launch_on(a.n, device, stream_handle, [&](cudaStream_t stream) {
+    kernel<<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(a.in, a.out, a.n, a.bits);
+    LB_CUDA_LAUNCH_CHECK();
+  });
 }
 
 }  // namespace
 
 void quantize(const QuantizeArgs& a, int device, uintptr_t stream_handle) {
-  if (a.n == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
-  LB_DISPATCH_DTYPE(a.dtype, with_coder(a.map, a.map_n, a.bits, [&](const auto& coder) {
-    if (a.stochastic) {
-      launch_quantize<true, scalar_t>(a, coder, stream);
-    } else {
-      launch_quantize<false, scalar_t>(a, coder, stream);
-    }
-  }));
+  launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
+    using T = typename decltype(type)::type;
+    with_coder(a.map, a.map_n, a.bits, [&](const auto& coder) {
+      if (a.stochastic) {
+        launch_quantize<true, T>(a, coder, stream);
+      } else {
+        launch_quantize<false, T>(a, coder, stream);
+      }
+    });
+  });
 }
 
 void dequantize(const DequantizeArgs& a, int device, uintptr_t stream_handle) {
-  if (a.n == 0) return;
-  const DeviceGuard device_guard(device);
-  const auto stream = reinterpret_cast<cudaStream_t>(stream_handle);
   const bool vec = aligned16(a.in) && aligned16(a.out);
   const int log2_bs = a.blocksize > 0 ? log2_exact(a.blocksize) : kTensorwiseLog2;
-  LB_DISPATCH_DTYPE(a.dtype, with_coder(a.map, a.map_n, a.bits, [&](const auto& coder) {
-    dequantize_kernel<scalar_t><<<grid_for(a.n, kThreads), kThreads, 0, stream>>>(
-        a.in, a.absmax, a.n, coder, a.bits, log2_bs, vec, static_cast<scalar_t*>(a.out));
-    LB_CUDA_LAUNCH_CHECK();
-  }));
+  launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
+    using T = typename decltype(type)::type;
+    with_coder(a.map, a.map_n, a.bits, [&](const auto& coder) {
+      dequantize_kernel<T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(a.in, a.absmax, a.n, coder, a.bits,
+                                                                               log2_bs, vec, static_cast<T*>(a.out));
+    });
+  });
 }
 
 void pack_bits(const PackArgs& a, int device, uintptr_t stream_handle) {
-  if (a.n == 0) return;
-  const DeviceGuard device_guard(device);
-  pack_kernel<<<grid_for(a.n, kThreads), kThreads, 0, reinterpret_cast<cudaStream_t>(stream_handle)>>>(
-      a.in, a.out, a.n, a.bits);
-  LB_CUDA_LAUNCH_CHECK();
+  launch_packing(pack_kernel, a, device, stream_handle);
 }
 
 void unpack_bits(const PackArgs& a, int device, uintptr_t stream_handle) {
-  if (a.n == 0) return;
-  const DeviceGuard device_guard(device);
-  unpack_kernel<<<grid_for(a.n, kThreads), kThreads, 0, reinterpret_cast<cudaStream_t>(stream_handle)>>>(
-      a.in, a.out, a.n, a.bits);
-  LB_CUDA_LAUNCH_CHECK();
+  launch_packing(unpack_kernel, a, device, stream_handle);
 }
 
 const char* runtime_version() {
   static std::string version = [] {
     int v = 0;
     if (cudaRuntimeGetVersion(&v) != cudaSuccess) return std::string("unknown");
-    return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+    return version_text(v);
   }();
   return version.c_str();
 }
