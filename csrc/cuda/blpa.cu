@@ -32,10 +32,8 @@ GridPtrs grid_ptrs(const BlpaArgs& a) {
 template <typename T>
 __global__ void encode_kernel(const T* x, const T* a2, int64_t n, int64_t channels, int64_t inner, const float* mean,
                               const float* invstd, GridPtrs g, int bits, uint8_t* packed) {
-  const int64_t grp = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t e0 = grp * kGroup;
-  if (e0 >= n) return;
-  const int cnt = group_count(n, e0);
+  const auto [grp, e0, cnt] = thread_group(n);
+  if (cnt == 0) return;
   uint32_t codes[kGroup] = {};
   for (int k = 0; k < cnt; ++k) {
     const int64_t i = e0 + k;
@@ -49,10 +47,8 @@ __global__ void encode_kernel(const T* x, const T* a2, int64_t n, int64_t channe
 template <typename T>
 __global__ void decode_kernel(const uint8_t* packed, int64_t n, int64_t channels, int64_t inner, GridPtrs g,
                               const float* gamma, const float* beta, int bits, T* out) {
-  const int64_t grp = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t e0 = grp * kGroup;
-  if (e0 >= n) return;
-  const int cnt = group_count(n, e0);
+  const auto [grp, e0, cnt] = thread_group(n);
+  if (cnt == 0) return;
   uint32_t codes[kGroup];
   unpack_group(packed + grp * bits, cnt, bits, codes);
   for (int k = 0; k < cnt; ++k) {

@@ -24,10 +24,8 @@ __global__ void fewbit_encode_kernel(const T* x, int64_t n, const float* bounds,
   const int nb = (1 << bits) - 1;
   for (int i = threadIdx.x; i < nb; i += blockDim.x) sb[i] = bounds[i];
   __syncthreads();
-  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t e0 = g * kGroup;
-  if (e0 >= n) return;
-  const int cnt = group_count(n, e0);
+  const auto [g, e0, cnt] = thread_group(n);
+  if (cnt == 0) return;
   uint32_t codes[kGroup] = {};
   for (int k = 0; k < cnt; ++k) codes[k] = interval_code(to_float(x[e0 + k]), sb, bits);
   if (cnt == kGroup) {
@@ -44,10 +42,8 @@ __global__ void fewbit_grad_kernel(const T* grad, const uint8_t* packed, int64_t
   __shared__ float sl[kMaxTable];
   for (int i = threadIdx.x; i < (1 << bits); i += blockDim.x) sl[i] = levels[i];
   __syncthreads();
-  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t e0 = g * kGroup;
-  if (e0 >= n) return;
-  const int cnt = group_count(n, e0);
+  const auto [g, e0, cnt] = thread_group(n);
+  if (cnt == 0) return;
   uint32_t codes[kGroup];
   unpack_group(packed + g * bits, cnt, bits, codes);
   for (int k = 0; k < cnt; ++k) out[e0 + k] = from_float<T>(to_float(grad[e0 + k]) * sl[codes[k]]);

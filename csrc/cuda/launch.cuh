@@ -39,6 +39,21 @@ __host__ __device__ __forceinline__ int group_count(int64_t n, int64_t e0) {
   return n - e0 < kGroup ? static_cast<int>(n - e0) : kGroup;
 }
 
+// The group a thread of a one-thread-per-group kernel handles: its index (its packed codes start at byte
+// index * bits), its first element, and its element count (kGroup, fewer for the tensor's last group, 0
+// for a thread past the end, which returns).
+struct ThreadGroup {
+  int64_t index;
+  int64_t first;
+  int count;
+};
+
+__device__ __forceinline__ ThreadGroup thread_group(int64_t n) {
+  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  const int64_t e0 = g * kGroup;
+  return {g, e0, e0 < n ? group_count(n, e0) : 0};
+}
+
 // The grid of a kernel with one thread per group of n elements, `threads` threads a block.
 inline dim3 group_grid(int64_t n, int threads) {
   const int64_t groups = (n + kGroup - 1) / kGroup;

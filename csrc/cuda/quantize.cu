@@ -167,10 +167,8 @@ __global__ void dequantize_kernel(const uint8_t* in, const float* absmax, int64_
                                   int log2_bs, bool vec, T* out) {
   __shared__ float smap[kMaxMap];
   const Coder c = shared_coder(coder, smap);
-  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t e0 = g * kGroup;
-  if (e0 >= n) return;
-  const int cnt = group_count(n, e0);
+  const auto [g, e0, cnt] = thread_group(n);
+  if (cnt == 0) return;
   uint32_t codes[kGroup];
   load_codes(in, cnt, bits, g, vec, codes);
   const float amax = absmax[e0 >> log2_bs];
@@ -185,20 +183,16 @@ __global__ void dequantize_kernel(const uint8_t* in, const float* absmax, int64_
 }
 
 __global__ void pack_kernel(const uint8_t* in, uint8_t* out, int64_t n, int bits) {
-  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t e0 = g * kGroup;
-  if (e0 >= n) return;
-  const int cnt = group_count(n, e0);
+  const auto [g, e0, cnt] = thread_group(n);
+  if (cnt == 0) return;
   uint32_t codes[kGroup];
   for (int k = 0; k < cnt; ++k) codes[k] = in[e0 + k] & ((1u << bits) - 1u);
   store_codes(codes, cnt, bits, out, g, false);
 }
 
 __global__ void unpack_kernel(const uint8_t* in, uint8_t* out, int64_t n, int bits) {
-  const int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  const int64_t e0 = g * kGroup;
-  if (e0 >= n) return;
-  const int cnt = group_count(n, e0);
+  const auto [g, e0, cnt] = thread_group(n);
+  if (cnt == 0) return;
   uint32_t codes[kGroup];
   unpack_group(in + g * bits, cnt, bits, codes);
   for (int k = 0; k < cnt; ++k) out[e0 + k] = static_cast<uint8_t>(codes[k]);
