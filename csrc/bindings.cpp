@@ -244,7 +244,12 @@ py::dict build_info() {
 
 }  // namespace
 
-PYBIND11_MODULE(_C, m) {
+// lowbit._C, or lowbit._C_cuda_emu: the same bindings with the CUDA kernels emulated on the host (CMakeLists.txt).
+#ifndef LOWBIT_MODULE_NAME
+#define LOWBIT_MODULE_NAME _C
+#endif
+
+PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
   m.doc() = "lowbit native core (torch-free): block-wise quantization, packing";
 
   m.def("cuda_built", []() {

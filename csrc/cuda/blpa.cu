@@ -114,7 +114,7 @@ __global__ void grad_kernel(const uint8_t* packed, const T* grad, int64_t n, int
 void blpa_encode(const BlpaArgs& a, int device, uintptr_t stream_handle) {
   launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
     using T = typename decltype(type)::type;
-    encode_kernel<T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(
+    LB_LAUNCH(group_grid(a.n, kThreads), kThreads, 0, stream, encode_kernel<T>)(
         static_cast<const T*>(a.x), static_cast<const T*>(a.a2), a.n, a.channels, a.inner, a.mean, a.invstd,
         grid_ptrs(a), a.bits, a.codes_out);
   });
@@ -123,7 +123,7 @@ void blpa_encode(const BlpaArgs& a, int device, uintptr_t stream_handle) {
 void blpa_decode(const BlpaArgs& a, int device, uintptr_t stream_handle) {
   launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
     using T = typename decltype(type)::type;
-    decode_kernel<T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(
+    LB_LAUNCH(group_grid(a.n, kThreads), kThreads, 0, stream, decode_kernel<T>)(
         a.codes_in, a.n, a.channels, a.inner, grid_ptrs(a), a.gamma, a.beta, a.bits, static_cast<T*>(a.out));
   });
 }
@@ -135,12 +135,12 @@ void blpa_backward(const BlpaArgs& a, int device, uintptr_t stream_handle) {
     using T = typename decltype(type)::type;
     const unsigned int blocks = stride_blocks(a.n, kThreads, device);
     const auto* grad = static_cast<const T*>(a.grad);
-    reduce_kernel<T><<<static_cast<unsigned int>(a.channels), kThreads, 0, stream>>>(
+    LB_LAUNCH(static_cast<unsigned int>(a.channels), kThreads, 0, stream, reduce_kernel<T>)(
         a.codes_in, grad, rows, a.channels, a.inner, grid_ptrs(a), a.beta, a.bits, nbytes, a.g_gamma, a.g_beta);
     LB_CUDA_LAUNCH_CHECK();
-    grad_kernel<T><<<blocks, kThreads, 0, stream>>>(a.codes_in, grad, a.n, a.channels, a.inner, grid_ptrs(a), a.gamma,
-                                                    a.beta, a.invstd, a.bits, nbytes, a.batch_stats, a.g_gamma,
-                                                    a.g_beta, static_cast<T*>(a.out));
+    LB_LAUNCH(blocks, kThreads, 0, stream, grad_kernel<T>)(a.codes_in, grad, a.n, a.channels, a.inner, grid_ptrs(a),
+                                                           a.gamma, a.beta, a.invstd, a.bits, nbytes, a.batch_stats,
+                                                           a.g_gamma, a.g_beta, static_cast<T*>(a.out));
   });
 }
 

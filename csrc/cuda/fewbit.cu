@@ -54,15 +54,15 @@ __global__ void fewbit_grad_kernel(const T* grad, const uint8_t* packed, int64_t
 void fewbit_encode(const FewbitEncodeArgs& a, int device, uintptr_t stream_handle) {
   launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
     using T = typename decltype(type)::type;
-    fewbit_encode_kernel<T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(static_cast<const T*>(a.x), a.n,
-                                                                                a.bounds, a.bits, a.packed);
+    LB_LAUNCH(group_grid(a.n, kThreads), kThreads, 0, stream, fewbit_encode_kernel<T>)(
+        static_cast<const T*>(a.x), a.n, a.bounds, a.bits, a.packed);
   });
 }
 
 void fewbit_grad(const FewbitGradArgs& a, int device, uintptr_t stream_handle) {
   launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
     using T = typename decltype(type)::type;
-    fewbit_grad_kernel<T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(
+    LB_LAUNCH(group_grid(a.n, kThreads), kThreads, 0, stream, fewbit_grad_kernel<T>)(
         static_cast<const T*>(a.grad), a.packed, a.n, a.levels, a.bits, static_cast<T*>(a.out));
   });
 }

@@ -35,7 +35,7 @@ __global__ void invact_grad_kernel(const T* grad, const T* y, const uint8_t* bit
 void invact_grad(const InvactGradArgs& a, int device, uintptr_t stream_handle) {
   launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
     using T = typename decltype(type)::type;
-    invact_grad_kernel<T><<<stride_blocks(a.n, kThreads, device), kThreads, 0, stream>>>(
+    LB_LAUNCH(stride_blocks(a.n, kThreads, device), kThreads, 0, stream, invact_grad_kernel<T>)(
         static_cast<const T*>(a.grad), static_cast<const T*>(a.y), a.bits, a.n, a.coeffs, a.params,
         static_cast<T*>(a.out));
   });

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "check.cuh"
+#include "launch_kernel.cuh"
 #include "lowbit/dispatch.h"
 #include "lowbit/pack.h"
 

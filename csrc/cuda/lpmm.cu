@@ -174,7 +174,7 @@ void lpmm_accumulate(const LpmmAccumArgs& a, int device, uintptr_t stream_handle
   const int64_t groups = (a.n + a.group_size - 1) / a.group_size;
   const auto threads = static_cast<unsigned int>(a.group_size / kGroup);
   launch_typed(groups, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
-    accumulate_kernel<typename decltype(type)::type><<<grid_for(groups), threads, 0, stream>>>(a, groups);
+    LB_LAUNCH(grid_for(groups), threads, 0, stream, accumulate_kernel<typename decltype(type)::type>)(a, groups);
   });
 }
 
@@ -182,7 +182,7 @@ void lpmm_step(const LpmmArgs& a, int device, uintptr_t stream_handle) {
   const auto threads = static_cast<unsigned int>(a.group_size / kGroup);
   launch_on(a.total_groups, device, stream_handle, [&](cudaStream_t stream) {
     dispatch_rule(a.rule, [&](auto rule) {
-      step_kernel<decltype(rule)::value><<<grid_for(a.total_groups), threads, 0, stream>>>(a);
+      LB_LAUNCH(grid_for(a.total_groups), threads, 0, stream, step_kernel<decltype(rule)::value>)(a);
       LB_CUDA_LAUNCH_CHECK();
     });
   });

@@ -228,14 +228,15 @@ void launch(const OptimArgs& a, cudaStream_t stream) {
     // Stream-ordered scratch: no device synchronisation, freed in stream order after use.
     LB_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&sums), 2 * a.total_blocks * sizeof(double), stream));
     LB_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&update_scales), a.count * sizeof(float), stream));
-    norm_kernel<kRule><<<grid, threads, 0, stream>>>(a, sums);
+    LB_LAUNCH(grid, threads, 0, stream, norm_kernel<kRule>)(a, sums);
     LB_CUDA_LAUNCH_CHECK();
     const auto tensors = static_cast<unsigned int>(std::min<int64_t>(a.count, int64_t{1} << 16));
-    scale_kernel<<<tensors, kMaxThreads, 0, stream>>>(a, sums, update_scales);
+    LB_LAUNCH(tensors, kMaxThreads, 0, stream, scale_kernel)(a, sums, update_scales);
     LB_CUDA_LAUNCH_CHECK();
   }
   if (a.norm_sums == nullptr) {
-    optimizer_kernel<kRule><<<grid, threads, 0, stream>>>(a, a.update_scales != nullptr ? a.update_scales : update_scales);
+    LB_LAUNCH(grid, threads, 0, stream, optimizer_kernel<kRule>)(
+        a, a.update_scales != nullptr ? a.update_scales : update_scales);
     LB_CUDA_LAUNCH_CHECK();
   }
   if (sums != nullptr) {

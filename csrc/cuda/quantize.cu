@@ -30,12 +30,15 @@ __device__ __forceinline__ MapCoder shared_coder(const MapCoder& c, float* smap)
 }
 __device__ __forceinline__ LinearCoder shared_coder(const LinearCoder& c, float*) { return c; }
 
+// The 16-bit types move as one 16-byte word; their halves are taken apart with shifts, not read through a
+// uint16_t pointer into the word (undefined in C++: g++ -O2 miscompiles it in the host emulation). Element
+// 2j is the low half of word j: CUDA devices and the emulation's hosts are little-endian.
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float* v) {
   const uint4 r = *reinterpret_cast<const uint4*>(p);
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(&r);
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = to_float(T{h[k]});
+  for (int k = 0; k < 8; ++k) v[k] = to_float(T{static_cast<uint16_t>(w[k / 2] >> (16 * (k % 2)))});
 }
 template <>
 __device__ __forceinline__ void load8<float>(const float* p, float* v) {
@@ -46,11 +49,12 @@ __device__ __forceinline__ void load8<float>(const float* p, float* v) {
 
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float* v) {
-  uint4 r;
-  uint16_t* h = reinterpret_cast<uint16_t*>(&r);
+  uint32_t w[4];
 #pragma unroll
-  for (int k = 0; k < 8; ++k) h[k] = from_float<T>(v[k]).bits;
-  *reinterpret_cast<uint4*>(p) = r;
+  for (int j = 0; j < 4; ++j) {
+    w[j] = from_float<T>(v[2 * j]).bits | (static_cast<uint32_t>(from_float<T>(v[2 * j + 1]).bits) << 16);
+  }
+  *reinterpret_cast<uint4*>(p) = uint4{w[0], w[1], w[2], w[3]};
 }
 template <>
 __device__ __forceinline__ void store8<float>(float* p, const float* v) {
@@ -130,7 +134,7 @@ __global__ void quantize_kernel(const T* x, int64_t n, Coder coder, int bits, in
 
   float amax;
   if (kTensorwise) {
-    amax = absmax_from_bits(*reinterpret_cast<const unsigned int*>(absmax));
+    amax = absmax_from_bits(float_to_bits(absmax[0]));  // a bit cast: pass 1 stored bits into the float
     if (g == 0) absmax[0] = amax;  // canonical NaN for poisoned tensors; readers map both patterns alike
   } else {
     uint32_t m = 0;
@@ -224,7 +228,7 @@ void launch_quantize(const QuantizeArgs& a, const Coder& coder, cudaStream_t str
   if (a.blocksize > 0) {
     const int groups_per_block = static_cast<int>(a.blocksize / kGroup);
     const int threads = std::max(kThreads, groups_per_block);
-    quantize_kernel<kSR, false, T><<<group_grid(a.n, threads), threads, 0, stream>>>(
+    LB_LAUNCH(group_grid(a.n, threads), threads, 0, stream, quantize_kernel<kSR, false, T>)(
         x, a.n, coder, a.bits, log2_exact(a.blocksize), groups_per_block, key, a.offset, vec, a.out, a.absmax);
     return;
   }
@@ -234,10 +238,10 @@ void launch_quantize(const QuantizeArgs& a, const Coder& coder, cudaStream_t str
   LB_CUDA_CHECK(cudaGetDevice(&dev));
   LB_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   const dim3 reduce_grid(std::min<unsigned int>(group_grid(a.n, kThreads).x, static_cast<unsigned int>(4 * sms)));
-  absmax_tensor_kernel<T><<<reduce_grid, kThreads, 0, stream>>>(x, a.n, vec,
-                                                                 reinterpret_cast<unsigned int*>(a.absmax));
+  LB_LAUNCH(reduce_grid, kThreads, 0, stream, absmax_tensor_kernel<T>)(x, a.n, vec,
+                                                                       reinterpret_cast<unsigned int*>(a.absmax));
   LB_CUDA_LAUNCH_CHECK();
-  quantize_kernel<kSR, true, T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(
+  LB_LAUNCH(group_grid(a.n, kThreads), kThreads, 0, stream, quantize_kernel<kSR, true, T>)(
       x, a.n, coder, a.bits, kTensorwiseLog2, 0, key, a.offset, vec, a.out, a.absmax);
 }
 
@@ -245,7 +249,7 @@ void launch_quantize(const QuantizeArgs& a, const Coder& coder, cudaStream_t str
 void launch_packing(void (*kernel)(const uint8_t*, uint8_t*, int64_t, int), const PackArgs& a, int device,
                     uintptr_t stream_handle) {
   launch_on(a.n, device, stream_handle, [&](cudaStream_t stream) {
-    kernel<<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(a.in, a.out, a.n, a.bits);
+    LB_LAUNCH(group_grid(a.n, kThreads), kThreads, 0, stream, kernel)(a.in, a.out, a.n, a.bits);
     LB_CUDA_LAUNCH_CHECK();
   });
 }
@@ -271,8 +275,8 @@ void dequantize(const DequantizeArgs& a, int device, uintptr_t stream_handle) {
   launch_typed(a.n, a.dtype, device, stream_handle, [&](auto type, cudaStream_t stream) {
     using T = typename decltype(type)::type;
     with_coder(a.map, a.map_n, a.bits, [&](const auto& coder) {
-      dequantize_kernel<T><<<group_grid(a.n, kThreads), kThreads, 0, stream>>>(a.in, a.absmax, a.n, coder, a.bits,
-                                                                               log2_bs, vec, static_cast<T*>(a.out));
+      LB_LAUNCH(group_grid(a.n, kThreads), kThreads, 0, stream, dequantize_kernel<T>)(
+          a.in, a.absmax, a.n, coder, a.bits, log2_bs, vec, static_cast<T*>(a.out));
     });
   });
 }

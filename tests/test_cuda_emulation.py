@@ -1,0 +1,329 @@
+"""The CUDA kernels of csrc/cuda, run on the host, against the CPU kernels: the same bits.
+
+lowbit._C_cuda_emu holds the CUDA sources compiled by the host compiler against an emulation of the CUDA
+execution model (include/lowbit/cuda_host.h; CMake option LOWBIT_CUDA_EMULATION): each block's threads
+run as fibers, so barriers, warp shuffles, partial blocks and grid-stride loops behave as on a GPU. Every
+test runs lowbit's ops on CPU tensors twice: with lowbit._C's CPU loops, and with the emulated CUDA
+launchers called exactly as lowbit/_ops calls them for a GPU (its argument lists, then device 0 and
+stream 0). Emulated threads are slow, so sizes stay small; they still end in partial blocks and warps.
+
+Launchers (csrc/cuda) and the tests that run them:
+- quantize.cu: quantize, dequantize: test_map_quantization, test_linear_quantization,
+  test_unaligned_input; pack_bits, unpack_bits: test_packing
+- fewbit.cu: fewbit_encode, fewbit_grad: test_fewbit
+- invact.cu: invact_grad: test_invact_grad
+- blpa.cu: blpa_encode, blpa_decode, blpa_backward: test_blpa
+- optim.cu: optimizer_step: test_optimizer_step (every rule, 8-bit and 32-bit states, fp32/fp16/bf16
+  parameters, uneven tensors in one call; LAMB, LARS and max_unorm run the norm pre-pass kernels)
+- lpmm.cu: lpmm_accumulate: test_lpmm_accumulate; lpmm_step: test_lpmm_step
+- every launcher with no elements: test_empty_launches
+Not covered yet: optimizer_step's norm_sums entry (lowbit::optimizer_norms, used for sharded parameters).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from lowbit import _ops
+from lowbit import functional as F
+from tests.conftest import DTYPES, sample
+
+emu = pytest.importorskip("lowbit._C_cuda_emu", reason="built only with the CMake option LOWBIT_CUDA_EMULATION=ON")
+
+SIZES = [1, 255, 257, 4095, 4097]
+_OP_MODULES = [
+    importlib.import_module(f"lowbit._ops.{name}") for name in ("quantize", "fewbit", "invact", "blpa", "optim", "lpmm")
+]
+
+
+def _emulated_launch(kernel: _ops._common.Kernel, device: torch.device) -> Callable[..., None]:
+    """lowbit/_ops/_common.launch for a GPU, with the emulated CUDA launcher of ``kernel`` and CPU tensors."""
+    assert device.type == "cpu"
+    launcher = getattr(emu, kernel.cpu.__name__.removesuffix("_cpu") + "_cuda")
+    return lambda *args: launcher(*args, 0, 0)
+
+
+def _flat(out: Any) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (list, tuple)):
+        for item in out:
+            yield from _flat(item)
+    elif isinstance(out, dict):
+        for key in sorted(out):
+            yield from _flat(out[key])
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _on_both(run: Callable[[], Any]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The tensors ``run()`` returns with the CPU kernels, and with the emulated CUDA kernels."""
+    cpu = list(_flat(run()))
+    with pytest.MonkeyPatch.context() as patch:
+        for module in _OP_MODULES:
+            patch.setattr(module, "launch", _emulated_launch)
+        cuda = list(_flat(run()))
+    assert len(cpu) == len(cuda)
+    return cpu, cuda
+
+
+def _identical(run: Callable[[], Any]) -> None:
+    """``run()`` gives the same bits with the CPU kernels and with the emulated CUDA kernels."""
+    cpu, cuda = _on_both(run)
+    for i, (a, b) in enumerate(zip(cpu, cuda, strict=True)):
+        assert a.dtype == b.dtype and a.shape == b.shape, i
+        assert torch.equal(_bits(a), _bits(b)), f"output {i} differs in {int((_bits(a) != _bits(b)).sum())} bytes"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 3])
+@pytest.mark.parametrize("blocksize", [64, 256, 4096, 0])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_map_quantization(dtype, bits, blocksize, stochastic):
+    code = F.create_dynamic_map(total_bits=bits)
+
+    def run() -> list:
+        out = []
+        for n in SIZES:
+            x = sample("heavy", n, seed=n + bits, dtype=dtype)
+            x[n // 2] = float("nan") if n > 1 else x[0]
+            q = _ops.quantize_blockwise(x, code, bits, blocksize, stochastic, 1234, 77)
+            out += [q, _ops.dequantize_blockwise(*q, code, bits, blocksize, n, dtype)]
+        return out
+
+    _identical(run)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [2, 8, 16])
+@pytest.mark.parametrize("blocksize", [64, 2048, 0])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_linear_quantization(dtype, bits, blocksize, stochastic):
+    def run() -> list:
+        out = []
+        for n in SIZES:
+            x = sample("normal", n, seed=bits, dtype=dtype)
+            q = _ops.quantize_linear(x, bits, blocksize, stochastic, 99, 5)
+            out += [q, _ops.dequantize_linear(*q, bits, blocksize, n, dtype)]
+        return out
+
+    _identical(run)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_unaligned_input(dtype):
+    # One element past a 16-byte boundary: the kernels' scalar path instead of their vector loads.
+    code = F.create_dynamic_map()
+
+    def run() -> list:
+        x = sample("normal", 4097, seed=3, dtype=dtype)[1:]
+        q = _ops.quantize_blockwise(x, code, 8, 256, True, 5, 0)
+        codes = torch.empty(q[0].numel() + 1, dtype=torch.uint8)[1:]
+        codes.copy_(q[0])
+        return [q, _ops.dequantize_blockwise(codes, q[1], code, 8, 256, x.numel(), dtype)]
+
+    _identical(run)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_packing(bits):
+    def run() -> list:
+        out = []
+        for n in SIZES:
+            codes = torch.randint(0, 2**bits, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+            packed = _ops.pack_bits(codes, bits)
+            out += [packed, _ops.unpack_bits(packed, bits, n)]
+        return out
+
+    _identical(run)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 2, 3, 8])
+def test_fewbit(dtype, bits):
+    def run() -> list:
+        out = []
+        for n in SIZES:
+            g = torch.Generator().manual_seed(n + bits)
+            bounds = torch.sort(torch.randn(2**bits - 1, generator=g) * 2).values
+            x = (sample("heavy", n, seed=n) * 0.3).to(dtype)
+            x[: min(n, 3)] = float("nan")
+            packed = _ops.fewbit_encode(x, bounds, bits)
+            levels = torch.randn(2**bits, generator=g)
+            grad = torch.randn(n, generator=g).to(dtype)
+            out += [packed, _ops.fewbit_grad(grad, packed, levels, bits)]
+        return out
+
+    _identical(run)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["gelu", "silu"])
+def test_invact_grad(dtype, name):
+    from lowbit.nn import fewbit, invact
+
+    tab = invact.table(name)
+
+    def run() -> list:
+        out = []
+        for n in SIZES:
+            g = torch.Generator().manual_seed(n)
+            x = torch.randn(n, generator=g) * 4
+            y = fewbit.activation_fn(name)(x).to(dtype)
+            bits = _ops.fewbit_encode(x, tab.threshold_tensor, 1)
+            grad = torch.randn(n, generator=g).to(dtype)
+            out.append(_ops.invact_grad(grad, y, bits, tab.coeffs, tab.params))
+        return out
+
+    _identical(run)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 4, 8])
+@pytest.mark.parametrize("shape", [(5, 3), (64, 12), (3, 5, 7, 9)])
+def test_blpa(dtype, bits, shape):
+    from lowbit.nn import blpa
+
+    c = shape[1]
+    g = torch.Generator().manual_seed(bits + len(shape))
+    x = (torch.randn(shape, generator=g) * 2 + 0.3).to(dtype)
+    gamma, beta = torch.randn(c, generator=g), torch.randn(c, generator=g)
+    dims = [0] + list(range(2, len(shape)))
+    view = (1, -1) + (1,) * (len(shape) - 2)
+    a2 = (x.float() * gamma.reshape(view) + beta.reshape(view)).to(dtype)
+    var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+    invstd = torch.rsqrt(var + 1e-5)
+    grid = blpa._grid(gamma, beta, bits, None)
+    grad = torch.randn(shape, generator=g).to(dtype)
+    ops = torch.ops.lowbit
+
+    def codes() -> list:
+        packed = ops.blpa_encode(x, a2, mean, invstd, grid, bits)
+        return [packed, ops.blpa_decode(packed, grid, gamma, beta, list(shape), bits, dtype)]
+
+    _identical(codes)
+
+    def backward() -> list:
+        packed = ops.blpa_encode(x, a2, mean, invstd, grid, bits)
+        return [ops.blpa_backward(packed, grad, grid, gamma, beta, invstd, bits, stats) for stats in (True, False)]
+
+    # The CUDA sums over a channel add in another order than the CPU loop (issue 22, item 6).
+    cpu, cuda = _on_both(backward)
+    for a, b in zip(cpu, cuda, strict=True):
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+        torch.testing.assert_close(a, b, **tol)
+
+
+_OPTIMIZERS = [
+    ("Adam8bit", {}),
+    ("Adam8bit", {"max_unorm": 0.02}),
+    ("AdamW8bit", {"weight_decay": 0.1}),
+    ("SGD8bit", {"lr": 1e-2, "momentum": 0.9, "nesterov": True}),
+    ("Lion8bit", {}),
+    ("RMSprop8bit", {"momentum": 0.9, "centered": True}),
+    ("Adagrad8bit", {}),
+    ("LAMB8bit", {}),
+    ("LARS8bit", {}),
+    ("Adam32bit", {"amsgrad": True}),
+    ("AdamW32bit", {}),
+    ("LAMB32bit", {}),
+    ("RMSprop32bit", {}),
+]
+
+
+@pytest.mark.parametrize("name,options", _OPTIMIZERS, ids=[f"{n}-{sorted(o)}" for n, o in _OPTIMIZERS])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_optimizer_step(name, options, dtype):
+    import lowbit.optim as O
+
+    def run() -> list:
+        gen = torch.Generator().manual_seed(0)
+        # Uneven tensors in one fused call: partial last blocks, a single element, more than one block.
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in [(300,), (1,), (64, 7), (4097,)]]
+        opt = getattr(O, name)(params, **options)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            opt.step()
+        return [params, [opt.state[p] for p in params]]
+
+    _identical(run)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8, 16])
+@pytest.mark.parametrize("group", [64, 256, 4096])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_lpmm_accumulate(dtype, bits, group, stochastic):
+    def run() -> list:
+        out = []
+        for n in SIZES:
+            codes, absmax = _ops.quantize_linear(sample("heavy", n, seed=bits), bits, group, False, 0, 0)
+            grad = sample("normal", n, seed=group, dtype=dtype)
+            _ops.lpmm_accumulate_(grad, codes, absmax, bits, group, stochastic, 99)
+            out += [codes, absmax]
+        return out
+
+    _identical(run)
+
+
+@pytest.mark.parametrize("rule,n_states", [(1, 1), (1, 0), (0, 2)])
+@pytest.mark.parametrize("bits", [(12, 8, 8), (5, 13, 6)])
+@pytest.mark.parametrize("group", [64, 256, 2048])
+def test_lpmm_step(rule, n_states, bits, group):
+    from tests.test_lpmm_ops import _step_args
+
+    pb, gb, sb = bits
+    kw = dict(rule=rule, param_bits=pb, grad_bits=gb, state_bits=sb, group=group, n_states=n_states, seed=5)
+
+    def run() -> list:
+        args = _step_args([1, 255, 4097, 300], **kw)
+        _ops.lpmm_step_(*args)
+        return list(args[:8])
+
+    _identical(run)
+
+
+# Every launcher with no elements returns before launching: a grid of 0 blocks fails in the emulation as
+# on a GPU (the ops skip empty tensors before reaching the launchers, so these call them directly).
+EMPTY_LAUNCHES = {
+    "quantize": lambda: emu.quantize_cuda(0, 0, 0, 0, 0, 8, 256, False, 0, 0, 0, 0, 0, 0),
+    "quantize tensor-wise": lambda: emu.quantize_cuda(0, 0, 0, 0, 0, 8, 0, True, 0, 0, 0, 0, 0, 0),
+    "dequantize": lambda: emu.dequantize_cuda(0, 0, 0, 0, 0, 8, 256, 0, 0, 0, 0),
+    "pack_bits": lambda: emu.pack_bits_cuda(0, 0, 0, 3, 0, 0),
+    "unpack_bits": lambda: emu.unpack_bits_cuda(0, 0, 0, 3, 0, 0),
+    "fewbit_encode": lambda: emu.fewbit_encode_cuda(0, 0, 0, 0, 3, 0, 0, 0),
+    "fewbit_grad": lambda: emu.fewbit_grad_cuda(0, 0, 0, 0, 0, 3, 0, 0, 0),
+    "invact_grad": lambda: emu.invact_grad_cuda(0, 0, 0, 0, 0, 0, 0, 0, 0, 0),
+    "blpa_encode": lambda: emu.blpa_encode_cuda([0] * 13, 0, 4, 1, 0, 4, 1, 0, 0),
+    "blpa_decode": lambda: emu.blpa_decode_cuda([0] * 13, 0, 4, 1, 0, 4, 1, 0, 0),
+    "blpa_backward": lambda: emu.blpa_backward_cuda([0] * 13, 0, 4, 1, 0, 4, 1, 0, 0),
+    "lpmm_accumulate": lambda: emu.lpmm_accumulate_cuda(0, 0, 0, 0, 0, 8, 256, False, 0, 0, 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY_LAUNCHES))
+def test_empty_launches(name):
+    EMPTY_LAUNCHES[name]()
+
+
+def test_empty_optimizer_parameters():
+    import lowbit.optim as O
+
+    def run() -> list:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(0,), (4096,), (0, 7)]]
+        opt = O.AdamW8bit(params)
+        for p in params:
+            p.grad = torch.ones(p.shape)
+        opt.step()
+        return params
+
+    _identical(run)
