@@ -251,7 +251,7 @@ inline void resume(Fiber& f, unsigned int index) {
   void* fake_stack = nullptr;
   __sanitizer_start_switch_fiber(&fake_stack, f.stack.data(), f.stack.size());
   swapcontext(&b.scheduler, &f.context);
-  __sanitizer_finish_switch_fiber(fake_stack, &b.scheduler_stack, &b.scheduler_stack_bytes);
+  __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
 #else
   swapcontext(&b.scheduler, &f.context);
 #endif
