@@ -65,8 +65,6 @@ inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }
 inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
-inline long long max(long long a, long long b) { return a > b ? a : b; }
-inline long long min(long long a, long long b) { return a < b ? a : b; }
 
 // The built-in variables of the running CUDA thread; the block scheduler sets them before it resumes one.
 inline uint3 threadIdx{0, 0, 0};
@@ -87,7 +85,7 @@ enum cudaError_t : int {
   cudaErrorUnsupportedPtxVersion = 222,
   cudaErrorLaunchFailure = 719,
 };
-enum cudaDeviceAttr : int { cudaDevAttrMaxThreadsPerBlock = 1, cudaDevAttrMultiProcessorCount = 16 };
+enum cudaDeviceAttr : int { cudaDevAttrMultiProcessorCount = 16 };
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 
@@ -148,15 +146,9 @@ inline cudaError_t cudaSetDevice(int device) {
 }
 inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
   if (device != 0) return cudaErrorInvalidDevice;
-  switch (attr) {
-    case cudaDevAttrMultiProcessorCount:
-      *value = lowbit::emu::kMultiprocessors;
-      return cudaSuccess;
-    case cudaDevAttrMaxThreadsPerBlock:
-      *value = lowbit::emu::kMaxThreadsPerBlock;
-      return cudaSuccess;
-  }
-  return cudaErrorInvalidValue;
+  if (attr != cudaDevAttrMultiProcessorCount) return cudaErrorInvalidValue;
+  *value = lowbit::emu::kMultiprocessors;
+  return cudaSuccess;
 }
 // 0: no real runtime or driver is involved.
 inline cudaError_t cudaRuntimeGetVersion(int* version) {
@@ -185,8 +177,9 @@ inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_
 
 namespace lowbit::emu {
 
-extern "C" char __start_lowbit_emu_shared[];  // NOLINT: the linker names a section's bounds so
-extern "C" char __stop_lowbit_emu_shared[];   // NOLINT
+// The bounds of the section that holds every __shared__ variable, defined by the linker.
+extern "C" char __start_lowbit_emu_shared[];
+extern "C" char __stop_lowbit_emu_shared[];
 
 #if defined(__SANITIZE_ADDRESS__)
 constexpr size_t kStackBytes = size_t{512} << 10;  // instrumented frames are larger
