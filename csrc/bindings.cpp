@@ -127,7 +127,8 @@ void check_n_states(int n_states) {
 lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states,
                              int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t map3, uintptr_t meta,
                              uintptr_t scalars, uintptr_t grad_scales, int64_t count, int64_t total_blocks,
-                             uintptr_t norm_sums = 0, uintptr_t update_scales = 0) {
+                             uintptr_t norm_sums = 0, uintptr_t update_scales = 0, uintptr_t block_sums = 0,
+                             uintptr_t tensor_scales = 0) {
   if (rule < 0 || rule > lowbit::kMaxRule) {
     throw std::invalid_argument("lowbit: unknown optimizer rule " + std::to_string(rule));
   }
@@ -135,6 +136,14 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
   check_n_states(n_states);
   if (norm_mode < lowbit::kNormNone || norm_mode > lowbit::kNormClip) {
     throw std::invalid_argument("lowbit: unknown norm mode " + std::to_string(norm_mode));
+  }
+  if (norm_mode != lowbit::kNormNone && update_scales == 0) {
+    if (block_sums == 0 && total_blocks > 0) {
+      throw std::invalid_argument("lowbit: the norm pre-pass needs block_sums (2 doubles per block)");
+    }
+    if (tensor_scales == 0 && norm_sums == 0 && count > 0) {
+      throw std::invalid_argument("lowbit: the norm pre-pass needs tensor_scales (1 float per tensor)");
+    }
   }
   return lowbit::OptimArgs{
       static_cast<lowbit::Rule>(rule),
@@ -150,7 +159,9 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
       count,
       total_blocks,
       ptr<double>(norm_sums),
-      ptr<const float>(update_scales)};
+      ptr<const float>(update_scales),
+      ptr<double>(block_sums),
+      ptr<float>(tensor_scales)};
 }
 
 // hyper: kHyperFields, as for optim_args; bits: param, grad, state; stochastic: param, state.

@@ -154,6 +154,12 @@ struct OptimArgs {
   // update_scales set, the step uses these per-tensor scales instead of its own pre-pass.
   double* norm_sums;
   const float* update_scales;
+  // Scratch of the norm pre-pass (norm_mode != kNormNone and no update_scales), owned by the caller so it
+  // comes from torch's allocator: block_sums holds 2 doubles per block (its sums of p^2 and u^2), needed
+  // whenever total_blocks > 0; tensor_scales one float per tensor, needed by CUDA unless norm_sums is set
+  // (the CPU keeps its per-tensor scales in its own tensor views).
+  double* block_sums;
+  float* tensor_scales;
 };
 
 // The last row r of an int64 table (count rows of `cols` columns) with table[r][col] <= b: the

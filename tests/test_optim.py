@@ -491,3 +491,41 @@ def test_norm_sums_and_given_update_scales_reproduce_the_fused_step(rule, norm_m
         for a, b in zip(got, want, strict=True):
             assert torch.equal(a, b)
     torch.library.opcheck(torch.ops.lowbit.optimizer_norms.default, tuple(args))
+
+
+def test_norm_prepass_scratch_comes_from_torch_only_when_the_prepass_runs(monkeypatch):
+    # The pre-pass's per-block sums and per-tensor scales are torch tensors that the op passes to the
+    # native step (the last two pointers), not native allocations; calls without a pre-pass get none.
+    from lowbit._ops import optim as optim_ops
+
+    calls = []
+    real_launch = optim_ops.launch
+
+    def recording_launch(kernel, device):
+        fn = real_launch(kernel, device)
+
+        def record(*native_args):
+            calls.append(native_args[-2:])
+            fn(*native_args)
+
+        return record
+
+    monkeypatch.setattr(optim_ops, "launch", recording_launch)
+    args = list(_step_args(2, True))
+    _ops.optimizer_step_(*args)
+    args[13], args[16] = 5, 1
+    _ops.optimizer_step_(*args)
+    sums = _ops.optimizer_norms(*args)
+    _ops.optimizer_step_(*args, torch.ones(len(args[0])))
+    assert [tuple(ptr != 0 for ptr in call) for call in calls] == [
+        (False, False),  # no norm mode
+        (True, True),  # the fused pre-pass: block sums and update scales
+        (True, False),  # optimizer_norms: block sums; the per-tensor sums go to its output
+        (False, False),  # given update scales: no pre-pass
+    ]
+    assert sums.shape == (2, 2)
+    # Without that scratch the native step refuses a pre-pass (before it reads any table).
+    maps = [m.data_ptr() for m in args[10:13]]
+    step = real_launch(optim_ops._STEP, torch.device("cpu"))
+    with pytest.raises(ValueError, match="block_sums"):
+        step(5, args[14], 0, 1, 2, 256, *maps, 0, 0, 0, 2, 21, 0, 0, 0, 0)

@@ -414,15 +414,16 @@ void step_all(const OptimArgs& a, int threads) {
   }
   const bool par = run_parallel(threads, elements);
   if (a.hyper.norm_mode != kNormNone && a.update_scales == nullptr) {
-    // Per-block partial sums, then per-tensor sums in block order: deterministic for any thread count.
-    std::vector<double> sums(2 * a.total_blocks);
+    // Per-block partial sums (in the caller's scratch), then per-tensor sums in block order: deterministic
+    // for any thread count.
+    double* sums = a.block_sums;
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (int64_t b = 0; b < a.total_blocks; ++b) {
       const int64_t t = tensor_of_block(a, b);
       const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
       with_states<kRule>(a.n_states, [&](auto states) {
         LB_DISPATCH_DTYPE(tensors[t].dtype,
-                          norm_block<kRule, decltype(states)::value, scalar_t>(a, tensors[t], block, coders, &sums[2 * b]));
+                          norm_block<kRule, decltype(states)::value, scalar_t>(a, tensors[t], block, coders, sums + 2 * b));
       });
     }
     for (int64_t t = 0; t < a.count; ++t) {

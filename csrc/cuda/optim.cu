@@ -222,26 +222,20 @@ void launch(const OptimArgs& a, cudaStream_t stream) {
   const int threads = static_cast<int>(std::min<int64_t>(a.block_size, kMaxThreads));
   // Grid-stride loop over quantization blocks, so a capped grid covers any number of them.
   const auto grid = static_cast<unsigned int>(std::min<int64_t>(a.total_blocks, int64_t{1} << 20));
-  float* update_scales = nullptr;
-  double* sums = nullptr;
+  const float* update_scales = a.update_scales;
   if (a.hyper.norm_mode != kNormNone && a.update_scales == nullptr) {
-    // Stream-ordered scratch: no device synchronisation, freed in stream order after use.
-    LB_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&sums), 2 * a.total_blocks * sizeof(double), stream));
-    LB_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void**>(&update_scales), a.count * sizeof(float), stream));
-    LB_LAUNCH(grid, threads, 0, stream, norm_kernel<kRule>)(a, sums);
+    // The pre-pass writes the caller's scratch (OptimArgs::block_sums, tensor_scales), which torch's
+    // allocator gave on this stream, so it is reused only after these launches.
+    LB_LAUNCH(grid, threads, 0, stream, norm_kernel<kRule>)(a, a.block_sums);
     LB_CUDA_LAUNCH_CHECK();
     const auto tensors = static_cast<unsigned int>(std::min<int64_t>(a.count, int64_t{1} << 16));
-    LB_LAUNCH(tensors, kMaxThreads, 0, stream, scale_kernel)(a, sums, update_scales);
+    LB_LAUNCH(tensors, kMaxThreads, 0, stream, scale_kernel)(a, a.block_sums, a.tensor_scales);
     LB_CUDA_LAUNCH_CHECK();
+    update_scales = a.tensor_scales;
   }
   if (a.norm_sums == nullptr) {
-    LB_LAUNCH(grid, threads, 0, stream, optimizer_kernel<kRule>)(
-        a, a.update_scales != nullptr ? a.update_scales : update_scales);
+    LB_LAUNCH(grid, threads, 0, stream, optimizer_kernel<kRule>)(a, update_scales);
     LB_CUDA_LAUNCH_CHECK();
-  }
-  if (sums != nullptr) {
-    LB_CUDA_CHECK(cudaFreeAsync(sums, stream));
-    LB_CUDA_CHECK(cudaFreeAsync(update_scales, stream));
   }
 }
 

@@ -21,7 +21,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -160,14 +159,6 @@ inline cudaError_t cudaDriverGetVersion(int* version) {
   return cudaSuccess;
 }
 // Stream-ordered calls complete at once: the emulated launches are synchronous.
-inline cudaError_t cudaMallocAsync(void** p, size_t bytes, cudaStream_t) {
-  *p = std::malloc(bytes == 0 ? 1 : bytes);
-  return *p != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
-}
-inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) {
-  std::free(p);
-  return cudaSuccess;
-}
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t) {
   std::memset(p, value, bytes);
   return cudaSuccess;

@@ -196,6 +196,21 @@ def check_optimizer_step(args: StepArgs) -> list[int]:
     return widths
 
 
+def _norm_scratch(
+    args: StepArgs, norm_sums: Optional[Tensor], total_blocks: int, device: torch.device
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The scratch of the native norm pre-pass (``OptimArgs::block_sums``, ``tensor_scales`` in
+    csrc/kernels.h), or ``None`` where it does not run. It comes from torch's allocator, on the stream the
+    step is launched on, so a failed launch leaks nothing and a GPU step needs no synchronisation: 2
+    float64 sums per block and, unless ``norm_sums`` takes the per-tensor results, one fp32 update scale
+    per tensor."""
+    if args.norm_mode == 0 or args.update_scales is not None:
+        return None, None
+    block_sums = torch.empty(2 * total_blocks, dtype=torch.float64, device=device)
+    tensor_scales = None if norm_sums is not None else torch.empty(len(args.params), dtype=torch.float32, device=device)
+    return block_sums, tensor_scales
+
+
 def _call(args: StepArgs, norm_sums: Optional[Tensor]) -> None:
     """The checks and the native call behind optimizer_step_ and optimizer_norms."""
     widths = check_optimizer_step(args)
@@ -214,6 +229,7 @@ def _call(args: StepArgs, norm_sums: Optional[Tensor]) -> None:
         first_block += num_blocks(n, block_size)
     device = args.params[0].device
     meta, scal = _common.call_tables(rows, META_COLS, args.scalars, device)
+    block_sums, tensor_scales = _norm_scratch(args, norm_sums, first_block, device)
     launch(_STEP, device)(
         args.rule,
         args.hyper,
@@ -231,6 +247,8 @@ def _call(args: StepArgs, norm_sums: Optional[Tensor]) -> None:
         first_block,
         norm_sums.data_ptr() if norm_sums is not None else 0,
         args.update_scales.data_ptr() if args.update_scales is not None else 0,
+        block_sums.data_ptr() if block_sums is not None else 0,
+        tensor_scales.data_ptr() if tensor_scales is not None else 0,
     )
 
 
