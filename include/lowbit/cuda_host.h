@@ -73,16 +73,11 @@ inline dim3 gridDim{1, 1, 1};
 
 // ---- runtime API: host memory, one device, errors kept as CUDA keeps them ----
 
+// CUDA's values of the errors the launchers and this emulation name.
 enum cudaError_t : int {
-  cudaSuccess = 0,
-  cudaErrorInvalidValue = 1,
-  cudaErrorMemoryAllocation = 2,
-  cudaErrorInvalidConfiguration = 9,
-  cudaErrorInsufficientDriver = 35,
-  cudaErrorInvalidDevice = 101,
-  cudaErrorNoKernelImageForDevice = 209,
-  cudaErrorUnsupportedPtxVersion = 222,
-  cudaErrorLaunchFailure = 719,
+  cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorMemoryAllocation = 2, cudaErrorInvalidConfiguration = 9,
+  cudaErrorInsufficientDriver = 35, cudaErrorInvalidDevice = 101, cudaErrorNoKernelImageForDevice = 209,
+  cudaErrorUnsupportedPtxVersion = 222, cudaErrorLaunchFailure = 719,
 };
 enum cudaDeviceAttr : int { cudaDevAttrMultiProcessorCount = 16 };
 struct CUstream_st;
