@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from lowbit import _C
-from lowbit._checks import MAX_LINEAR_BITS
+from lowbit._checks import MAX_LINEAR_BITS, is_int_in
 from lowbit._ops import _common
 from lowbit._ops._common import DTYPE_CODES, FLOAT_DTYPES, MAX_MAP_BITS, Kernel, launch
 from lowbit._ops.optim import SCALAR_COLS, StepHyper
@@ -23,10 +23,7 @@ MIN_LPMM_BITS = 2
 
 
 def _check_lpmm_bits(name: str, bits: int, low: int, high: int) -> None:
-    _common.check(
-        isinstance(bits, int) and not isinstance(bits, bool) and low <= bits <= high,
-        f"{name} must be an int in {low}..{high}, got {bits!r}",
-    )
+    _common.check(is_int_in(bits, low, high), f"{name} must be an int in {low}..{high}, got {bits!r}")
 
 
 def _check_lpmm_tensor(
