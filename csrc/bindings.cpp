@@ -14,6 +14,7 @@
 
 #include "kernels.h"
 #include "lowbit/invact.h"
+#include "lowbit/norm_order.h"
 #ifdef LOWBIT_WITH_CUDA
 #include "cuda/runtime_info.h"
 #endif
@@ -311,6 +312,8 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
   m.attr("NORM_NONE") = static_cast<int>(lowbit::kNormNone);
   m.attr("NORM_TRUST") = static_cast<int>(lowbit::kNormTrust);
   m.attr("NORM_CLIP") = static_cast<int>(lowbit::kNormClip);
+  m.attr("NORM_SQUARE_LANES") = lowbit::kSquareLanes;
+  m.attr("NORM_BLOCK_SUM_LANES") = lowbit::kBlockSumLanes;
   using lowbit::DType;
   m.attr("DTYPE_CODES") =
       code_table<DType>({{"float32", DType::F32}, {"float16", DType::F16}, {"bfloat16", DType::BF16}});

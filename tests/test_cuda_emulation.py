@@ -15,8 +15,9 @@ Launchers (csrc/cuda) and the tests that run them:
 - blpa.cu: blpa_encode, blpa_decode, blpa_backward: test_blpa
 - optim.cu: optimizer_step: test_optimizer_step (every rule, 8-bit and 32-bit states, fp32/fp16/bf16
   parameters, uneven tensors in one call; LAMB, LARS and max_unorm run the norm pre-pass kernels),
-  test_optimizer_norms_then_step_with_update_scales (its norm_sums and update_scales entries; the float64
-  norm sums agree to rounding only, not bit for bit: test_optimizer_norms_are_bit_identical, xfail)
+  test_optimizer_norms_then_step_with_update_scales (its norm_sums and update_scales entries),
+  test_norm_sums_in_the_shared_order (include/lowbit/norm_order.h: passes of a thread block, lanes of a
+  tensor's block sums)
 - lpmm.cu: lpmm_accumulate: test_lpmm_accumulate; lpmm_step: test_lpmm_step
 - every launcher with no elements: test_empty_launches
 Not covered yet: nothing of csrc/cuda; what the emulation cannot show (races between blocks, stream order,
@@ -286,19 +287,35 @@ _NORM_MODES = [(5, 1, 0.0), (0, 2, 0.01)]  # LAMB's trust ratio; Adam with max_u
 
 @pytest.mark.parametrize(("rule", "norm_mode", "max_unorm"), _NORM_MODES)
 def test_optimizer_norms_then_step_with_update_scales(rule, norm_mode, max_unorm):
-    cpu, cuda = _on_both(_norms_then_step(rule, norm_mode, max_unorm))
-    # The float64 sums within rounding: the CUDA pre-pass adds in a tree order, the CPU in lanes of 8
-    # (issue 22, item 6; test_optimizer_norms_are_bit_identical below). The float update scales built
-    # from them, and so the step, come out the same.
-    torch.testing.assert_close(cpu[0], cuda[0], rtol=1e-12, atol=0)
-    for a, b in zip(cpu[1:], cuda[1:], strict=True):
-        assert torch.equal(_bits(a), _bits(b))
-
-
-@pytest.mark.xfail(strict=True, reason="issue 22, item 6: CUDA's norm sums add in another order than the CPU's")
-@pytest.mark.parametrize(("rule", "norm_mode", "max_unorm"), _NORM_MODES)
-def test_optimizer_norms_are_bit_identical(rule, norm_mode, max_unorm):
     _identical(_norms_then_step(rule, norm_mode, max_unorm))
+
+
+_ORDERED_NORMS = [
+    ("LAMB8bit", {"block_size": 64}),  # 45 blocks in a tensor: more than the 32 lanes of its block sums
+    ("LAMB32bit", {"block_size": 64}),
+    ("Adam8bit", {"max_unorm": 0.02, "block_size": 4096}),  # a block in several passes of 256 threads
+]
+
+
+@pytest.mark.parametrize(("name", "options"), _ORDERED_NORMS, ids=[n for n, _ in _ORDERED_NORMS])
+def test_norm_sums_in_the_shared_order(name, options):
+    """The pre-pass sums where their order shows: values over seven decades, so that any other order of
+    additions than include/lowbit/norm_order.h's gives other bits in the trust ratio or clip scale."""
+    import lowbit.optim as O
+
+    def run() -> list:
+        gen = torch.Generator().manual_seed(1)
+        sizes = [64 * 44 + 17, 1, 4096 + 700]
+        scale = [10.0 ** torch.randint(-3, 4, (n,), generator=gen) for n in sizes]
+        params = [torch.nn.Parameter(torch.randn(n, generator=gen) * s) for n, s in zip(sizes, scale, strict=True)]
+        opt = getattr(O, name)(params, **options)
+        for _ in range(2):
+            for p, s in zip(params, scale, strict=True):
+                p.grad = torch.randn(p.shape, generator=gen) * s.flip(0)
+            opt.step()
+        return [params, [opt.state[p] for p in params]]
+
+    _identical(run)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

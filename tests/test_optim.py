@@ -493,6 +493,39 @@ def test_norm_sums_and_given_update_scales_reproduce_the_fused_step(rule, norm_m
     torch.library.opcheck(torch.ops.lowbit.optimizer_norms.default, tuple(args))
 
 
+def _sum_in_lanes(terms: list[float], lanes: int) -> float:
+    """Term i into lane i % lanes, in order; then the lanes in order, from 0 (Python floats are doubles)."""
+    acc = [0.0] * lanes
+    for i, term in enumerate(terms):
+        acc[i % lanes] += term
+    total = 0.0
+    for lane in acc:
+        total += lane
+    return total
+
+
+def test_norm_sums_add_in_the_documented_order():
+    # include/lowbit/norm_order.h: squares in lanes within a quantization block, block sums in lanes within
+    # a tensor. Values over seven decades and more blocks than lanes, so that another order (one running
+    # sum over the blocks, say) gives other bits.
+    from lowbit import _C
+
+    gen = torch.Generator().manual_seed(3)
+    block = 64
+    n = block * (_C.NORM_BLOCK_SUM_LANES + 13) + 5
+    param = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 4, (n,), generator=gen)
+    args = list(_step_args(2, False))
+    args[0] = [param, torch.randn(3, generator=gen)]
+    args[1] = [torch.randn_like(p) for p in args[0]]
+    args[2], args[3] = [[torch.zeros_like(p) for p in args[0]] for _ in range(2)]
+    args[16], args[18] = 2, block
+    squares = [float(x) * float(x) for x in param.tolist()]
+    blocks = [_sum_in_lanes(squares[lo : lo + block], _C.NORM_SQUARE_LANES) for lo in range(0, n, block)]
+    sums = _ops.optimizer_norms(*args)
+    assert sums[0, 0].item() == _sum_in_lanes(blocks, _C.NORM_BLOCK_SUM_LANES)
+    assert sums[0, 0].item() != sum(blocks)  # the order shows in these bits
+
+
 def test_norm_prepass_scratch_comes_from_torch_only_when_the_prepass_runs(monkeypatch):
     # The pre-pass's per-block sums and per-tensor scales are torch tensors that the op passes to the
     # native step (the last two pointers), not native allocations; calls without a pre-pass get none.

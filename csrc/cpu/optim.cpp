@@ -14,6 +14,7 @@
 #include "kernels.h"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
+#include "lowbit/norm_order.h"
 #include "lowbit/optim_rules.h"
 #include "lowbit/state_form.h"
 #include "map_index.h"
@@ -324,19 +325,16 @@ __attribute__((target("avx512f"))) void norm_terms_avx512(const StepHyper& h, co
 }
 #endif
 
-// sum of v^2 in double over 8 interleaved lanes added in lane order: a fixed order (so the result
-// does not depend on the thread count) that the compiler can vectorise, unlike one running sum.
+// sum of v^2 in double, in norm_order.h's lanes: a fixed order that the compiler can vectorise, unlike
+// one running sum.
 double sum_squares(const float* v, int cnt) {
-  constexpr int kLanes = 8;
-  double lane[kLanes] = {};
+  double lane[kSquareLanes] = {};
   int i = 0;
-  for (; i + kLanes <= cnt; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) lane[l] += static_cast<double>(v[i + l]) * v[i + l];
+  for (; i + kSquareLanes <= cnt; i += kSquareLanes) {
+    for (int l = 0; l < kSquareLanes; ++l) lane[l] += static_cast<double>(v[i + l]) * v[i + l];
   }
   for (int l = 0; i < cnt; ++i, ++l) lane[l] += static_cast<double>(v[i]) * v[i];
-  double total = 0.0;
-  for (int l = 0; l < kLanes; ++l) total += lane[l];
-  return total;
+  return add_lanes(lane, kSquareLanes);
 }
 
 // Pre-pass of the norm modes: sums of p^2 (before the step) and u^2 over one block.
@@ -414,8 +412,8 @@ void step_all(const OptimArgs& a, int threads) {
   }
   const bool par = run_parallel(threads, elements);
   if (a.hyper.norm_mode != kNormNone && a.update_scales == nullptr) {
-    // Per-block partial sums (in the caller's scratch), then per-tensor sums in block order: deterministic
-    // for any thread count.
+    // Per-block partial sums (in the caller's scratch), then per-tensor sums in norm_order.h's lanes:
+    // deterministic for any thread count, and the CUDA kernels' order.
     double* sums = a.block_sums;
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
     for (int64_t b = 0; b < a.total_blocks; ++b) {
@@ -429,12 +427,13 @@ void step_all(const OptimArgs& a, int threads) {
     for (int64_t t = 0; t < a.count; ++t) {
       const int64_t first = a.meta[t * kMetaCols + kFirstBlock];
       const int64_t last = t + 1 < a.count ? a.meta[(t + 1) * kMetaCols + kFirstBlock] : a.total_blocks;
-      double pp = 0.0;
-      double uu = 0.0;
+      double lanes[2][kBlockSumLanes] = {};
       for (int64_t b = first; b < last; ++b) {
-        pp += sums[2 * b];
-        uu += sums[2 * b + 1];
+        lanes[0][(b - first) % kBlockSumLanes] += sums[2 * b];
+        lanes[1][(b - first) % kBlockSumLanes] += sums[2 * b + 1];
       }
+      const double pp = add_lanes(lanes[0], kBlockSumLanes);
+      const double uu = add_lanes(lanes[1], kBlockSumLanes);
       if (a.norm_sums != nullptr) {
         a.norm_sums[2 * t] = pp;
         a.norm_sums[2 * t + 1] = uu;

@@ -12,6 +12,7 @@
 #include "launch.cuh"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
+#include "lowbit/norm_order.h"
 #include "lowbit/optim_rules.h"
 #include "lowbit/qmap.h"
 #include "lowbit/state_form.h"
@@ -42,50 +43,52 @@ __device__ StepScalars tensor_scalars(const OptimArgs& a, int64_t t, const float
                      update_scales != nullptr ? update_scales[t] : 1.f);
 }
 
-// Sum over the thread block in a fixed tree order (deterministic); every thread gets the result.
-__device__ double block_sum(double v, double* scratch) {
-  __syncthreads();
-  scratch[threadIdx.x] = v;
-  __syncthreads();
-  for (int width = blockDim.x / 2; width > 0; width /= 2) {
-    if (threadIdx.x < width) scratch[threadIdx.x] += scratch[threadIdx.x + width];
-    __syncthreads();
-  }
-  return scratch[0];
-}
-
-// Norm pre-pass: per-block sums of p^2 and u^2 from copies of the states (nothing is written).
+// Norm pre-pass: per-block sums of p^2 and u^2 from copies of the states (nothing is written), in
+// norm_order.h's order. Each pass over blockDim.x elements stages its squares in shared memory; then
+// 2 * kSquareLanes threads add them into their lane in element order (blockDim.x is a multiple of
+// kSquareLanes, so element base + j falls in lane j % kSquareLanes).
 template <Rule kRule, typename T>
-__device__ void norm_block(const OptimArgs& a, const BlockTask& task, const float (*maps)[256], double* scratch,
-                           double* sums) {
+__device__ void norm_block(const OptimArgs& a, const BlockTask& task, const float (*maps)[256],
+                           double (*squares)[kMaxThreads], double* lanes, double* sums) {
   const int64_t* m = a.meta + task.tensor * kMetaCols;
   const StepScalars scalars = tensor_scalars(a, task.tensor, nullptr);
   const bool eight_bit = m[kStateBits] == 8;
   const int64_t block = task.lo / a.block_size;
   const T* param = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kParam])) + task.lo;
   const T* grad = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kGrad])) + task.lo;
-  double pp = 0.0;
-  double uu = 0.0;
-  for (int i = threadIdx.x; i < task.cnt; i += blockDim.x) {
-    float s[kMaxStates] = {0.f, 0.f, 0.f};
-    for (int k = 0; k < a.n_states; ++k) {
-      const int64_t ptr = m[kState1 + k];
-      s[k] = eight_bit ? state_value(maps[k][reinterpret_cast<const uint8_t*>(ptr)[task.lo + i]] *
-                                         reinterpret_cast<const float*>(m[kAbsmax1 + k])[block],
-                                     root_slot(kRule, k))
-                       : reinterpret_cast<const float*>(ptr)[task.lo + i];
+  const int which = static_cast<int>(threadIdx.x) / kSquareLanes;  // 0: p^2, 1: u^2 (threads that add)
+  double acc = 0.0;
+  for (int base = 0; base < task.cnt; base += blockDim.x) {
+    const int i = base + static_cast<int>(threadIdx.x);
+    if (i < task.cnt) {
+      float s[kMaxStates] = {0.f, 0.f, 0.f};
+#pragma unroll
+      for (int k = 0; k < kMaxStates; ++k) {
+        if (k >= a.n_states) continue;
+        const int64_t ptr = m[kState1 + k];
+        s[k] = eight_bit ? state_value(maps[k][reinterpret_cast<const uint8_t*>(ptr)[task.lo + i]] *
+                                           reinterpret_cast<const float*>(m[kAbsmax1 + k])[block],
+                                       root_slot(kRule, k))
+                         : reinterpret_cast<const float*>(ptr)[task.lo + i];
+      }
+      const float p = to_float(param[i]);
+      const float u = rule_step(kRule, a.hyper, scalars, p, effective_grad(a.hyper, scalars, to_float(grad[i])), s[0],
+                                s[1], s[2]);
+      squares[0][threadIdx.x] = static_cast<double>(p) * p;
+      squares[1][threadIdx.x] = static_cast<double>(u) * u;
     }
-    const float p = to_float(param[i]);
-    const float u = rule_step(kRule, a.hyper, scalars, p, effective_grad(a.hyper, scalars, to_float(grad[i])), s[0], s[1],
-                              s[2]);
-    pp += static_cast<double>(p) * p;
-    uu += static_cast<double>(u) * u;
+    __syncthreads();
+    if (which < 2) {
+      const int len = min(task.cnt - base, static_cast<int>(blockDim.x));
+      for (int j = static_cast<int>(threadIdx.x) % kSquareLanes; j < len; j += kSquareLanes) acc += squares[which][j];
+    }
+    __syncthreads();  // the next pass overwrites the squares
   }
-  pp = block_sum(pp, scratch);
-  uu = block_sum(uu, scratch);
+  if (which < 2) lanes[threadIdx.x] = acc;
+  __syncthreads();
   if (threadIdx.x == 0) {
-    sums[0] = pp;
-    sums[1] = uu;
+    sums[0] = add_lanes(lanes, kSquareLanes);
+    sums[1] = add_lanes(lanes + kSquareLanes, kSquareLanes);
   }
 }
 
@@ -168,31 +171,36 @@ __device__ void load_maps(const OptimArgs& a, float (*smap)[256]) {
 template <Rule kRule>
 __global__ void norm_kernel(OptimArgs a, double* sums) {
   __shared__ float smap[kMaxStates][256];
-  __shared__ double scratch[kMaxThreads];
+  __shared__ double squares[2][kMaxThreads];
+  __shared__ double lanes[2 * kSquareLanes];
   load_maps(a, smap);
   for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
     const BlockTask task = find_block(a, b);
     visit_dtype(static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype]), [&](auto dtype) {
-      norm_block<kRule, typename decltype(dtype)::type>(a, task, smap, scratch, sums + 2 * b);
+      norm_block<kRule, typename decltype(dtype)::type>(a, task, smap, squares, lanes, sums + 2 * b);
     });
   }
 }
 
-// One thread block per tensor: its block sums in a fixed order, then the update scale (or, with
-// a.norm_sums set, the tensor's sums themselves).
+// One warp per tensor, a thread per lane of norm_order.h: its block sums, then the update scale (or,
+// with a.norm_sums set, the tensor's sums themselves).
 __global__ void scale_kernel(OptimArgs a, const double* sums, float* update_scales) {
-  __shared__ double scratch[kMaxThreads];
+  __shared__ double lanes[2][kBlockSumLanes];
   for (int64_t t = blockIdx.x; t < a.count; t += gridDim.x) {
     const int64_t first = a.meta[t * kMetaCols + kFirstBlock];
     const int64_t last = t + 1 < a.count ? a.meta[(t + 1) * kMetaCols + kFirstBlock] : a.total_blocks;
     double pp = 0.0;
     double uu = 0.0;
-    for (int64_t b = first + threadIdx.x; b < last; b += blockDim.x) {
+    for (int64_t b = first + threadIdx.x; b < last; b += kBlockSumLanes) {
       pp += sums[2 * b];
       uu += sums[2 * b + 1];
     }
-    pp = block_sum(pp, scratch);
-    uu = block_sum(uu, scratch);
+    lanes[0][threadIdx.x] = pp;
+    lanes[1][threadIdx.x] = uu;
+    __syncthreads();
+    pp = add_lanes(lanes[0], kBlockSumLanes);
+    uu = add_lanes(lanes[1], kBlockSumLanes);
+    __syncthreads();  // the next tensor overwrites the lanes
     if (threadIdx.x == 0) {
       if (a.norm_sums != nullptr) {
         a.norm_sums[2 * t] = pp;
@@ -229,7 +237,7 @@ void launch(const OptimArgs& a, cudaStream_t stream) {
     LB_LAUNCH(grid, threads, 0, stream, norm_kernel<kRule>)(a, a.block_sums);
     LB_CUDA_LAUNCH_CHECK();
     const auto tensors = static_cast<unsigned int>(std::min<int64_t>(a.count, int64_t{1} << 16));
-    LB_LAUNCH(tensors, kMaxThreads, 0, stream, scale_kernel)(a, a.block_sums, a.tensor_scales);
+    LB_LAUNCH(tensors, kBlockSumLanes, 0, stream, scale_kernel)(a, a.block_sums, a.tensor_scales);
     LB_CUDA_LAUNCH_CHECK();
     update_scales = a.tensor_scales;
   }
