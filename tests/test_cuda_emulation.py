@@ -291,29 +291,32 @@ def test_optimizer_norms_then_step_with_update_scales(rule, norm_mode, max_unorm
 
 
 _ORDERED_NORMS = [
-    ("LAMB8bit", {"block_size": 64}),  # 45 blocks in a tensor: more than the 32 lanes of its block sums
-    ("LAMB32bit", {"block_size": 64}),
-    ("Adam8bit", {"max_unorm": 0.02, "block_size": 4096}),  # a block in several passes of 256 threads
+    (64, True),  # 45 blocks in a tensor: more than the 32 lanes of its block sums
+    (64, False),
+    (4096, True),  # a block added in several passes of a 256-thread block
 ]
 
 
-@pytest.mark.parametrize(("name", "options"), _ORDERED_NORMS, ids=[n for n, _ in _ORDERED_NORMS])
-def test_norm_sums_in_the_shared_order(name, options):
-    """The pre-pass sums where their order shows: values over seven decades, so that any other order of
-    additions than include/lowbit/norm_order.h's gives other bits in the trust ratio or clip scale."""
-    import lowbit.optim as O
+@pytest.mark.parametrize(("block", "eight_bit"), _ORDERED_NORMS)
+def test_norm_sums_in_the_shared_order(block, eight_bit):
+    """optimizer_norms' double sums where their order shows: values over seven decades, so that any other
+    order of additions than include/lowbit/norm_order.h's gives other bits."""
+    from tests.test_optim import _step_args
 
     def run() -> list:
         gen = torch.Generator().manual_seed(1)
         sizes = [64 * 44 + 17, 1, 4096 + 700]
-        scale = [10.0 ** torch.randint(-3, 4, (n,), generator=gen) for n in sizes]
-        params = [torch.nn.Parameter(torch.randn(n, generator=gen) * s) for n, s in zip(sizes, scale, strict=True)]
-        opt = getattr(O, name)(params, **options)
-        for _ in range(2):
-            for p, s in zip(params, scale, strict=True):
-                p.grad = torch.randn(p.shape, generator=gen) * s.flip(0)
-            opt.step()
-        return [params, [opt.state[p] for p in params]]
+        args = list(_step_args(2, eight_bit))
+        args[0], args[1] = (
+            [torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 4, (n,), generator=gen) for n in sizes]
+            for _ in range(2)
+        )
+        for k in (2, 3):
+            args[k] = [torch.zeros(n, dtype=torch.uint8 if eight_bit else torch.float32) for n in sizes]
+            args[k + 3] = [torch.zeros(_ops.num_blocks(n, block) if eight_bit else 0) for n in sizes]
+        args[8] = [1e-3, 0.3, 0.0] * len(sizes)
+        args[13], args[16], args[18] = 0, 2, block  # Adam with max_unorm
+        return [_ops.optimizer_norms(*args)]
 
     _identical(run)
 
