@@ -323,7 +323,7 @@ def test_norm_sums_in_the_shared_order(block, eight_bit):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 8, 16])
-@pytest.mark.parametrize("group", [64, 256, 4096])
+@pytest.mark.parametrize("group", [64, 128, 256, 512, 4096])
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_lpmm_accumulate(dtype, bits, group, stochastic):
     def run() -> list:
@@ -349,6 +349,23 @@ def test_lpmm_step(rule, n_states, bits, group):
 
     def run() -> list:
         args = _step_args([1, 255, 4097, 300], **kw)
+        _ops.lpmm_step_(*args)
+        return list(args[:8])
+
+    _identical(run)
+
+
+@pytest.mark.parametrize("group", [64, 128, 256, 512])
+def test_lpmm_step_blocks_of_several_groups(group):
+    # Groups of under 1024 elements share a thread block, 1024 // group of them: here tensors start and end
+    # inside blocks, each ends in a partial group, and the last block has threads past the last group.
+    from tests.test_lpmm_ops import _step_args
+
+    kw = dict(rule=0, param_bits=5, grad_bits=13, state_bits=6, group=group, n_states=2, seed=7)
+    sizes = [3 * group + 5, 1, 2 * group - 8, 7, group + 1, group]  # 4 + 1 + 2 + 1 + 2 + 1 = 11 groups
+
+    def run() -> list:
+        args = _step_args(sizes, **kw)
         _ops.lpmm_step_(*args)
         return list(args[:8])
 

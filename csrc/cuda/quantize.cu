@@ -84,10 +84,7 @@ __device__ __forceinline__ void store_codes(const uint32_t* c, int cnt, int bits
     *reinterpret_cast<uint2*>(out + g * kGroup) = w;
     return;
   }
-  uint8_t buf[2 * kGroup];
-  pack_group(c, cnt, bits, buf);
-  const int nbytes = static_cast<int>(packed_bytes(cnt, bits));
-  for (int k = 0; k < nbytes; ++k) out[g * bits + k] = buf[k];
+  pack_group(c, cnt, bits, out + g * bits);
 }
 
 __device__ __forceinline__ void load_codes(const uint8_t* in, int cnt, int bits, int64_t g, bool vec, uint32_t* c) {
@@ -138,7 +135,10 @@ __global__ void quantize_kernel(const T* x, int64_t n, Coder coder, int bits, in
     if (g == 0) absmax[0] = amax;  // canonical NaN for poisoned tensors; readers map both patterns alike
   } else {
     uint32_t m = 0;
-    for (int k = 0; k < cnt; ++k) m = max(m, abs_bits(v[k]));
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      if (k < cnt) m = max(m, abs_bits(v[k]));
+    }
     const int width = min(groups_per_block, 32);
     for (int off = width / 2; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
     if (groups_per_block > 32) {
@@ -182,7 +182,10 @@ __global__ void dequantize_kernel(const uint8_t* in, const float* absmax, int64_
   if (cnt == kGroup && vec) {
     store8(out + e0, v);
   } else {
-    for (int k = 0; k < cnt; ++k) out[e0 + k] = from_float<T>(v[k]);
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      if (k < cnt) out[e0 + k] = from_float<T>(v[k]);
+    }
   }
 }
 
@@ -190,7 +193,10 @@ __global__ void pack_kernel(const uint8_t* in, uint8_t* out, int64_t n, int bits
   const auto [g, e0, cnt] = thread_group(n);
   if (cnt == 0) return;
   uint32_t codes[kGroup];
-  for (int k = 0; k < cnt; ++k) codes[k] = in[e0 + k] & ((1u << bits) - 1u);
+#pragma unroll
+  for (int k = 0; k < kGroup; ++k) {
+    if (k < cnt) codes[k] = in[e0 + k] & ((1u << bits) - 1u);
+  }
   store_codes(codes, cnt, bits, out, g, false);
 }
 
@@ -199,7 +205,10 @@ __global__ void unpack_kernel(const uint8_t* in, uint8_t* out, int64_t n, int bi
   if (cnt == 0) return;
   uint32_t codes[kGroup];
   unpack_group(in + g * bits, cnt, bits, codes);
-  for (int k = 0; k < cnt; ++k) out[e0 + k] = static_cast<uint8_t>(codes[k]);
+#pragma unroll
+  for (int k = 0; k < kGroup; ++k) {
+    if (k < cnt) out[e0 + k] = static_cast<uint8_t>(codes[k]);
+  }
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
