@@ -41,33 +41,24 @@ __device__ __forceinline__ void decode_linear(const uint8_t* codes, int64_t e0, 
   uint32_t c[kGroup];
   unpack_group(codes + (e0 / kGroup) * bits, cnt, bits, c);
   const float qmax = linear_qmax(bits);
-#pragma unroll
-  for (int k = 0; k < kGroup; ++k) {
-    if (k < cnt) v[k] = linear_decode(c[k], absmax, qmax);
-  }
+  LB_FOR_GROUP(k, cnt) v[k] = linear_decode(c[k], absmax, qmax);
 }
 
 __device__ __forceinline__ void decode_map(const uint8_t* codes, int64_t e0, int cnt, int bits, const float* map,
                                            float absmax, float* v) {
   uint32_t c[kGroup];
   unpack_group(codes + (e0 / kGroup) * bits, cnt, bits, c);
-#pragma unroll
-  for (int k = 0; k < kGroup; ++k) {
-    if (k < cnt) v[k] = map[c[k]] * absmax;
-  }
+  LB_FOR_GROUP(k, cnt) v[k] = map[c[k]] * absmax;
 }
 
 template <typename Coder>
 __device__ __forceinline__ void encode_unit(const Coder& coder, bool stochastic, const float* v, int64_t e0, int cnt,
                                             int bits, float absmax, RngKey key, uint64_t counter0, uint8_t* codes) {
   uint32_t c[kGroup];
-#pragma unroll
-  for (int k = 0; k < kGroup; ++k) {
-    if (k < cnt) {
-      const uint64_t counter = counter0 + static_cast<uint64_t>(e0 + k);
-      c[k] = stochastic ? coder.template encode<true>(v[k], absmax, uniform01(key, counter))
-                        : coder.template encode<false>(v[k], absmax, 0.f);
-    }
+  LB_FOR_GROUP(k, cnt) {
+    const uint64_t counter = counter0 + static_cast<uint64_t>(e0 + k);
+    c[k] = stochastic ? coder.template encode<true>(v[k], absmax, uniform01(key, counter))
+                      : coder.template encode<false>(v[k], absmax, 0.f);
   }
   pack_group(c, cnt, bits, codes + (e0 / kGroup) * bits);
 }
@@ -106,12 +97,9 @@ __global__ void accumulate_kernel(LpmmAccumArgs a, int64_t groups) {
     if (cnt > 0) {
       decode_linear(a.codes, e0, cnt, a.bits, a.absmax[g], v);
       const T* x = static_cast<const T*>(a.grad) + e0;
-#pragma unroll
-      for (int k = 0; k < kGroup; ++k) {
-        if (k < cnt) {
-          v[k] = v[k] + to_float(x[k]);
-          m = max(m, abs_bits(v[k]));
-        }
+      LB_FOR_GROUP(k, cnt) {
+        v[k] = v[k] + to_float(x[k]);
+        m = max(m, abs_bits(v[k]));
       }
     }
     const float amax = absmax_from_bits(group_max(m, me.units, scratch));
@@ -174,21 +162,15 @@ __global__ void step_kernel(LpmmArgs a) {
         if (k < a.n_states) {
           decode_map(at<const uint8_t>(m, k == 0 ? kLpState1 : kLpState2), e0, cnt, a.state_bits, smap[k],
                      absmax[k][g], s[k]);
-#pragma unroll
-          for (int i = 0; i < kGroup; ++i) {
-            if (i < cnt) s[k][i] = state_value(s[k][i], k == kRoot);
-          }
+          LB_FOR_GROUP(i, cnt) s[k][i] = state_value(s[k][i], k == kRoot);
         }
       }
-#pragma unroll
-      for (int k = 0; k < kGroup; ++k) {
-        if (k < cnt) {
-          apply_rule(kRule, a.hyper, task.scalars, p[k], grad[k], s[0][k], s[1][k]);
-          restart_if_nonfinite(s[0][k], s[1][k]);
-          max_p = max(max_p, abs_bits(p[k]));
-          max_s[0] = max(max_s[0], abs_bits(s[0][k]));
-          max_s[1] = max(max_s[1], abs_bits(s[1][k]));
-        }
+      LB_FOR_GROUP(k, cnt) {
+        apply_rule(kRule, a.hyper, task.scalars, p[k], grad[k], s[0][k], s[1][k]);
+        restart_if_nonfinite(s[0][k], s[1][k]);
+        max_p = max(max_p, abs_bits(p[k]));
+        max_s[0] = max(max_s[0], abs_bits(s[0][k]));
+        max_s[1] = max(max_s[1], abs_bits(s[1][k]));
       }
     }
     const uint64_t offset = static_cast<uint64_t>(m[kLpOffset]);
@@ -203,10 +185,7 @@ __global__ void step_kernel(LpmmArgs a) {
       if (k < a.n_states) {
         amax_s[k] = stored_absmax(group_max(max_s[k], me.units, scratch), k == kRoot);
         if (cnt > 0) {
-#pragma unroll
-          for (int i = 0; i < kGroup; ++i) {
-            if (i < cnt) s[k][i] = stored_form(s[k][i], k == kRoot);
-          }
+          LB_FOR_GROUP(i, cnt) s[k][i] = stored_form(s[k][i], k == kRoot);
           encode_unit(MapCoder{smap[k], map_n}, a.stochastic_state, s[k], e0, cnt, a.state_bits, amax_s[k],
                       lpmm_key(a.seed, k == 0 ? kStreamState1 : kStreamState2), offset,
                       at<uint8_t>(m, k == 0 ? kLpState1 : kLpState2));

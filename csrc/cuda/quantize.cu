@@ -135,10 +135,7 @@ __global__ void quantize_kernel(const T* x, int64_t n, Coder coder, int bits, in
     if (g == 0) absmax[0] = amax;  // canonical NaN for poisoned tensors; readers map both patterns alike
   } else {
     uint32_t m = 0;
-#pragma unroll
-    for (int k = 0; k < kGroup; ++k) {
-      if (k < cnt) m = max(m, abs_bits(v[k]));
-    }
+    LB_FOR_GROUP(k, cnt) m = max(m, abs_bits(v[k]));
     const int width = min(groups_per_block, 32);
     for (int off = width / 2; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
     if (groups_per_block > 32) {
@@ -156,12 +153,9 @@ __global__ void quantize_kernel(const T* x, int64_t n, Coder coder, int bits, in
   if (cnt == 0) return;
 
   uint32_t codes[kGroup];
-#pragma unroll
-  for (int k = 0; k < kGroup; ++k) {
-    if (k < cnt) {
-      const float u = kSR ? uniform01(key, offset + static_cast<uint64_t>(e0 + k)) : 0.f;
-      codes[k] = c.template encode<kSR>(v[k], amax, u);
-    }
+  LB_FOR_GROUP(k, cnt) {
+    const float u = kSR ? uniform01(key, offset + static_cast<uint64_t>(e0 + k)) : 0.f;
+    codes[k] = c.template encode<kSR>(v[k], amax, u);
   }
   store_codes(codes, cnt, bits, out, g, vec);
 }
@@ -182,10 +176,7 @@ __global__ void dequantize_kernel(const uint8_t* in, const float* absmax, int64_
   if (cnt == kGroup && vec) {
     store8(out + e0, v);
   } else {
-#pragma unroll
-    for (int k = 0; k < kGroup; ++k) {
-      if (k < cnt) out[e0 + k] = from_float<T>(v[k]);
-    }
+    LB_FOR_GROUP(k, cnt) out[e0 + k] = from_float<T>(v[k]);
   }
 }
 
@@ -193,10 +184,7 @@ __global__ void pack_kernel(const uint8_t* in, uint8_t* out, int64_t n, int bits
   const auto [g, e0, cnt] = thread_group(n);
   if (cnt == 0) return;
   uint32_t codes[kGroup];
-#pragma unroll
-  for (int k = 0; k < kGroup; ++k) {
-    if (k < cnt) codes[k] = in[e0 + k] & ((1u << bits) - 1u);
-  }
+  LB_FOR_GROUP(k, cnt) codes[k] = in[e0 + k] & ((1u << bits) - 1u);
   store_codes(codes, cnt, bits, out, g, false);
 }
 
@@ -205,10 +193,7 @@ __global__ void unpack_kernel(const uint8_t* in, uint8_t* out, int64_t n, int bi
   if (cnt == 0) return;
   uint32_t codes[kGroup];
   unpack_group(in + g * bits, cnt, bits, codes);
-#pragma unroll
-  for (int k = 0; k < kGroup; ++k) {
-    if (k < cnt) out[e0 + k] = static_cast<uint8_t>(codes[k]);
-  }
+  LB_FOR_GROUP(k, cnt) out[e0 + k] = static_cast<uint8_t>(codes[k]);
 }
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

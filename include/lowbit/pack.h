@@ -11,14 +11,14 @@ namespace lowbit {
 
 constexpr int kGroup = 8;
 
-// A loop over the first `count` (at most kGroup) codes of a group. CUDA devices run it to kGroup, unrolled,
-// stopping at count, so that the caller's codes[kGroup] is only indexed by constants and stays in
-// registers (indexed at run time, it would live in local memory). Hosts loop to count: the unrolled form
-// runs slower there.
+// A loop over the first `count` (at most kGroup) entries of a group. CUDA devices run it unrolled to
+// kGroup, stopping at count, so that the caller's per-thread arrays of kGroup entries are only indexed by
+// constants and stay in registers (indexed at run time, they would live in local memory). Hosts loop to
+// count: the unrolled form runs slower there.
 #if defined(__CUDA_ARCH__)
-#define LB_FOR_CODES(k, count) _Pragma("unroll") for (int k = 0; k < kGroup && k < (count); ++k)
+#define LB_FOR_GROUP(k, count) _Pragma("unroll") for (int k = 0; k < kGroup && k < (count); ++k)
 #else
-#define LB_FOR_CODES(k, count) for (int k = 0; k < (count); ++k)
+#define LB_FOR_GROUP(k, count) for (int k = 0; k < (count); ++k)
 #endif
 
 LB_HD int64_t packed_bytes(int64_t n, int bits) { return (n * bits + 7) / 8; }
@@ -28,7 +28,7 @@ LB_HD void pack_group(const uint32_t* codes, int count, int bits, uint8_t* out) 
   uint64_t acc = 0;
   int filled = 0;
   int o = 0;
-  LB_FOR_CODES(k, count) {
+  LB_FOR_GROUP(k, count) {
     acc |= static_cast<uint64_t>(codes[k]) << filled;
     filled += bits;
     while (filled >= 8) {
@@ -45,7 +45,7 @@ LB_HD void unpack_group(const uint8_t* in, int count, int bits, uint32_t* codes)
   uint64_t acc = 0;
   int filled = 0;
   int i = 0;
-  LB_FOR_CODES(k, count) {
+  LB_FOR_GROUP(k, count) {
     while (filled < bits) {
       acc |= static_cast<uint64_t>(in[i++]) << filled;
       filled += 8;
