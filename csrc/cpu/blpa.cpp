@@ -1,8 +1,8 @@
 // Approximate-activation blocks on the CPU (lowbit/blpa.h). Every pass runs OpenMP over fixed chunks of
 // whole 8-code groups and walks each chunk in runs of one channel, so the per-channel constants are
 // scalars and the element loops vectorise. The backward reduction keeps one partial sum per chunk and
-// channel (double, a fixed chunking independent of the thread count) and adds them in chunk order, so
-// results do not depend on the number of threads.
+// channel (double, the fixed chunking of lowbit/blpa.h's kBlpaSumChunk) and adds them in chunk order, so
+// results do not depend on the number of threads and equal the CUDA kernel's.
 #include <algorithm>
 #include <vector>
 
@@ -97,35 +97,29 @@ LB_CLONES void backward_impl(const BlpaArgs& a, int threads) {
   const T* grad = static_cast<const T*>(a.grad);
   T* out = static_cast<T*>(a.out);
   const Grid g(a);
-  const int64_t nchunks = chunks_of(a.n);
   const int64_t channels = a.channels;
-  // Pass 1: per chunk and channel, sum(mask * g) and sum(mask * g * a1).
-  std::vector<double> partial(static_cast<size_t>(nchunks * channels * 2), 0.0);
+  // Pass 1: per chunk of the sums and channel, sum(mask * g) and sum(mask * g * a1), in the order of
+  // lowbit/blpa.h (the CUDA kernel's).
+  const int64_t sum_chunks = (a.n + kBlpaSumChunk - 1) / kBlpaSumChunk;
+  std::vector<double> partial(static_cast<size_t>(sum_chunks * channels * 2), 0.0);
 #pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, a.n))
-  for (int64_t ch = 0; ch < nchunks; ++ch) {
-    const int64_t lo = ch * kChunk;
-    const int cnt = chunk_length(a.n, lo);
-    uint32_t codes[kChunk];
+  for (int64_t ch = 0; ch < sum_chunks; ++ch) {
+    const int64_t lo = ch * kBlpaSumChunk;
+    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kBlpaSumChunk));
+    uint32_t codes[kBlpaSumChunk];
     unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
     double* p = partial.data() + ch * channels * 2;
+    const auto code = [&](int j) LB_INLINE { return codes[j]; };
+    const auto gv = [&](int j) LB_INLINE { return to_float(grad[lo + j]); };
     for_runs(lo, cnt, channels, a.inner, [&](int j0, int len, int64_t c) LB_INLINE {
-      const float t = g.t[c], o = g.o[c], h = g.h[c], side = g.side[c], b = a.beta[c];
-      double s1 = 0.0, s2 = 0.0;
-      for (int j = j0; j < j0 + len; ++j) {
-        if (!blpa_mask(codes[j], o, side, b)) continue;
-        const double gv = to_float(grad[lo + j]);
-        s1 += gv;
-        s2 += gv * blpa_value(codes[j], t, o, h);
-      }
-      p[2 * c] += s1;
-      p[2 * c + 1] += s2;
+      blpa_add_run(j0, j0 + len, code, gv, g.t[c], g.o[c], g.h[c], g.side[c], a.beta[c], p + 2 * c);
     });
   }
   const double m = static_cast<double>(a.n / channels);
   std::vector<float> k1(static_cast<size_t>(channels)), k2(static_cast<size_t>(channels));
   for (int64_t c = 0; c < channels; ++c) {
     double s1 = 0.0, s2 = 0.0;
-    for (int64_t ch = 0; ch < nchunks; ++ch) {
+    for (int64_t ch = 0; ch < sum_chunks; ++ch) {
       s1 += partial[static_cast<size_t>((ch * channels + c) * 2)];
       s2 += partial[static_cast<size_t>((ch * channels + c) * 2 + 1)];
     }
@@ -138,7 +132,7 @@ LB_CLONES void backward_impl(const BlpaArgs& a, int threads) {
   }
   // Pass 2: dL/dx element-wise.
 #pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, a.n))
-  for (int64_t ch = 0; ch < nchunks; ++ch) {
+  for (int64_t ch = 0; ch < chunks_of(a.n); ++ch) {
     const int64_t lo = ch * kChunk;
     const int cnt = chunk_length(a.n, lo);
     uint32_t codes[kChunk];

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "lowbit/dispatch.h"
+#include "lowbit/pack.h"
 
 namespace lowbit {
 
@@ -58,6 +59,35 @@ LB_HD uint32_t read_code(const uint8_t* packed, int64_t i, int bits, int64_t nby
   uint32_t word = packed[byte];
   if (byte + 1 < nbytes) word |= static_cast<uint32_t>(packed[byte + 1]) << 8;
   return (word >> (bit & 7)) & ((1u << bits) - 1u);
+}
+
+// The order of the backward's per-channel sums of mask * g and mask * g * a1 (eq. 8), one order for the
+// CPU and CUDA loops so that their float results are bit-identical. The flat tensor is cut into chunks of
+// kBlpaSumChunk elements (the last one shorter), and a chunk into runs at the multiples of inner (a run
+// lies in one channel). A run's sums start at 0.0 and add its masked elements in order (blpa_add_run); a
+// chunk's partial sums of a channel start at 0.0 and add that channel's runs in order; a channel's sums
+// start at 0.0 and add its chunk partials in chunk order. A chunk without the channel may be left out:
+// its partials are +0.0, and adding +0.0 changes no sum that started at +0.0 (such sums are never -0.0).
+// A multiple of kGroup (lowbit/pack.h), so a chunk's codes start on a whole byte.
+constexpr int kBlpaSumChunk = 4096;
+static_assert(kBlpaSumChunk % kGroup == 0, "a chunk of the backward sums starts on a whole group of codes");
+
+// Adds the sums of run [i0, i1) of one channel to p[0] (mask * g) and p[1] (mask * g * a1), in element
+// order; code(i) and grad(i) give element i's code and gradient (as float). Sums in double: a product
+// g * a1 of two floats is exact there.
+template <typename I, typename Code, typename Grad>
+LB_HD void blpa_add_run(I i0, I i1, Code&& code, Grad&& grad, float t, float o, float h, float side, float beta,
+                        double* p) {
+  double s1 = 0.0, s2 = 0.0;
+  for (I i = i0; i < i1; ++i) {
+    const uint32_t q = code(i);
+    if (!blpa_mask(q, o, side, beta)) continue;
+    const double gv = grad(i);
+    s1 += gv;
+    s2 += gv * blpa_value(q, t, o, h);
+  }
+  p[0] += s1;
+  p[1] += s2;
 }
 
 // relu(gamma * a1 + beta) of a code where its exact mask is set, else 0 (the decoded ReLU output).
