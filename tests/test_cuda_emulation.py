@@ -19,11 +19,13 @@ Launchers (csrc/cuda) and the tests that run them:
   test_optimizer_norms_then_step_with_update_scales (its norm_sums and update_scales entries),
   test_norm_sums_in_the_shared_order (include/lowbit/norm_order.h: passes of a thread block, lanes of a
   tensor's block sums)
-- lpmm.cu: lpmm_accumulate: test_lpmm_accumulate; lpmm_step: test_lpmm_step
+- lpmm.cu: lpmm_accumulate: test_lpmm_accumulate; lpmm_step: test_lpmm_step,
+  test_lpmm_step_blocks_of_several_groups (small groups sharing a thread block)
 - every launcher with no elements: test_empty_launches
 Not covered yet: nothing of csrc/cuda; what the emulation cannot show (races between blocks, stream order,
 occupancy) needs a GPU. Build the module as .ci/run does; LOWBIT_CUDA_EMULATION_SANITIZE=ON adds
-AddressSanitizer and UBSan (run with LD_PRELOAD=$(gcc -print-file-name=libasan.so)).
+AddressSanitizer and UBSan (run with LD_PRELOAD=$(gcc -print-file-name=libasan.so)), and .ci/run runs
+this file a second time so.
 """
 
 from __future__ import annotations
