@@ -1,5 +1,6 @@
-"""GPU benchmarks for a lent device: the optimizer step per 1B parameters against its memory floor,
-quantize/dequantize throughput, and the activation layers against torch's. Prints Markdown for
+"""GPU benchmarks for a lent device: the optimizer step per 1B parameters against its memory floor (LAMB8bit
+for the norm pre-pass), LPMM's gradient accumulation and step per group size, quantize/dequantize
+throughput, the activation layers and a BLPA conv stack against torch's. Prints Markdown for
 benchmarks/RESULTS.md.
 
 Run from the repository root (benchmarks/gpu_session.sh runs it)::
@@ -23,17 +24,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
 import torch
-from bench_activations import fwd_bwd
+from bench_activations import fwd_bwd, preact_stack
 from bench_optim import import_optional, state_bytes
 from common import environment, parse, time_median, write_json
 from torch import Tensor, nn
 
+import lowbit.lpmm
 import lowbit.optim
 from lowbit import functional
 from lowbit.nn.activations import FewBitGELU, FewBitSiLU, InvGELU, InvSiLU
@@ -45,6 +48,10 @@ MATRIX_SIDE = 4096
 TINY_SIDE = 64
 TINY_NUMEL = 4 * TINY_SIDE * TINY_SIDE
 PER_BILLION = 1e9
+# LPMM group sizes: 64 shares a thread block among 8 groups (csrc/cuda/lpmm.cu), 2048 is lowbit's default.
+LPMM_GROUPS = (64, 256, 2048)
+# The BLPA stack's images: 64 channels of 32 x 32 (bench_activations.preact_stack).
+BLPA_IMAGE = (64, 32, 32)
 
 Factory = Callable[[list[Tensor]], torch.optim.Optimizer]
 
@@ -61,6 +68,15 @@ class StepRow:
     def per_billion_ms(self, numel: int) -> float:
         """Step time scaled to 1B parameters, in milliseconds."""
         return self.median_s * 1e3 * PER_BILLION / numel
+
+
+@dataclasses.dataclass
+class LpmmRow:
+    """LPMM at one group size: accumulating a gradient, and that plus the optimizer step."""
+
+    group: int
+    accumulate_s: float
+    train_step_s: float
 
 
 @dataclasses.dataclass
@@ -88,6 +104,7 @@ def optimizer_factories() -> tuple[dict[str, Factory], list[str]]:
         BASELINE: lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),
         "lowbit AdamW8bit": lambda ps: lowbit.optim.AdamW8bit(ps, lr=LR),
         "lowbit Adam8bit": lambda ps: lowbit.optim.Adam8bit(ps, lr=LR),
+        "lowbit LAMB8bit": lambda ps: lowbit.optim.LAMB8bit(ps, lr=LR),  # the norm pre-pass kernels too
     }
     skipped = []
     bnb = import_optional("bitsandbytes")
@@ -163,6 +180,52 @@ def time_quantize(dtype: torch.dtype, args: argparse.Namespace, device: torch.de
     return rows
 
 
+def time_lpmm(args: argparse.Namespace, device: torch.device) -> list[LpmmRow]:
+    """LPMM (lpmm.txt) with 12-bit parameters, 8-bit gradients and LPMMAdamW's 8-bit states, per group size:
+    accumulating one fp32 gradient, and that plus the step (a step empties the accumulator, so each step
+    needs a gradient). The first step (state allocation) is untimed."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    rows = []
+    for group in LPMM_GROUPS:
+        layers = [nn.Linear(args.side, args.side, bias=False) for _ in range(step_tensors(args.numel, args.side))]
+        model = lowbit.lpmm.convert(nn.Sequential(*layers).to(device), param_bits=12, grad_bits=8, group_size=group)
+        lps = list(lowbit.lpmm.low_precision_parameters(model).values())
+        grads = [torch.randn(lp.shape, generator=gen, device=device) for lp in lps]
+        opt = lowbit.optim.LPMMAdamW(model.parameters(), lr=LR)
+
+        def accumulate(lps: list = lps, grads: list[Tensor] = grads) -> None:
+            for lp, grad in zip(lps, grads, strict=True):
+                lp.accumulate_(grad)
+
+        def train_step(opt: torch.optim.Optimizer = opt, accumulate: Callable[[], None] = accumulate) -> None:
+            accumulate()
+            opt.step()
+
+        train_step()
+        accumulate_s = time_median(accumulate, device, args.warmup, args.repeats)
+        rows.append(LpmmRow(group, accumulate_s, time_median(train_step, device, args.warmup, args.repeats)))
+        del opt, model, lps, grads
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def time_blpa(args: argparse.Namespace, device: torch.device) -> list[ThroughputRow]:
+    """Forward plus backward of 8 pre-activation units (BN-ReLU-conv): torch's layers and BLPA's at 4 and 8
+    bits, fp32, as many 64 x 32 x 32 images as make about ``numel / 8`` elements. The bytes are torch's
+    activation traffic (each unit's input read and output written, forward and backward)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (max(1, args.numel // 8 // math.prod(BLPA_IMAGE)), *BLPA_IMAGE)
+    x = torch.randn(shape, generator=gen, device=device).requires_grad_()
+    g = torch.randn(shape, generator=gen, device=device)
+    stacks = {"torch BN-ReLU-Conv": None, "BLPA 8-bit": 8, "BLPA 4-bit": 4}
+    rows = []
+    for label, bits in stacks.items():
+        seconds = time_median(fwd_bwd(preact_stack(bits).to(device), x, g), device, args.warmup, args.repeats)
+        rows.append(ThroughputRow(label, "float32", seconds, 8 * 4 * x.nbytes, "torch BN-ReLU-Conv"))
+    return rows
+
+
 def time_activations(dtype: torch.dtype, args: argparse.Namespace, device: torch.device) -> list[ThroughputRow]:
     """Forward plus backward of each activation layer; the bytes are torch's (x read, y written, then x and
     the output gradient read, the input gradient written), so lowbit's rows show against the same yardstick."""
@@ -197,6 +260,21 @@ def step_table(rows: list[StepRow], numel: int, bandwidth: float) -> str:
         lines.append(
             f"| {r.optimizer} | {r.dtype} | {r.per_billion_ms(numel):.2f} | {r.median_s / base[r.dtype]:.2f} | "
             f"{r.floor_bytes / numel:.2f} | {floor_s * 1e3 * PER_BILLION / numel:.2f} | {r.median_s / floor_s:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def lpmm_table(rows: list[LpmmRow], numel: int) -> str:
+    """Markdown: ms per 1B parameters of accumulating, of accumulating plus the step, and their difference."""
+    lines = [
+        "| group | accumulate ms / 1B | accumulate + step ms / 1B | step alone (difference) ms / 1B |",
+        "|---:|---:|---:|---:|",
+    ]
+    scale = 1e3 * PER_BILLION / numel
+    for r in rows:
+        step_s = r.train_step_s - r.accumulate_s
+        lines.append(
+            f"| {r.group} | {r.accumulate_s * scale:.2f} | {r.train_step_s * scale:.2f} | {step_s * scale:.2f} |"
         )
     return "\n".join(lines)
 
@@ -245,7 +323,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     dtypes = (torch.float32, torch.bfloat16)
     steps = [row for dtype in dtypes for row in time_steps(factories, dtype, args, device)]
     quantize = [row for dtype in dtypes for row in time_quantize(dtype, args, device)]
+    lpmm_rows = time_lpmm(args, device)
     activations = [row for dtype in dtypes for row in time_activations(dtype, args, device)]
+    blpa = time_blpa(args, device)
     env = environment(args.device, numel=args.numel, warmup=args.warmup, repeats=args.repeats)
 
     print("### Environment\n")
@@ -256,10 +336,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     if skipped:
         print(f"not importable, so no rows: {', '.join(skipped)}\n")
     print(step_table(steps, numel_step, bandwidth))
+    print(f"\n### LPMM: 12-bit parameters, 8-bit gradients, LPMMAdamW 8-bit states ({numel_step} parameters)\n")
+    print(lpmm_table(lpmm_rows, numel_step))
     print(f"\n### Quantize / dequantize (8-bit dynamic map, block 256, {args.numel} elements)\n")
     print(throughput_table(quantize, bandwidth))
     print(f"\n### Activation layers, forward + backward ({args.numel} elements)\n")
     print(throughput_table(activations, bandwidth))
+    print("\n### BLPA: 8 pre-activation units of 64 channels, forward + backward, fp32\n")
+    print(throughput_table(blpa, bandwidth))
 
     if args.json is not None:
         write_json(
@@ -270,7 +354,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                 "step_numel": numel_step,
                 "steps": [dataclasses.asdict(r) for r in steps],
                 "quantize": [dataclasses.asdict(r) for r in quantize],
+                "lpmm": [dataclasses.asdict(r) for r in lpmm_rows],
                 "activations": [dataclasses.asdict(r) for r in activations],
+                "blpa": [dataclasses.asdict(r) for r in blpa],
             },
         )
 

@@ -36,7 +36,7 @@ __global__ void encode_kernel(const T* x, const T* a2, int64_t n, int64_t channe
   const auto [grp, e0, cnt] = thread_group(n);
   if (cnt == 0) return;
   uint32_t codes[kGroup] = {};
-  for (int k = 0; k < cnt; ++k) {
+  LB_FOR_GROUP(k, cnt) {
     const int64_t i = e0 + k;
     const int64_t c = (i / inner) % channels;
     const float a1 = (to_float(x[i]) - mean[c]) * invstd[c];
@@ -52,7 +52,7 @@ __global__ void decode_kernel(const uint8_t* packed, int64_t n, int64_t channels
   if (cnt == 0) return;
   uint32_t codes[kGroup];
   unpack_group(packed + grp * bits, cnt, bits, codes);
-  for (int k = 0; k < cnt; ++k) {
+  LB_FOR_GROUP(k, cnt) {
     const int64_t i = e0 + k;
     const int64_t c = (i / inner) % channels;
     out[i] = from_float<T>(blpa_relu_value(codes[k], g.t[c], g.o[c], g.h[c], g.side[c], gamma[c], beta[c]));
