@@ -98,15 +98,16 @@ LB_CLONES void backward_impl(const BlpaArgs& a, int threads) {
   T* out = static_cast<T*>(a.out);
   const Grid g(a);
   const int64_t channels = a.channels;
-  // Pass 1: per chunk of the sums and channel, sum(mask * g) and sum(mask * g * a1), in the order of
-  // lowbit/blpa.h (the CUDA kernel's).
-  const int64_t sum_chunks = (a.n + kBlpaSumChunk - 1) / kBlpaSumChunk;
-  std::vector<double> partial(static_cast<size_t>(sum_chunks * channels * 2), 0.0);
+  // Pass 1: per chunk and channel, sum(mask * g) and sum(mask * g * a1), in the order of lowbit/blpa.h
+  // (the CUDA kernel's), whose chunks are this file's.
+  static_assert(kBlpaSumChunk == kChunk, "the backward sums add per chunk of lowbit/blpa.h");
+  const int64_t nchunks = chunks_of(a.n);
+  std::vector<double> partial(static_cast<size_t>(nchunks * channels * 2), 0.0);
 #pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, a.n))
-  for (int64_t ch = 0; ch < sum_chunks; ++ch) {
-    const int64_t lo = ch * kBlpaSumChunk;
-    const int cnt = static_cast<int>(std::min<int64_t>(a.n - lo, kBlpaSumChunk));
-    uint32_t codes[kBlpaSumChunk];
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
+    const int64_t lo = ch * kChunk;
+    const int cnt = chunk_length(a.n, lo);
+    uint32_t codes[kChunk];
     unpack_chunk(a.codes_in + lo / kGroup * a.bits, cnt, a.bits, codes);
     double* p = partial.data() + ch * channels * 2;
     const auto code = [&](int j) LB_INLINE { return codes[j]; };
@@ -119,7 +120,7 @@ LB_CLONES void backward_impl(const BlpaArgs& a, int threads) {
   std::vector<float> k1(static_cast<size_t>(channels)), k2(static_cast<size_t>(channels));
   for (int64_t c = 0; c < channels; ++c) {
     double s1 = 0.0, s2 = 0.0;
-    for (int64_t ch = 0; ch < sum_chunks; ++ch) {
+    for (int64_t ch = 0; ch < nchunks; ++ch) {
       s1 += partial[static_cast<size_t>((ch * channels + c) * 2)];
       s2 += partial[static_cast<size_t>((ch * channels + c) * 2 + 1)];
     }
@@ -132,7 +133,7 @@ LB_CLONES void backward_impl(const BlpaArgs& a, int threads) {
   }
   // Pass 2: dL/dx element-wise.
 #pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, a.n))
-  for (int64_t ch = 0; ch < chunks_of(a.n); ++ch) {
+  for (int64_t ch = 0; ch < nchunks; ++ch) {
     const int64_t lo = ch * kChunk;
     const int cnt = chunk_length(a.n, lo);
     uint32_t codes[kChunk];
