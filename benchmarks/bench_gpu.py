@@ -315,35 +315,39 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """Run the three benchmarks and print them as Markdown sections."""
+    """Run the benchmarks, printing each Markdown section as soon as it is measured (a run stopped by a time
+    limit keeps the sections it finished), then write the JSON."""
     args = parse_args(argv)
     device = torch.device(args.device)
+    env = environment(args.device, numel=args.numel, warmup=args.warmup, repeats=args.repeats)
     bandwidth = copy_bandwidth(args.numel, device, args.warmup, args.repeats)
+    section("### Environment\n", ", ".join(f"{k}={v}" for k, v in env.items()))
+    print(f"device-to-device copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s\n", flush=True)
+
     factories, skipped = optimizer_factories()
     dtypes = (torch.float32, torch.bfloat16)
-    steps = [row for dtype in dtypes for row in time_steps(factories, dtype, args, device)]
-    quantize = [row for dtype in dtypes for row in time_quantize(dtype, args, device)]
-    lpmm_rows = time_lpmm(args, device)
-    activations = [row for dtype in dtypes for row in time_activations(dtype, args, device)]
-    blpa = time_blpa(args, device)
-    env = environment(args.device, numel=args.numel, warmup=args.warmup, repeats=args.repeats)
-
-    print("### Environment\n")
-    print(", ".join(f"{k}={v}" for k, v in env.items()))
-    print(f"\ndevice-to-device copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s")
     numel_step = step_tensors(args.numel, args.side) * args.side * args.side
-    print(f"\n### Optimizer step ({numel_step} parameters, scaled to 1B)\n")
-    if skipped:
-        print(f"not importable, so no rows: {', '.join(skipped)}\n")
-    print(step_table(steps, numel_step, bandwidth))
-    print(f"\n### LPMM: 12-bit parameters, 8-bit gradients, LPMMAdamW 8-bit states ({numel_step} parameters)\n")
-    print(lpmm_table(lpmm_rows, numel_step))
-    print(f"\n### Quantize / dequantize (8-bit dynamic map, block 256, {args.numel} elements)\n")
-    print(throughput_table(quantize, bandwidth))
-    print(f"\n### Activation layers, forward + backward ({args.numel} elements)\n")
-    print(throughput_table(activations, bandwidth))
-    print("\n### BLPA: 8 pre-activation units of 64 channels, forward + backward, fp32\n")
-    print(throughput_table(blpa, bandwidth))
+    steps = [row for dtype in dtypes for row in time_steps(factories, dtype, args, device)]
+    missing = f"not importable, so no rows: {', '.join(skipped)}\n\n" if skipped else ""
+    title = f"### Optimizer step ({numel_step} parameters, scaled to 1B)\n"
+    section(title, missing + step_table(steps, numel_step, bandwidth))
+    lpmm_rows = time_lpmm(args, device)
+    section(
+        f"### LPMM: 12-bit parameters, 8-bit gradients, LPMMAdamW 8-bit states ({numel_step} parameters)\n",
+        lpmm_table(lpmm_rows, numel_step),
+    )
+    quantize = [row for dtype in dtypes for row in time_quantize(dtype, args, device)]
+    section(
+        f"### Quantize / dequantize (8-bit dynamic map, block 256, {args.numel} elements)\n",
+        throughput_table(quantize, bandwidth),
+    )
+    activations = [row for dtype in dtypes for row in time_activations(dtype, args, device)]
+    section(
+        f"### Activation layers, forward + backward ({args.numel} elements)\n", throughput_table(activations, bandwidth)
+    )
+    blpa = time_blpa(args, device)
+    title = "### BLPA: 8 pre-activation units of 64 channels, forward + backward, fp32\n"
+    section(title, throughput_table(blpa, bandwidth))
 
     if args.json is not None:
         write_json(
@@ -359,6 +363,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                 "blpa": [dataclasses.asdict(r) for r in blpa],
             },
         )
+
+
+def section(title: str, body: str) -> None:
+    """Print one Markdown section and flush it, so a log cut short still holds it."""
+    print(f"{title}\n{body}\n", flush=True)
 
 
 if __name__ == "__main__":

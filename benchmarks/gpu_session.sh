@@ -5,12 +5,20 @@
 #   bash benchmarks/gpu_session.sh test       # the full test suite, CUDA tests included (extra args go to pytest)
 #   bash benchmarks/gpu_session.sh sanitize   # compute-sanitizer memcheck, then racecheck and synccheck, on tests/test_cuda.py
 #   bash benchmarks/gpu_session.sh bench      # benchmarks/bench_gpu.py at full size
+#   bash benchmarks/gpu_session.sh profile    # Nsight Compute on benchmarks/profile_gpu_kernels.py
 #   bash benchmarks/gpu_session.sh resources  # nvcc -Xptxas -v for the device's architecture (no GPU needed)
 #   bash benchmarks/gpu_session.sh report     # benchmarks/RESULTS.md from what the stages above wrote
 #   bash benchmarks/gpu_session.sh all        # every stage in turn (longer than one device command may run)
+#   bash benchmarks/gpu_session.sh device     # the stages in one device command, inside a time budget
 #
-# The device tool runs one command for at most 10 minutes, so run each stage as its own command, in
-# this order, while the machine stays warm (build outputs and logs under build/gpu-session/ persist
+# `device` is the one-call check: build (or LOWBIT_PREBUILT=1: the lowbit/_C module carried along), the
+# CUDA tests of the suite (`-k cuda`), compute-sanitizer memcheck, the benchmarks, the profile, then racecheck
+# and synccheck with the time left, the resource report alongside and RESULTS.md. Every stage's limit is
+# clamped to a deadline LOWBIT_GPU_BUDGET_S seconds (default 450) after it starts, so the command ends
+# with its report inside the device tool's 10 minutes; a stage cut short records status 124. It packs
+# the logs into $OUT/gpu-session-logs.tar.gz beside RESULTS.md and bench_gpu.json.
+#
+# Otherwise run each stage as its own command, in this order, while the machine stays warm (build outputs and logs under build/gpu-session/ persist
 # between calls on a warm machine; on a fresh one, run `build` again). Each stage stays inside that
 # limit: the long ones run under `timeout` and record a timeout as their result. When $OUT is set,
 # each stage copies its log and Markdown there (at most 8 files per command come back), `report`
@@ -44,6 +52,10 @@ fi
 logs="$work/logs"
 mkdir -p "$logs"
 failures=0
+# Epoch seconds after which no stage runs (0: none); the `device` stage sets it.
+deadline=0
+# Set by the `device` stage: logs travel to $OUT as one archive at the end instead of stage by stage.
+pack_outputs=0
 
 # Runs "$@" with its output in $logs/$name.log, under a time limit; records the command, its exit
 # status and its duration in $logs/commands.tsv. Never fails: the status is returned for the caller.
@@ -52,7 +64,15 @@ run_logged() {
   shift 2
   local start status
   start=$(date +%s)
-  echo "gpu_session: $name: $*"
+  if ((deadline)); then
+    if ((deadline - start < limit)); then limit=$((deadline - start)); fi
+    if ((limit < 10)); then
+      echo "gpu_session: $name: not run, the deadline has passed" | tee "$logs/$name.log"
+      printf '%s\t%s\t%s\t%s\n' "$name" "$*" "124 (no time left)" 0 >>"$logs/commands.tsv"
+      return 124
+    fi
+  fi
+  echo "gpu_session: $name: $* (limit ${limit}s)"
   set +e
   timeout "$limit" "$@" >"$logs/$name.log" 2>&1
   status=$?
@@ -73,7 +93,7 @@ pytest_ok() {
 
 # Copies the named files from $logs to $OUT, when the device tool set it.
 to_out() {
-  if [[ -n "${OUT:-}" ]]; then
+  if [[ -n "${OUT:-}" ]] && ((!pack_outputs)); then
     local f
     for f in "$@"; do
       if [[ -f "$f" ]]; then cp "$f" "$OUT/"; fi
@@ -92,10 +112,21 @@ stage_build() {
     python3 -m venv "$work/venv"
     python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
       >"$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/device_python.pth"
-    # The device's own architecture only: the defaults (README, Build) are compile-checked in CI.
-    archs="${LOWBIT_CUDA_ARCHS:-$(python3 -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')}"
-    run_logged build 560 env LOWBIT_CUDA=ON LOWBIT_CUDA_ARCHS="$archs" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
-      "$py" -m pip install --no-build-isolation --no-deps --no-index -v -e . || failures=$((failures + 1))
+    # LOWBIT_PREBUILT=1: a lowbit/_C module built elsewhere for this python and carried along saves the build,
+    # if it imports with its CUDA kernels; the sources' directory goes on the path (the benchmarks run from
+    # benchmarks/). Otherwise it is removed, so that the editable install's module is the one imported.
+    if [[ "${LOWBIT_PREBUILT:-0}" == 1 ]] && run_logged build-prebuilt 60 env PYTHONPATH="$PWD:${PYTHONPATH:-}" \
+      "$py" -c "import lowbit; assert lowbit._C.build_info()['cuda'], 'no CUDA kernels'; print(lowbit._C.build_info())"; then
+      export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+      cp "$logs/build-prebuilt.log" "$logs/build.log"
+    else
+      rm -f lowbit/_C.cpython-*.so
+      # The device's own architecture only: the defaults (README, Build) are compile-checked in CI.
+      archs="${LOWBIT_CUDA_ARCHS:-$(python3 -c 'import torch; print("%d%d" % torch.cuda.get_device_capability())')}"
+      run_logged build "${limit_build:-560}" env LOWBIT_CUDA=ON LOWBIT_CUDA_ARCHS="$archs" \
+        CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$py" -m pip install --no-build-isolation --no-deps --no-index -v -e . ||
+        failures=$((failures + 1))
+    fi
   fi
   {
     echo "## Build"
@@ -116,10 +147,8 @@ stage_test() {
   local status=0
   if ((dry_run)); then
     run_logged test 120 "$py" -m pytest -q tests/test_cuda.py "$@" || status=$?
-  elif (($#)); then
-    run_logged test 570 "$py" -m pytest -q "$@" || status=$?
   else
-    run_logged test 570 "$py" -m pytest -q || status=$?
+    run_logged test "${limit_test:-570}" "$py" -m pytest -q "$@" || status=$?
   fi
   pytest_ok "$status" || failures=$((failures + 1))
   {
@@ -134,21 +163,28 @@ stage_test() {
   to_out "$logs/test.log" "$logs/test.md"
 }
 
+# Runs the named compute-sanitizer tools (default: memcheck, racecheck, synccheck) over tests/test_cuda.py, or
+# the part of it that LOWBIT_SANITIZE_K selects (a pytest -k expression), adding a row per tool to sanitize.md.
 stage_sanitize() {
   local tool status limit
-  local -a wrap
-  {
-    echo "## compute-sanitizer on tests/test_cuda.py"
-    echo
-    echo "PYTORCH_NO_CUDA_MEMORY_CACHING=1, so each tensor is its own allocation and out-of-bounds accesses"
-    echo "are not hidden inside torch's cached blocks."
-    echo
-    echo "| tool | exit status | summary |"
-    echo "|---|---|---|"
-  } >"$logs/sanitize.md"
-  for tool in memcheck racecheck synccheck; do
+  local -a wrap select=()
+  local tools=("$@")
+  if ((${#tools[@]} == 0)); then tools=(memcheck racecheck synccheck); fi
+  if [[ -n "${LOWBIT_SANITIZE_K:-}" ]]; then select=(-k "$LOWBIT_SANITIZE_K"); fi
+  if [[ ! -f "$logs/sanitize.md" ]]; then
+    {
+      echo "## compute-sanitizer on tests/test_cuda.py"
+      echo
+      echo "PYTORCH_NO_CUDA_MEMORY_CACHING=1, so each tensor is its own allocation and out-of-bounds accesses"
+      echo "are not hidden inside torch's cached blocks. Tests selected: ${LOWBIT_SANITIZE_K:-all}."
+      echo
+      echo "| tool | exit status | summary |"
+      echo "|---|---|---|"
+    } >"$logs/sanitize.md"
+  fi
+  for tool in "${tools[@]}"; do
     # memcheck is the one that matters most; the other two get what is left of the 10 minutes.
-    if [[ "$tool" == memcheck ]]; then limit=300; else limit=130; fi
+    if [[ "$tool" == memcheck ]]; then limit="${limit_memcheck:-300}"; else limit="${limit_sanitize_other:-130}"; fi
     if ((dry_run)); then
       wrap=(env)
       limit=60
@@ -157,9 +193,9 @@ stage_sanitize() {
     fi
     status=0
     run_logged "sanitize-$tool" "$limit" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${wrap[@]}" \
-      "$py" -m pytest -q -x tests/test_cuda.py || status=$?
+      "$py" -m pytest -q -x tests/test_cuda.py "${select[@]}" || status=$?
     pytest_ok "$status" || failures=$((failures + 1))
-    echo "| $tool | $status | $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|skipped" "$logs/sanitize-$tool.log" |
+    echo "| $tool | $status | $(grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|skipped|not run" "$logs/sanitize-$tool.log" |
       tail -n 2 | tr '\n' ' ' | tr '|' '/') |" >>"$logs/sanitize.md"
   done
   if ((dry_run)); then echo >>"$logs/sanitize.md" && echo "(dry run: the commands ran without the sanitizer)" >>"$logs/sanitize.md"; fi
@@ -170,7 +206,7 @@ stage_bench() {
   local status=0
   local -a mode=()
   if ((dry_run)); then mode=(--cpu-dry-run); fi
-  run_logged bench 570 "$py" benchmarks/bench_gpu.py "${mode[@]}" --json "$logs/bench_gpu.json" || status=$?
+  run_logged bench "${limit_bench:-570}" "$py" benchmarks/bench_gpu.py "${mode[@]}" --json "$logs/bench_gpu.json" || status=$?
   ((status == 0)) || failures=$((failures + 1))
   {
     echo "## Benchmarks (benchmarks/bench_gpu.py, exit status $status)"
@@ -178,6 +214,32 @@ stage_bench() {
     grep -v "^wrote " "$logs/bench.log"
   } >"$logs/bench.md"
   to_out "$logs/bench.log" "$logs/bench.md" "$logs/bench_gpu.json"
+}
+
+# Nsight Compute's counters for one launch of each of lowbit's slowest kernels (benchmarks/profile_gpu_kernels.py):
+# the full report in profile.log, the lines that say what binds each kernel in profile.md. The card's clocks are
+# left as they are (--clock-control none).
+stage_profile() {
+  local status=0
+  if ((dry_run)); then
+    run_logged profile 120 "$py" benchmarks/profile_gpu_kernels.py --cpu-dry-run || status=$?
+  else
+    run_logged profile "${limit_profile:-300}" ncu --clock-control none --section SpeedOfLight --section Occupancy \
+      --section LaunchStats --section WarpStateStats --kernel-name regex:'optimizer_kernel|quantize_kernel|fewbit_' \
+      --launch-count 16 "$py" benchmarks/profile_gpu_kernels.py || status=$?
+  fi
+  ((status == 0)) || failures=$((failures + 1))
+  {
+    echo "## Nsight Compute: what binds the slowest kernels (exit status $status)"
+    echo
+    echo "One launch each of the workloads in \`benchmarks/profile_gpu_kernels.py\`; the full report is profile.log."
+    echo
+    echo '```'
+    grep -E "\)x\(|Duration|Memory Throughput|Compute \(SM\) Throughput|Registers Per Thread|Theoretical Occupancy|Achieved Occupancy|Warp Cycles Per Issued|Local Memory|Block Limit Registers|Block Limit Shared" \
+      "$logs/profile.log" | grep -v "^ *----" || true
+    echo '```'
+  } >"$logs/profile.md"
+  to_out "$logs/profile.log" "$logs/profile.md"
 }
 
 stage_resources() {
@@ -189,14 +251,19 @@ stage_resources() {
     return 0
   fi
   arch="${LOWBIT_PTXAS_ARCH:-sm_90}"
-  : >"$logs/ptxas.log"
-  for f in csrc/cuda/quantize.cu csrc/cuda/optim.cu csrc/cuda/fewbit.cu csrc/cuda/invact.cu csrc/cuda/blpa.cu \
-    csrc/cuda/lpmm.cu; do
-    echo "== $(basename "$f")" >>"$logs/ptxas.log"
-    nvcc -std=c++17 -O3 --fmad=false -arch="$arch" -Xptxas -v -Iinclude -Icsrc -DLOWBIT_WITH_CUDA -c "$f" \
-      -o /dev/null >>"$logs/ptxas.log" 2>&1 &
+  local -a files=(quantize optim fewbit invact blpa lpmm)
+  # One log per file while they compile in parallel, joined in order after: a shared log would interleave
+  # their reports under the wrong file's header.
+  for f in "${files[@]}"; do
+    nvcc -std=c++17 -O3 --fmad=false -arch="$arch" -Xptxas -v -Iinclude -Icsrc -DLOWBIT_WITH_CUDA -c "csrc/cuda/$f.cu" \
+      -o /dev/null >"$logs/ptxas-$f.log" 2>&1 &
   done
   wait
+  for f in "${files[@]}"; do
+    echo "== $f.cu"
+    cat "$logs/ptxas-$f.log"
+    rm "$logs/ptxas-$f.log"
+  done >"$logs/ptxas.log"
   title="${LOWBIT_RESOURCES_TITLE:-Compile-time resource report ($arch)}"
   {
     echo "## $title"
@@ -231,7 +298,7 @@ stage_report() {
     if [[ -f "$logs/commands.tsv" ]]; then
       awk -F'\t' '{gsub(/\|/, "/", $2); printf "| %s | `%s` | %s | %s |\n", $1, $2, $3, $4}' "$logs/commands.tsv"
     fi
-    for part in build test sanitize bench resources; do
+    for part in build test sanitize bench profile resources; do
       if [[ -f "$logs/$part.md" ]]; then
         echo
         cat "$logs/$part.md"
@@ -242,18 +309,42 @@ stage_report() {
   to_out "$results"
 }
 
+# Every check in one device command, inside LOWBIT_GPU_BUDGET_S seconds (see the header).
+stage_device() {
+  local -a parallel=()
+  deadline=$(($(date +%s) + ${LOWBIT_GPU_BUDGET_S:-450}))
+  pack_outputs=1
+  limit_build=240 limit_test=150 limit_memcheck=120 limit_bench=150 limit_profile=90 limit_sanitize_other=60
+  # pytest-xdist spreads the tests over the device machine's cores; the dry run's venv may lack it.
+  if ((!dry_run)); then parallel=(-n 8); fi
+  stage_build
+  stage_resources &
+  stage_test -k cuda --ignore=tests/test_cuda_emulation.py --continue-on-collection-errors "${parallel[@]}"
+  stage_sanitize memcheck
+  stage_bench
+  stage_profile
+  stage_sanitize racecheck synccheck
+  wait
+  stage_report
+  if [[ -n "${OUT:-}" ]]; then
+    tar czf "$OUT/gpu-session-logs.tar.gz" -C "$work" logs
+    cp "$results" "$OUT/"
+    if [[ -f "$logs/bench_gpu.json" ]]; then cp "$logs/bench_gpu.json" "$OUT/"; fi
+  fi
+}
+
 case "$stage" in
-  build | test | sanitize | bench | resources | report) "stage_$stage" "$@" ;;
+  build | test | sanitize | bench | profile | resources | report | device) "stage_$stage" "$@" ;;
   all)
-    for s in build test sanitize bench resources report; do "stage_$s"; done
+    for s in build test sanitize bench profile resources report; do "stage_$s"; done
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh [--cpu-dry-run] [build|test|sanitize|bench|resources|report|all]" >&2
+    echo "usage: bash benchmarks/gpu_session.sh [--cpu-dry-run] [build|test|sanitize|bench|profile|resources|report|all|device]" >&2
     exit 2
     ;;
 esac
 if ((dry_run)); then
-  if [[ "$stage" == all ]]; then
+  if [[ "$stage" == all || "$stage" == device ]]; then
     grep -q "^## Benchmarks" "$results" || {
       echo "gpu_session: dry run: $results lacks the benchmark section" >&2
       failures=$((failures + 1))

@@ -292,7 +292,7 @@ def test_subnormal_absmax_normalises_by_division(device):
     x = torch.tensor([1e-45, 0.0, -1e-45, 2e-39, 0.0, -1.5e-39, 1e-39, 5e-40], device=device)
     for signed in (True, False):
         xs = x if signed else x.abs()
-        codes, state = F.quantize_blockwise(xs, code=F.create_dynamic_map(signed=signed), blocksize=64)
+        codes, state = F.quantize_blockwise(xs, code=F.create_dynamic_map(signed=signed).to(device), blocksize=64)
         ref_codes, _ = R.quantize_blockwise(xs.cpu(), state.code.cpu(), 8, 64, False, 0, 0)
         assert torch.equal(codes.cpu().reshape(-1), ref_codes)
         back = F.dequantize_blockwise(codes, state).cpu()
