@@ -14,7 +14,21 @@ settings.register_profile(
     "lowbit", deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
 settings.register_profile("thorough", deadline=None, max_examples=500)
+# New examples on every run (the seed comes from pytest's --hypothesis-seed, or a random one), with the
+# blob that replays a failure printed: CI runs the property tests once this way (.ci/run), so the suites
+# explore beyond the fixed examples of "lowbit".
+settings.register_profile("fresh", parent=settings.get_profile("lowbit"), derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("LOWBIT_HYPOTHESIS_PROFILE", "lowbit"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With LOWBIT_PROPERTY_TESTS_ONLY=1, keeps only the hypothesis property tests."""
+    if os.environ.get("LOWBIT_PROPERTY_TESTS_ONLY") != "1":
+        return
+    keep = [item for item in items if getattr(getattr(item, "obj", None), "is_hypothesis_test", False)]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+
 
 HAS_CUDA = torch.cuda.is_available() and lowbit._C.cuda_built()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])

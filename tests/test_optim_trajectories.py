@@ -10,6 +10,10 @@ ratios of adjacent codes of the two state maps (a decoded first moment too large
 decoded root of the second moment too small by the other). A second moment decoded as 0 breaks the
 bound by orders of magnitude (a step of lr * m / eps), as a NaN that leaks into the rest of a block or
 a trust ratio of 1 do.
+
+That bound adds step magnitudes, so it cannot see direction: a run that steps the wrong way, or not at all,
+stays inside it. Each run is therefore also held to its reference's movement (:func:`_assert_moves_toward`):
+it must end nearer the reference's end point than the start point is.
 """
 
 from __future__ import annotations
@@ -96,6 +100,23 @@ def _gradient(kind: str, n: int, gen: torch.Generator) -> torch.Tensor:
     return g
 
 
+def _assert_moves_toward(p0: torch.Tensor, got: torch.Tensor, ref: torch.Tensor, label: object) -> None:
+    """||got - ref|| < ||ref - p0|| over the elements finite in both, whenever the reference moved.
+
+    Not a tuned tolerance: the right side is the distance of a run that does not step at all (equality),
+    and a run that steps the wrong way lands about twice as far; any run that makes progress towards the
+    reference lands below it. Parameters must be fp32: rounding each step to bf16 moves an element by up
+    to half an ulp, 2^-9 |p|, as much as a step of lr = 1e-3 itself, so there the reference's movement
+    measures rounding rather than the optimizer.
+    """
+    start, got, ref = p0.double(), got.double(), ref.double()
+    finite = got.isfinite() & ref.isfinite()
+    moved = float((ref - start)[finite].norm())
+    if moved > 0:
+        off = float((got - ref)[finite].norm())
+        assert off < moved, (label, off, moved)
+
+
 sequences = st.tuples(
     st.integers(0, 2**31 - 1),
     st.sampled_from([257, 1000, 4097]),
@@ -104,17 +125,15 @@ sequences = st.tuples(
 )
 
 
-@settings(max_examples=100)
-@given(seq=sequences, dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_8bit_trajectory_stays_within_the_quantization_bound(seq, dtype):
-    seed, n, block, kinds = seq
-    gen = torch.Generator().manual_seed(seed)
-    p0 = torch.randn(n, generator=gen)
-    grads = [_gradient(k, n, gen) for k in kinds]
+def _check_against_twins(p0: torch.Tensor, grads: list[torch.Tensor], dtype: torch.dtype, block: int, label: object):
+    """Runs every 8-bit optimizer of CASES and its 32-bit twin on the gradients ``grads`` from ``p0`` and
+    checks the quantization bound of the module docstring and, in fp32, the direction."""
+    n = p0.numel()
     # Parameters stored in bf16 round each step, in both runs, by at most its unit roundoff times |p|.
     unit = 2.0**-24 if dtype == torch.float32 else 2.0**-8
     for cls8, cls32, kw, step_bound in CASES:
-        p8, p32 = nn.Parameter(p0.to(dtype)), nn.Parameter(p0.to(dtype))
+        # copy=True: in fp32, .to(dtype) would hand both optimizers the one tensor p0.
+        p8, p32 = nn.Parameter(p0.to(dtype, copy=True)), nn.Parameter(p0.to(dtype, copy=True))
         o8 = cls8([p8], block_size=block, min_8bit_size=0, **kw)
         o32 = cls32([p32], **kw)
         decay = 1.0 - LR * kw.get("weight_decay", 0.0)
@@ -141,7 +160,34 @@ def test_8bit_trajectory_stays_within_the_quantization_bound(seq, dtype):
         assert torch.equal(finite, p32.detach().isfinite()), cls8.__name__
         diff = (p8.detach().double() - p32.detach().double()).abs()
         over = (diff > allowed) & finite
-        assert not bool(over.any()), (cls8.__name__, float((diff - allowed)[over].max()), kinds)
+        assert not bool(over.any()), (cls8.__name__, float((diff - allowed)[over].max()), label)
+        if dtype == torch.float32:
+            _assert_moves_toward(p0, p8.detach(), p32.detach(), (cls8.__name__, label))
+
+
+@settings(max_examples=100)
+@given(seq=sequences, dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_8bit_trajectory_stays_within_the_quantization_bound(seq, dtype):
+    seed, n, block, kinds = seq
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    grads = [_gradient(k, n, gen) for k in kinds]
+    _check_against_twins(p0, grads, dtype, block, kinds)
+
+
+def test_second_moment_below_the_map_floor_stays_within_the_bound():
+    # Element 1's only gradient, 1.5e-6, comes six steps after element 0's 10 in the same block. Then its
+    # first moment is 2.8e-7 of the block's absmax, just over half the signed map's smallest non-zero code
+    # (5.5e-7), so it is kept, while the root of its second moment, 1.5e-7 of its block's, is under half
+    # the unsigned map's smallest (3.25e-7). Without the map's zero-free floor that root decodes as 0 and
+    # the zero-gradient steps after it move the element by lr * m / eps: about 0.1 where torch moves 0.002.
+    n = 256
+    g = torch.zeros(n)
+    g[0] = 10.0
+    small = torch.zeros(n)
+    small[1] = 1.5e-6
+    grads = [g] + [torch.zeros(n)] * 5 + [small] + [torch.zeros(n)] * 3
+    _check_against_twins(torch.linspace(-1, 1, n), grads, torch.float32, n, "second moment below the floor")
 
 
 @settings(max_examples=15)
@@ -182,3 +228,4 @@ def test_lpmm_adamw_trajectory_stays_within_the_quantization_bound(seq):
     got = lpmm.export_float(model)["w"].double()
     diff = (got - ref.w.detach().double()).abs()
     assert bool((diff <= allowed).all()), (float((diff - allowed).max()), kinds)
+    _assert_moves_toward(p0, got, ref.w.detach(), kinds)
