@@ -9,6 +9,7 @@ weight by about lr * m / eps.
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -146,15 +147,16 @@ def test_nan_in_trust_ratio_norms_shows_in_the_whole_tensor(cls):
     assert bool(p.isnan().all())
 
 
-# The audit's training patterns, run exactly as benchmarks/bench_numerics.py runs them (3 seeds).
-# bitsandbytes 0.50.2's 8-bit optimizers on the same runs, measured with
+# The audit's training patterns, run exactly as benchmarks/bench_numerics.py runs them (3 seeds): mean
+# |p - reference| after the last step (mean over the seeds) of each 8-bit optimizer against its fp32
+# reference (torch.optim's twin, or lowbit's 32-bit twin where torch has none).
+#
+# Optimizers with a bitsandbytes twin: bounded by that twin's mean on the same runs. It is measured in the
+# test's own run when bitsandbytes imports (_bnb_mean); otherwise BNB_MEAN_RECORDED is used: bitsandbytes
+# 0.50.2's measurement, made with
 #   python benchmarks/bench_numerics.py --json out.json
-# (CPU, torch 2.13.0): mean |p - reference| after the last step, mean over the seeds. LAMB and LARS
-# have no trust-ratio twin in bitsandbytes, so their bound is its Adam8bit's, as for everything in the
-# issue. Max differences are not compared with bitsandbytes' where they tie within the run-to-run
-# chaos of training (ReLU MLP, dense): there the 8-bit run must not end farther from the reference
-# than the reference moved any parameter (a diverged run does: 77 times that, before the fix).
-BNB_MEAN = {
+# (CPU, torch 2.13.0, seeds 0-2, block 256, min_8bit_size 4096; the "bnb <name>" columns' mean_abs).
+BNB_MEAN_RECORDED = {
     "ReLU MLP": {
         "Adam8bit": 1.7365e-4,
         "AdamW8bit": 1.7319e-4,
@@ -162,14 +164,22 @@ BNB_MEAN = {
         "RMSprop8bit": 1.3881e-3,
         "Adagrad8bit": 1.3196e-3,
         "Lion8bit": 9.6788e-5,
-        "LAMB8bit": 1.7365e-4,
-        "LARS8bit": 1.7365e-4,
     },
-    "rare embedding rows": {"Adam8bit": 1.2549e-3, "AdamW8bit": 1.2544e-3, "LAMB8bit": 1.2549e-3},
-    "dense": {"AdamW8bit": 7.61e-4, "LAMB8bit": 7.61e-4},
+    "rare embedding rows": {"Adam8bit": 1.2549e-3, "AdamW8bit": 1.2544e-3},
+    "dense": {"AdamW8bit": 7.61e-4},
 }
-# Rare embedding rows, max |p - reference| of bitsandbytes' Adam8bit / AdamW8bit (same command).
-BNB_MAX_RARE_ROWS = {"Adam8bit": 0.093996, "AdamW8bit": 0.095549, "LAMB8bit": 0.093996}
+# Rare embedding rows, max |p - reference| of bitsandbytes' Adam8bit / AdamW8bit (same command and run).
+BNB_MAX_RARE_ROWS_RECORDED = {"Adam8bit": 0.093996, "AdamW8bit": 0.095549}
+# LAMB8bit and LARS8bit have no bitsandbytes twin: their bound is a same-run reference, the 32-bit twin with
+# its states rounded to the 8-bit maps (nearest, blocks of 256, second moments as roots on the zero-free
+# map) once after every step (_rounded_twin_run), which is what an 8-bit state adds to the 32-bit step.
+# Measured: the 8-bit run's mean and max equal the rounded twin's to 4 significant digits on each of 3 seeds
+# of the 3 scenarios (the two round the same fp32 values, except at exact ties), so the slack
+# ROUNDED_TWIN_SLACK = 1% covers only fp32 ordering differences. The twin runs on seed 0 only (run time).
+NO_BNB_TWIN = {"ReLU MLP": ["LAMB8bit", "LARS8bit"], "rare embedding rows": ["LAMB8bit"], "dense": ["LAMB8bit"]}
+ROUNDED_TWIN_SLACK = 1.01
+PATTERNS = [(s, n) for s, names in BNB_MEAN_RECORDED.items() for n in names]
+PATTERNS += [(s, n) for s, names in NO_BNB_TWIN.items() for n in names]
 
 
 def _bench():
@@ -181,9 +191,57 @@ def _bench():
     return bench_numerics
 
 
-@pytest.mark.parametrize(
-    ("scenario", "name"), [(s, n) for s, names in BNB_MEAN.items() for n in names], ids=lambda v: str(v)
-)
+def _bnb_cell(bench, run, name: str, args: argparse.Namespace):
+    """bitsandbytes' ``name`` on ``run`` in this process, or None when bitsandbytes does not import."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        return None
+    (column,) = [c for c in bench.make_columns(bitsandbytes) if c.name == f"bnb {name}"]
+    cell = bench.run_scenario(run, [column], args)[column.name]
+    assert cell.error is None, cell.error
+    return cell
+
+
+def _round_to_map(x: torch.Tensor, signed: bool, block: int) -> torch.Tensor:
+    """``x`` rounded to nearest on the 8-bit state map scaled by each block's absmax (torch only)."""
+    code = state_map(signed, x.device)
+    flat = x.reshape(-1)
+    rows = torch.cat([flat, flat.new_zeros(-flat.numel() % block)]).view(-1, block)
+    absmax = rows.abs().amax(1, keepdim=True)
+    scaled = rows / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    rounded = code[torch.bucketize(scaled, (code[1:] + code[:-1]) / 2)] * absmax
+    return rounded.reshape(-1)[: flat.numel()].view_as(x)
+
+
+def _rounded_twin_run(bench, run, column, seed: int, block: int, min_8bit_size: int):
+    """(max, mean) |p - reference| of ``column``'s fp32 reference optimizer whose states of tensors of at
+    least ``min_8bit_size`` elements are rounded to the 8-bit maps after every step, against the plain
+    reference, and how far the reference moved any element."""
+    base, batches = run.build(seed)
+    initial = bench.params_of(base)
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    bench.train(ref, column.make_reference(list(ref.parameters()), dict(column.hyper)), batches, run.backward)
+    opt = column.make_reference(list(model.parameters()), dict(column.hyper))
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        run.backward(model, batch)
+        opt.step()
+        for p in model.parameters():
+            if p.numel() < min_8bit_size:
+                continue
+            state = opt.dequantized_state(p)
+            for key, value in state.items():
+                if key == "exp_avg_sq":  # stored as its root on the zero-free unsigned map
+                    state[key] = _round_to_map(value.sqrt(), False, block).square()
+                elif key != "step":
+                    state[key] = _round_to_map(value, True, block)
+            opt.load_dequantized_state(p, state)
+    want = bench.params_of(ref)
+    return (*bench.distance(bench.params_of(model), want), bench.movement(want, initial))
+
+
+@pytest.mark.parametrize(("scenario", "name"), PATTERNS, ids=lambda v: str(v))
 def test_training_patterns_stay_near_torch(scenario, name):
     bench = _bench()
     (run,) = [s for s in bench.SCENARIOS if s.name == scenario]
@@ -191,27 +249,71 @@ def test_training_patterns_stay_near_torch(scenario, name):
     args = argparse.Namespace(seeds=3, block_size=256, min_8bit_size=4096)
     cell = bench.run_scenario(run, [column], args)[name]
     assert cell.error is None, cell.error
+    assert cell.eight_bit, "no tensor ran with 8-bit states"  # else the comparison is fp32 against fp32
     mean = sum(cell.mean_abs) / len(cell.mean_abs)
-    assert mean <= BNB_MEAN[scenario][name], (mean, BNB_MEAN[scenario][name])
-    # A sign step flips whole lr steps where the momentum is near 0: two Lion runs can differ by
-    # twice what either moved.
-    reach = 2.0 if name == "Lion8bit" else 1.0
+    if name in NO_BNB_TWIN.get(scenario, ()):
+        twin_hi, twin_mean, _ = _rounded_twin_run(bench, run, column, 0, 256, 4096)
+        assert twin_mean > 0 and cell.mean_abs[0] <= ROUNDED_TWIN_SLACK * twin_mean, (cell.mean_abs[0], twin_mean)
+        assert cell.max_abs[0] <= ROUNDED_TWIN_SLACK * twin_hi, (cell.max_abs[0], twin_hi)
+        return
+    bnb = _bnb_cell(bench, run, name, args)
+    bound = BNB_MEAN_RECORDED[scenario][name] if bnb is None else sum(bnb.mean_abs) / len(bnb.mean_abs)
+    assert mean <= bound, (mean, bound)
+    if name == "Lion8bit":
+        # Lion moves every element by exactly lr per step (sign update, no weight decay here), so after T
+        # steps an 8-bit run and the reference are at most 2 * lr * T apart, reached only if every step's
+        # sign differed; plus each run's fp32 rounding, at most 2^-24 per step for |p| < 1 (the MLP's
+        # parameters are below 0.2). Measured: at most 18 of the 30 steps' signs differ (3.6e-3 vs 6e-3).
+        steps = len(run.build(0)[1])
+        lion_bound = 2 * column.hyper["lr"] * steps + 2 * steps * 2.0**-24
+        assert max(cell.max_abs) <= lion_bound, (cell.max_abs, lion_bound)
+        return
+    # Max differences are not compared with bitsandbytes' where they tie within the run-to-run chaos of
+    # training (ReLU MLP, dense). Not derived: a divergence detector. The 8-bit run must not end farther
+    # from the reference than the reference moved any parameter (a diverged run does: 77 times that,
+    # before the fix; measured largest ratio of these runs: see the assertion message on failure).
     for hi, moved in zip(cell.max_abs, cell.reference_moved, strict=True):
-        assert hi <= reach * moved, (hi, moved)
+        assert hi <= moved, (hi, moved)
     if scenario == "rare embedding rows":
-        assert max(cell.max_abs) <= BNB_MAX_RARE_ROWS[name]
+        bnb_max = BNB_MAX_RARE_ROWS_RECORDED[name] if bnb is None else max(bnb.max_abs)
+        assert max(cell.max_abs) <= bnb_max
 
 
-# LPMMAdamW with 16-bit parameters and gradients (its optimizer states 8-bit) against torch's AdamW,
-# on the same runs; the bound is bitsandbytes' AdamW8bit's mean (above), whose parameters are fp32.
+# LPMMAdamW with 16-bit parameters and gradients (its optimizer states 8-bit, groups of 2048, stochastic
+# rounding) against torch's AdamW, on the same runs. No bitsandbytes twin: the bound is a same-run
+# reference, torch's AdamW with its states rounded to nearest on the 8-bit maps in groups of 2048 after every
+# step. That reference leaves out LPMM's unbiased 16-bit parameter and gradient rounding (a code step is
+# absmax * 2^-15) but rounds its states to nearest, biased within a block, where LPMM's stochastic rounding
+# is unbiased. Measured: LPMM's mean is 0.59-0.74 of the reference's, its max 0.72-1.41 (3 seeds x 2
+# scenarios), so only the mean is bounded by it; the max keeps the divergence detector above.
 @pytest.mark.parametrize("scenario", ["rare embedding rows", "dense"])
 def test_lpmm_adamw_stays_near_torch(scenario):
+    from lowbit import lpmm
+
     bench = _bench()
     (run,) = [s for s in bench.SCENARIOS if s.name == scenario]
     cell = bench.run_lpmm(run, {"param_bits": 16, "grad_bits": 16}, seeds=3)
     assert cell.error is None, cell.error
-    mean = sum(cell.mean_abs) / len(cell.mean_abs)
-    assert mean <= BNB_MEAN[scenario]["AdamW8bit"], mean
+    # The reference runs on seed 0 only (run time), against seed 0's LPMM run.
+    base, batches = run.build(0)
+    # The same initial values as run_lpmm's reference: the converted model's 16-bit export.
+    converted = lpmm.convert(
+        copy.deepcopy(base), param_bits=16, grad_bits=16, generator=torch.Generator().manual_seed(0)
+    )
+    base.load_state_dict(lpmm.export_float(converted))
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    bench.train(ref, torch.optim.AdamW(ref.parameters(), **bench.LPMM_HYPER, foreach=False), batches, run.backward)
+    opt = torch.optim.AdamW(model.parameters(), **bench.LPMM_HYPER, foreach=False)
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        run.backward(model, batch)
+        opt.step()
+        for p in model.parameters():
+            state = opt.state[p]
+            state["exp_avg"].copy_(_round_to_map(state["exp_avg"], True, 2048))
+            state["exp_avg_sq"].copy_(_round_to_map(state["exp_avg_sq"].sqrt(), False, 2048).square())
+    twin_mean = bench.distance(bench.params_of(model), bench.params_of(ref))[1]
+    assert twin_mean > 0 and cell.mean_abs[0] <= twin_mean, (cell.mean_abs[0], twin_mean)
     for hi, moved in zip(cell.max_abs, cell.reference_moved, strict=True):
         assert hi <= moved, (hi, moved)
 
