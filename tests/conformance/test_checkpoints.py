@@ -162,6 +162,32 @@ def test_torch_state_dict_loads_into_the_lowbit_twin(tcls, name, kw, bits):
     torch.testing.assert_close(_step(mine, r, grad), _step(back, twin, grad), rtol=1e-5, atol=1e-6)
 
 
+def test_torch_second_moment_under_the_maps_floor_steps_no_further_than_torchs():
+    # One block whose largest root is 100 holds an element with v = 1e-12 (root 1e-6, 1e-8 of the block's,
+    # under half the unsigned map's smallest non-zero code, 3.25e-7): its root encodes to code 0. Its first
+    # moment is the block's absmax of m, which the signed map holds exactly (code 1). Code 0 decodes as the
+    # map's smallest non-zero value (DE-0, state_storage.state_map), which is above the true root: the next
+    # step's sqrt(v) can only be larger than torch's, so that element's step is at most torch's, with its
+    # sign. Decoded as 0 instead, the step would be lr * m_hat / eps, about 1000 times torch's here.
+    n = 256
+    m, v = torch.zeros(n), torch.zeros(n)
+    m[0], m[1], v[0], v[1] = 1e-4, 1e-4, 1e4, 1e-12
+    p = nn.Parameter(torch.zeros(n))
+    ref = torch.optim.Adam([p], lr=1e-3, foreach=False)
+    ref.load_state_dict(
+        {
+            "state": {0: {"step": torch.tensor(10.0), "exp_avg": m, "exp_avg_sq": v}},
+            "param_groups": ref.state_dict()["param_groups"],
+        }
+    )
+    q = nn.Parameter(torch.zeros(n))
+    opt = O.Adam8bit([q], min_8bit_size=0)
+    opt.load_state_dict(ref.state_dict())
+    want, got = _step(ref, p, torch.zeros(n)), _step(opt, q, torch.zeros(n))
+    assert float(want[1]) < 0
+    assert float(want[1]) * (1 + 1e-5) <= float(got[1]) < 0
+
+
 # -- lowbit state dicts of another layout ---------------------------------------------------------------
 
 
