@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 import lowbit.optim as O
-from lowbit import _ops
 from lowbit.functional import create_dynamic_map
 from lowbit.optim.state_storage import state_map
-from tests.blocks import adjacent_code_ratio, block_absmax, two_gradient_block
+from tests.blocks import adjacent_code_ratio, two_gradient_block
 
 
 @pytest.mark.parametrize(("cls", "ref"), [(O.Adam8bit, torch.optim.Adam), (O.AdamW8bit, torch.optim.AdamW)])
@@ -316,88 +315,3 @@ def test_lpmm_adamw_stays_near_torch(scenario):
     assert twin_mean > 0 and cell.mean_abs[0] <= twin_mean, (cell.mean_abs[0], twin_mean)
     for hi, moved in zip(cell.max_abs, cell.reference_moved, strict=True):
         assert hi <= moved, (hi, moved)
-
-
-def _format1(code_v: torch.Tensor, block: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and absmaxes of v as lowbit 0.1.0 stored them (state format 1: v on the unsigned map)."""
-    old_map = create_dynamic_map(signed=False, total_bits=bits)
-    codes, absmax = _ops.quantize_blockwise(code_v.reshape(-1).float(), old_map, bits, block, False, 0, 0)
-    return codes, absmax
-
-
-def _trained_adam8bit() -> tuple[nn.Parameter, O.Adam8bit]:
-    p = nn.Parameter(torch.randn(8192))
-    opt = O.Adam8bit([p])
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(3):
-        p.grad = torch.randn(8192, generator=gen) * torch.logspace(-3, 1, 8192)
-        opt.step()
-    return p, opt
-
-
-@pytest.mark.parametrize("marker", [None, 1])
-def test_format1_checkpoint_second_moments_are_reencoded(marker):
-    # A state dict written before second moments were stored as roots (no state_format in its groups)
-    # holds codes of v; read as roots they would square every value. Loading re-encodes them.
-    p, opt = _trained_adam8bit()
-    v = opt.dequantized_state(p)["exp_avg_sq"]
-    sd = opt.state_dict()
-    codes, absmax = _format1(v, 256)
-    sd["state"][0]["state2"], sd["state"][0]["absmax2"] = codes.view(p.shape), absmax
-    for group in sd["param_groups"]:
-        group.pop("state_format")
-        if marker is not None:
-            group["state_format"] = marker
-    v_old = _ops.dequantize_blockwise(codes, absmax, create_dynamic_map(signed=False), 8, 256, 8192, torch.float32)
-    fresh = O.Adam8bit([p])
-    fresh.load_state_dict(sd)
-    got = fresh.dequantized_state(p)["exp_avg_sq"]
-    assert fresh.param_groups[0]["state_format"] == 2
-    # Each re-encoded root is within one map step of the format-1 value's root: for v at least 1e-3 of
-    # its block's largest, a factor below 1.07 (the unsigned map above 0.03), so v within 1.07^2.
-    big = v_old >= 1e-3 * block_absmax(v_old, 256)
-    ratio = got[big] / v_old[big]
-    assert float(ratio.max()) < 1.15 and float(ratio.min()) > 1 / 1.15
-    assert bool((got > 0).all()) and torch.equal(
-        fresh.dequantized_state(p)["exp_avg"], opt.dequantized_state(p)["exp_avg"]
-    )
-
-
-def test_state_dict_from_a_newer_format_is_refused():
-    p, opt = _trained_adam8bit()
-    sd = opt.state_dict()
-    sd["param_groups"][0]["state_format"] = 3
-    fresh = O.Adam8bit([p])
-    with pytest.raises(ValueError, match="state_format=3"):
-        fresh.load_state_dict(sd)
-    assert not fresh.state
-
-
-def test_lpmm_format1_checkpoint_second_moments_are_reencoded():
-    from lowbit import lpmm
-
-    model = lpmm.convert(nn.Linear(64, 64), param_bits=16, grad_bits=16, group_size=256, rounding="nearest")
-    opt = O.LPMMAdamW(model.parameters(), rounding="nearest")
-    for _ in range(3):
-        opt.zero_grad()
-        model(torch.randn(8, 64)).square().sum().backward()
-        opt.step()
-    handle = model.weight if isinstance(model.weight, torch.Tensor) else next(model.parameters())
-    state = opt.state[handle]
-    root = _ops.dequantize_blockwise(
-        state["state2"], state["absmax2"], state_map(False, torch.device("cpu")), 8, 256, 4096, torch.float32
-    )
-    v = root.square()
-    sd = opt.state_dict()
-    index = [i for i, q in enumerate(opt.param_groups[0]["params"]) if q is handle][0]
-    sd["state"][index]["state2"], sd["state"][index]["absmax2"] = _format1(v, 256)
-    sd["param_groups"][0].pop("state_format")
-    fresh = O.LPMMAdamW(model.parameters(), rounding="nearest")
-    fresh.load_state_dict(sd)
-    st = fresh.state[handle]
-    got = _ops.dequantize_blockwise(
-        st["state2"], st["absmax2"], state_map(False, torch.device("cpu")), 8, 256, 4096, torch.float32
-    ).square()
-    big = v >= 1e-3 * block_absmax(v, 256)
-    ratio = got[big] / v[big]
-    assert float(ratio.max()) < 1.15 and float(ratio.min()) > 1 / 1.15

@@ -6,8 +6,9 @@ through ``torch.save``) into fresh optimizers, and loading the reference's state
 Each run keeps three optimizers on three copies of the parameters: ``main`` takes every operation,
 ``plain`` the same ones except the round trips of its own state and the refused edits, and ``ref`` is
 torch.optim. ``main`` must stay bit-identical to ``plain`` (a round trip or a refused step changes
-nothing), and both must follow ``ref``: fp32 states to rounding, 8-bit states within the measured drift
-bound, with the same step counters and state names.
+nothing), and both must follow ``ref``: fp32 states to rounding; 8-bit parameters within the measured
+drift bound and 8-bit states, decoded, element by element within the bound their map's code gaps give
+(``Run._advance_bounds``), with the same step counters and state names.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import lowbit.optim as O
+from lowbit.optim.state_storage import state_map
 from tests.test_optim import DEFAULT_BOUNDS, _grad, _relative
 
 
@@ -58,6 +60,18 @@ EIGHT_BIT = [
 # 100-step bound (DEFAULT_BOUNDS[1], twice the worst measured drift of Adam, SGD and the others). These
 # sequences are at most 14 steps long, and loading torch's state only re-syncs the states.
 DRIFT_BOUND = DEFAULT_BOUNDS[1]
+
+# Half the largest gap between adjacent codes of the signed map (first moments, momentum) and of the
+# unsigned one (second moments, stored as roots): nearest rounding moves a value normalised by its block's
+# absmax by at most this much.
+HALF_GAP = {signed: 0.5 * float(state_map(signed, torch.device("cpu")).diff().max()) for signed in (True, False)}
+# fp32 rounding around one encode: the normalisation x / absmax and the decode code * absmax each round
+# by at most 2^-24 relative, and the update that feeds the encoder by a few more ulps; 2^-20 of the block
+# absmax covers them with room to spare.
+ENCODE_ROUNDING = 2.0**-20
+# Both recurrences (lowbit's and torch's) round each state element by a few ulps of its value per step,
+# over at most 14 steps: under 1e-5 of the value.
+STEP_ROUNDING = 1e-5
 
 LR_FACTORS = (0.1, 0.5, 2.0)
 EDIT_VALUES = {
@@ -142,6 +156,8 @@ class Run:
         self.plain = self._make(case.cls, self.plain_params, self.options)
         self.ref = self._make(case.tcls, self.ref_params, dict(foreach=False))
         self.steps = [0] * len(self.p0)
+        # Per parameter and torch state name: the bound on |decoded 8-bit state - torch's| per element.
+        self.bounds: list[dict[str, Tensor]] = [{} for _ in self.p0]
 
     def _lr(self, value: float) -> Any:
         return torch.tensor(value) if self.tensor_lr else value
@@ -187,8 +203,15 @@ class Run:
                 injected.append((j, i))
             for _, params in self._all():
                 params[j].grad = g.view(p0.shape).clone()
+        before = [
+            (a.detach().clone(), b.detach().clone()) for a, b in zip(self.main_params, self.ref_params, strict=True)
+        ]
         for opt, _ in self._all():
             opt.step()
+        if self.eight_bit:
+            for j, p in enumerate(self.main_params):
+                if p.grad is not None:
+                    self._advance_bounds(j, *before[j], p.grad)
         for j, p in enumerate(self.main_params):
             self.steps[j] += p.grad is not None
         for j, i in injected:
@@ -255,6 +278,58 @@ class Run:
             state = self.ref.state[p]
             # torch.optim.SGD keeps no step count: lowbit counts a loaded momentum buffer as one step.
             self.steps[j] = int(state["step"]) if "step" in state else int(bool(state))
+            if self.eight_bit:
+                # Torch's fp32 state, encoded once: only this encode's error is left.
+                self.bounds[j] = {name: self._encode_error(j, name) for name in self._stored(j)}
+
+    # -- bounds of the 8-bit states --------------------------------------------------------------
+
+    def _stored(self, j: int) -> list[str]:
+        state = self.main.state.get(self.main_params[j], {})
+        return [name for k, name in enumerate(self.main._state_names) if f"state{k + 1}" in state]
+
+    def _encode_error(self, j: int, name: str) -> Tensor:
+        """The most the last encode of state ``name`` of parameter j moved each element: half a code gap
+        times its block's absmax (that of the values encoded, which the state stores), plus rounding. A
+        second moment v is stored as its root w, whose encode moves it by at most d = that much; then
+        |w'^2 - w^2| = |w' - w| (w' + w) <= d (2 w' + d), with w' the decoded root."""
+        p = self.main_params[j]
+        k = self.main._state_names.index(name)
+        signed = self.main._state_signed[k]
+        absmax = self.main.state[p][f"absmax{k + 1}"].repeat_interleave(self.block_size)[: p.numel()]
+        d = ((HALF_GAP[signed] + ENCODE_ROUNDING) * absmax).view(p.shape)
+        if signed:
+            return d
+        root = self.main.dequantized_state(p)[name].sqrt()
+        return d * (2 * root + d)
+
+    def _advance_bounds(self, j: int, main_before: Tensor, ref_before: Tensor, grad: Tensor) -> None:
+        """Carry the state bounds of parameter j through a step taken with ``grad``.
+
+        Each state follows s' = a s + b f(g) in torch and in lowbit, where lowbit then encodes s'. With
+        e the bound before the step, the new one is a e + (the difference of the b f(g) terms) + the
+        encode's error. The b f(g) terms differ only through L2 weight decay (Adam's, SGD's), which adds
+        wd * p to g, and lowbit's p has drifted from torch's. a and b come from torch's param group (edits
+        reach all three optimizers alike; loads must give lowbit the same).
+        """
+        group = self.ref.param_groups[j]
+        wd = 0.0 if self.case.tcls is torch.optim.AdamW else group["weight_decay"]
+        g_main, g_ref = grad + wd * main_before, grad + wd * ref_before
+        old = self.bounds[j]
+        new = {}
+        for name in self._stored(j):
+            carried = old.get(name, torch.zeros_like(grad))  # a state starts at 0 in both
+            if name == "exp_avg":
+                b1 = group["betas"][0]
+                carried = b1 * carried + (1 - b1) * (g_main - g_ref).abs()
+            elif name == "exp_avg_sq":
+                b2 = group["betas"][1]
+                carried = b2 * carried + (1 - b2) * (g_main.square() - g_ref.square()).abs()
+            else:  # momentum_buffer: b = 1 - dampening, or 1 at the first step (torch's buf = g); 1 bounds both
+                assert name == "momentum_buffer", name
+                carried = group["momentum"] * carried + (g_main - g_ref).abs()
+            new[name] = carried + self._encode_error(j, name)
+        self.bounds[j] = new
 
     # -- checks ----------------------------------------------------------------------------------
 
@@ -312,6 +387,14 @@ class Run:
         assert "step" in deq
         if self.eight_bit:
             assert all(ours[f"state{k + 1}"].dtype == torch.uint8 for k in range(len(deq) - 1))
+            for name in set(theirs) - {"step"}:
+                # Decoded, each element is torch's within the bound carried through the steps (which also
+                # fixes its sign wherever torch's exceeds the bound). Elements that are not finite in torch
+                # restarted from zero in lowbit (_check_restart).
+                finite = theirs[name].isfinite()
+                err = (deq[name] - theirs[name]).abs()[finite]
+                bound = self.bounds[j][name][finite] + STEP_ROUNDING * theirs[name].abs()[finite]
+                assert bool((err <= bound).all()), (name, float((err - bound).max()), float(bound.max()))
             return
         for name in set(theirs) - {"step"}:
             # The fp32 states are torch's to the bound of the parameters, and non-finite where torch's are.

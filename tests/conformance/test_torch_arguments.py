@@ -1,6 +1,7 @@
 """torch.optim arguments that add a state: ``amsgrad=True`` (Adam, AdamW: ``max_exp_avg_sq``) and
 ``centered=True`` (RMSprop: ``grad_avg``), at 32 bits against torch.optim, at 8 bits within the
-quantization bounds, and across state dicts. Before they were implemented these options raised."""
+quantization bounds. Before they were implemented these options raised. Their state dicts (torch.optim's,
+and lowbit's written before the options existed) are tests/conformance/test_checkpoints.py's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from lowbit import _ops
 from lowbit.optim.optimizer import RULE_CODES
 from lowbit.optim.state_storage import state_map
 from tests.blocks import adjacent_code_ratio, two_gradient_block
-from tests.test_optim import DEFAULT_BOUNDS, _relative, _resynced_step_error
+from tests.test_optim import DEFAULT_BOUNDS, _resynced_step_error
 
 # (lowbit name, torch.optim class, hyperparameters)
 CASES = [
@@ -163,97 +164,3 @@ def test_8bit_amsgrad_step_is_never_larger_than_adams(seed, scale):
         moved.append((q[0] - p).abs())
     assert bool((moved[1] <= moved[0]).all())
     assert bool((moved[1] < moved[0]).any())  # the maximum is in play
-
-
-TWINS = [
-    (torch.optim.Adam, "Adam", dict(lr=1e-2, amsgrad=True)),
-    (torch.optim.AdamW, "AdamW", dict(lr=1e-2, weight_decay=0.1, amsgrad=True)),
-    (torch.optim.RMSprop, "RMSprop", dict(lr=1e-3, centered=True)),
-    (torch.optim.RMSprop, "RMSprop", dict(lr=1e-3, centered=True, momentum=0.9)),
-]
-
-
-@pytest.mark.parametrize("bits", [8, 32])
-@pytest.mark.parametrize(("tcls", "name", "kw"), TWINS, ids=[f"{t[1]}-{i}" for i, t in enumerate(TWINS)])
-def test_torch_state_dict_loads_into_the_lowbit_twin(tcls, name, kw, bits):
-    # As tests/conformance/test_checkpoints.py, with the extra states: torch's max_exp_avg_sq and
-    # grad_avg are loaded under their names and stepped from.
-    n = 5000
-    gen = torch.Generator().manual_seed(0)
-    p = nn.Parameter(torch.randn(n, generator=gen))
-    ref = tcls([p], foreach=False, **kw)
-    for step in range(6):
-        p.grad = _grad(gen, n, step)
-        ref.step()
-    q = nn.Parameter(p.detach().clone())
-    opt = getattr(O, f"{name}{bits}bit")([q], **{k: v for k, v in kw.items() if k not in ("amsgrad", "centered")})
-    opt.load_state_dict(ref.state_dict())
-    assert opt.param_groups[0].get("amsgrad", False) == kw.get("amsgrad", False)
-    assert opt.param_groups[0].get("centered", False) == kw.get("centered", False)
-    assert (opt.state[q]["state3"].dtype == torch.uint8) == (bits == 8)
-    before = p.detach().clone()
-    p.grad = q.grad = _grad(gen, n, 6)
-    ref.step()
-    opt.step()
-    if bits == 32:
-        torch.testing.assert_close(q.detach(), p.detach(), rtol=1e-5, atol=1e-6)
-    else:
-        assert _relative(q.detach() - before, p.detach() - before) < DEFAULT_BOUNDS[0]
-    # And back: lowbit's state in torch's layout loads into torch.optim and steps as lowbit does.
-    twin = nn.Parameter(q.detach().clone())
-    back = tcls([twin], foreach=False, **kw)
-    back.load_state_dict({"state": {0: opt.dequantized_state(q)}, "param_groups": ref.state_dict()["param_groups"]})
-    mine = getattr(O, f"{name}32bit")([nn.Parameter(q.detach().clone())], **kw)
-    mine.load_state_dict(back.state_dict())
-    twin.grad = _grad(gen, n, 7)
-    (r,) = mine.param_groups[0]["params"]
-    r.grad = twin.grad.clone()
-    back.step()
-    mine.step()
-    torch.testing.assert_close(r.detach(), twin.detach(), rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("bits", [8, 32])
-@pytest.mark.parametrize(
-    ("name", "kw", "extra"),
-    [("Adam", dict(amsgrad=True), "max_exp_avg_sq"), ("RMSprop", dict(centered=True), "grad_avg")],
-)
-def test_lowbit_state_dicts_round_trip_and_old_ones_load(name, kw, extra, bits):
-    n = 5000
-    gen = torch.Generator().manual_seed(1)
-    p = nn.Parameter(torch.randn(n, generator=gen))
-    opt = getattr(O, f"{name}{bits}bit")([p], lr=1e-3, **kw)
-    for step in range(3):
-        p.grad = _grad(gen, n, step)
-        opt.step()
-    saved = opt.state_dict()
-    assert "state3" in saved["state"][0]
-    # A lowbit state dict round-trips bit for bit.
-    q = nn.Parameter(p.detach().clone())
-    other = getattr(O, f"{name}{bits}bit")([q], lr=1e-3, **kw)
-    other.load_state_dict(saved)
-    grad = _grad(gen, n, 3)
-    p.grad, q.grad = grad.clone(), grad.clone()
-    opt.step()
-    other.step()
-    assert torch.equal(p.detach(), q.detach())
-    # A state dict written before these options existed (no option in its group, no extra state)
-    # loads into an optimizer that has the option on: the extra state starts at zero, as torch's.
-    old = getattr(O, f"{name}{bits}bit")([nn.Parameter(p.detach().clone())], lr=1e-3)
-    p.grad = _grad(gen, n, 4)
-    (o,) = old.param_groups[0]["params"]
-    o.grad = p.grad.clone()
-    old.step()
-    legacy = old.state_dict()
-    for group in legacy["param_groups"]:
-        group.pop("amsgrad", None)
-        group.pop("centered", None)
-    assert "state3" not in legacy["state"][0]
-    fresh = nn.Parameter(o.detach().clone())
-    new = getattr(O, f"{name}{bits}bit")([fresh], lr=1e-3, **kw)
-    new.load_state_dict(legacy)
-    assert not bool(new.dequantized_state(fresh)[extra].any())
-    fresh.grad = _grad(gen, n, 5)
-    new.step()
-    assert new.state[fresh]["state3"].dtype == (torch.uint8 if bits == 8 else torch.float32)
-    assert bool(torch.isfinite(fresh.detach()).all())
