@@ -44,7 +44,8 @@ def test_forward_matches_reference():
     emb = StableEmbedding(50, 16, padding_idx=3)
     randomize_norm(emb)
     x = ids(50)
-    torch.testing.assert_close(emb(x), reference(emb, x, torch.float32))
+    # The module runs the reference's own fp32 ops (F.embedding, then F.layer_norm): bit-identical.
+    torch.testing.assert_close(emb(x), reference(emb, x, torch.float32), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -73,7 +74,8 @@ def test_backward_matches_reference():
     ref = torch.autograd.grad((reference(emb, x, torch.float32) * g).sum(), params)
     for got, want in zip(grads, ref, strict=True):
         assert got is not None and torch.isfinite(got).all()
-        torch.testing.assert_close(got, want)
+        # The same fp32 ops as the forward's reference, differentiated by the same autograd: bit-identical.
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert emb.norm.weight.grad.abs().sum() > 0 and emb.norm.bias.grad.abs().sum() > 0
 
 
@@ -89,7 +91,8 @@ def test_padding_row_is_zero_and_gets_no_gradient(cls):
     assert torch.equal(emb.weight.grad[5], torch.zeros(8))
     assert emb.weight.grad[1].abs().sum() > 0
     if cls is StableEmbedding:  # LayerNorm(0) is the bias, not zero
-        torch.testing.assert_close(out[0, 0], emb.norm.bias.detach())
+        # (0 - mean 0) * rstd * weight + bias is the bias exactly.
+        torch.testing.assert_close(out[0, 0], emb.norm.bias.detach(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -145,6 +148,8 @@ def test_max_norm_renormalizes_looked_up_rows(cls):
     x = ids(40)
     emb(x)
     norms = emb.weight.detach()[x.unique()].norm(dim=-1)
+    # torch's renorm scales a row by max_norm / (norm + 1e-7), at or below max_norm; recomputing the norm
+    # of 16 fp32 elements adds at most ~16 x 2^-24 = 1e-6 relative, bound 1e-5.
     assert norms.max() <= 0.1 * (1 + 1e-5)
 
 
@@ -248,6 +253,8 @@ def test_cuda(dtype):
     x = ids(256).cuda()
     out = emb(x)
     assert out.dtype == dtype
+    # fp32: CUDA's fp32 layer norm of 32 elements against fp64, torch's fp32 default rtol (11 x 2^-24); bf16:
+    # one rounding to bf16 (half an ulp, 2^-8), as test_low_precision_forward_is_fp32_layer_norm_rounded_once.
     rtol = 1.3e-6 if dtype == torch.float32 else 2.0**-8
     torch.testing.assert_close(out.double(), reference(emb, x), rtol=rtol, atol=1e-5)
     emb.zero_grad()
