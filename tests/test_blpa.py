@@ -71,9 +71,12 @@ def test_gradients(kind, bits, train):
     names = ["x"] + [n for n, _ in ours.named_parameters()]
     for name, a, b in zip(names, got, want, strict=True):
         if name.endswith("bn.bias") or name.endswith(("linear.bias", "conv.bias")):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # exact up to summation order
+            # Exact up to the fp32 summation order over the batch. Measured over seeds 0-49 x these 8
+            # configurations: at most 0.047 of rtol = atol = 1e-5 (bias) and 0.010 (eval input gradient), so
+            # 2e-6 leaves 4x and 20x (was 1e-5).
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
         elif name == "x" and not train:
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # eval: no variance term
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)  # eval: no variance term
         else:
             # The approximation: A1's code error is uniform on +-h/2 with h = 6 / 2**K (standard deviation
             # h / sqrt(12)); gradients that see it are off by about that much relative to their size. Measured:
@@ -94,13 +97,15 @@ def test_relu_mask_is_exact_at_zero_and_for_outliers():
     # The bias gradient (training mode) depends on the activations only through the ReLU mask.
     gb = torch.autograd.grad(ours(x), ours.bn.bias, g)[0]
     gb_ref = torch.autograd.grad(ref(x), ref[0].bias, g)[0]
+    # Summation order only: measured at most 0.125 of this allowance over seeds 0-49 (8x).
     torch.testing.assert_close(gb, gb_ref, rtol=1e-5, atol=1e-6)
     # In eval mode so does the input gradient (no variance term), for the zero and the outlier too.
     ours.eval()
     ref.eval()
     (gx,) = torch.autograd.grad(ours(x), x, g)
     (gx_ref,) = torch.autograd.grad(ref(x), x, g)
-    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
+    # Measured at most 0.019 of rtol=1e-5, atol=1e-6 over seeds 0-49; a fifth of it leaves 10x.
+    torch.testing.assert_close(gx, gx_ref, rtol=2e-6, atol=2e-7)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -137,6 +142,8 @@ def test_preactivation_resnet_trains_like_the_exact_one():
             loss.backward()
             opt.step()
         losses.append(loss.item())
+    # Measured 1.36% at these seeds (8-bit codes, 40 steps); with seeds 1-9 for weights and data the
+    # difference ranges 0.96-4.7%, so 2% holds for this seed, not in general.
     assert abs(losses[1] - losses[0]) <= 0.02 * losses[0], losses
 
 

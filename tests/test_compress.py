@@ -117,4 +117,7 @@ def test_hugging_face_models():
     before = gpt2(ids).last_hidden_state
     report = lnn.compress_activations(gpt2, method="invact", strict=False)
     assert len(report.replaced) == 2
-    torch.testing.assert_close(gpt2(ids).last_hidden_state, before, rtol=1e-5, atol=1e-5)
+    # GPT-2's Python tanh formula against torch's fused gelu(approximate="tanh"): a few fp32 ulps per activation,
+    # carried through two layers. Measured over torch seeds 0-19 for weights and ids: at most 3.6e-7 absolute,
+    # 0.017 of rtol = atol = 1e-5; 1e-6 leaves 6x (was 1e-5).
+    torch.testing.assert_close(gpt2(ids).last_hidden_state, before, rtol=1e-6, atol=1e-6)

@@ -32,8 +32,12 @@ def test_fsdp2_matches_one_process_on_the_full_batch(tmp_path, optimizer):
     # the gathered tensors. Without the all-reduce, LARS8bit's and LAMB8bit's losses drift by up to
     # 2.7e-2 and 1.1e-2 from one process's.
     assert len(fsdp["norms"]) > 0
+    # Both are fp32 square roots of the same sum of squares (at most 8,192 per tensor) in different orders:
+    # torch's pairwise reduction is within about log2(8192) * 2**-24 = 7.7e-7 relative, halved by the root,
+    # plus the all-reduce's rounding. Measured worst 2.1e-7 relative (30 norms each for LARS8bit, percentile
+    # clipping, LAMB8bit); 1e-6 leaves 5x (was 1e-5). 1e-7 absolute covers norms near zero.
     for ours, full in zip(fsdp["norms"], fsdp["full_norms"], strict=True):
-        assert abs(ours - full) <= 1e-5 * full + 1e-7
+        assert abs(ours - full) <= 1e-6 * full + 1e-7
     # The same states are 8-bit (decided by the global element count), including the position table,
     # whose 15 rows the two ranks hold as 8 + 7.
     assert fsdp["eight_bit_states"] == ref["eight_bit_states"]
@@ -64,7 +68,8 @@ def test_ddp_matches_one_process_on_the_full_batch(tmp_path, optimizer):
     ref = launch(1, {"parallel": "none", "optimizer": optimizer, "steps": STEPS}, tmp_path)
     ddp = launch(2, {"parallel": "ddp", "optimizer": optimizer, "steps": STEPS}, tmp_path)
     assert ddp["eight_bit_states"] == ref["eight_bit_states"] > 0
-    # Whole tensors on every rank: only the all-reduce's rounding differs (measured <= 1.1e-7).
+    # Whole tensors on every rank: only the all-reduce's rounding differs (measured 1.1e-7 / 5.5e-7 / 1.1e-7
+    # for Adam8bit / AdamW8bit / SGD8bit; 2e-6 leaves 3.6x).
     assert _relative(ref["losses"], ddp["losses"]) < 2e-6, (ref, ddp)
 
 
@@ -127,9 +132,10 @@ def test_lpmm_data_parallel_matches_one_process(tmp_path, optimizer, parallel):
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_compressed_activations_with_checkpointing(tmp_path, parallel):
     # Inverted activations inside activation-checkpointed blocks, under FSDP2 or DDP, against one
-    # process without either. Measured: 1.4e-5 (FSDP2, 8-bit state rounding as above), 8.5e-7 (DDP).
+    # process without either. Measured: 1.4e-5 (FSDP2, 8-bit state rounding as above; 2e-4 as above),
+    # 8.5e-7 and 1.9e-7 (DDP: all-reduce rounding only; 2e-6 as in the DDP test, was 2e-4).
     job = {"optimizer": "Adam8bit", "steps": STEPS, "compress": True}
     ref = launch(1, {**job, "parallel": "none"}, tmp_path)
     run = launch(2, {**job, "parallel": parallel, "checkpoint": True}, tmp_path)
     assert run["in_sync"] is (None if parallel == "fsdp" else True)
-    assert _relative(ref["losses"], run["losses"]) < 2e-4, (ref, run)
+    assert _relative(ref["losses"], run["losses"]) < (2e-4 if parallel == "fsdp" else 2e-6), (ref, run)

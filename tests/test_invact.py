@@ -78,7 +78,9 @@ def test_special_outputs():
             got = ops.invact_grad(torch.ones(16), y, bits, tab.coeffs, tab.params)
         finally:
             lowbit._C._set_cpu_avx512(True)
-        assert torch.isnan(got[0]) and got[1].item() == 1.0 and got[2].item() == 0.0 and abs(got[3].item()) < 1e-6
+        # y = -1e-30 is far below half an ulp of -f(T) (~0.17), so y - f(T) rounds as for y = 0 and takes the
+        # same limit exactly (measured 0.0 on both paths; was |got| < 1e-6).
+        assert torch.isnan(got[0]) and got[1].item() == 1.0 and got[2].item() == 0.0 and got[3].item() == 0.0
 
 
 @given(n=st.integers(0, 3000), seed=st.integers(0, 2**31 - 1), name=st.sampled_from(invact.ACTIVATIONS))
@@ -90,7 +92,10 @@ def test_grad_is_close_to_the_exact_derivative(n, seed, name):
     bits = _ops.fewbit_encode(x, tab.threshold_tensor, 1)
     got = ops.invact_grad(g, y, bits, tab.coeffs, tab.params).double()
     want = g.double() * fewbit.derivative(name)(x.double())
-    assert torch.all((got - want).abs() <= LAYER_LINF_BOUND * g.abs().double() + 1e-6)
+    # The slope is within LAYER_LINF_BOUND of f'(x), and the fp32 product g * slope adds 2**-24 relative, far
+    # inside that, so no absolute term is needed. Measured over seeds 0-199 x 4 activations, n = 3000: worst
+    # |got - want| / |g| 1.4e-4 (bound 5.2e-4), never above the bound (was + 1e-6 absolute).
+    assert torch.all((got - want).abs() <= LAYER_LINF_BOUND * g.abs().double())
 
 
 @pytest.mark.parametrize("name", invact.ACTIVATIONS)

@@ -146,11 +146,15 @@ def test_transformer_layer_trains_converted():
     ref.load_state_dict(lpmm.export_float(layer))
     x = torch.randn(3, 5, 32)
     out, want = layer(x), ref(x)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    # The same torch ops on the same fp32 values (the dequantized weights are the reference's): bit-identical
+    # (measured 0 difference over torch seeds 0-49; was rtol = atol = 1e-5).
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
     out.square().mean().backward()
     want.square().mean().backward()
     got = layer.self_attn.in_proj_weight.grad
     ref_grad = ref.self_attn.in_proj_weight.grad
+    # One round-to-nearest into the 16-bit accumulator: half a step of the group absmax (<= the tensor's),
+    # absmax / 32767 / 2. Measured worst 0.50004 steps over torch seeds 0-49; 2 steps leaves 4x.
     assert torch.allclose(got, ref_grad, rtol=0, atol=2 * float(ref_grad.abs().max()) / 32767)
     assert layer.self_attn.out_proj.weight.grad is not None
 
@@ -182,7 +186,9 @@ def test_half_precision_compute(device, dtype):
         opt.step()
         losses.append(loss.item())
     assert model(x.to(dtype)).dtype == dtype
-    assert losses[-1] < 0.5 * losses[0]
+    # Half-precision compute still trains: measured final / first loss 0.0022 (bf16 and fp16, CPU, torch seeds
+    # 1000-1019, all alike); 0.02 leaves 9x (was 0.5).
+    assert losses[-1] < 0.02 * losses[0]
 
 
 # -- optimizers --------------------------------------------------------------------------------------
@@ -208,7 +214,8 @@ def test_lpmm_sgd_at_16_bits_tracks_torch_sgd(nesterov):
     kw = dict(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=nesterov)
     got = _train(model, LPMMSGD(model.parameters(), momentum_bits=8, **kw), 40)
     want = _train(ref, torch.optim.SGD(ref.parameters(), **kw), 40)
-    # 16-bit parameters and gradients, 8-bit momentum: the loss curves agree to about 1%.
+    # 16-bit parameters and gradients, 8-bit momentum: the loss curves agree to about 1%. Measured worst
+    # 0.94% (0.73% Nesterov) over the stochastic-rounding draws of torch seeds 1000-1019; 2% leaves 2x.
     assert max(abs(a - b) / b for a, b in zip(got, want, strict=True)) < 0.02
 
 
@@ -218,6 +225,7 @@ def test_lpmm_adamw_at_16_bits_tracks_torch_adamw():
     ref.load_state_dict(lpmm.export_float(model))
     got = _train(model, LPMMAdamW(model.parameters(), lr=1e-2, weight_decay=0.1), 40)
     want = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1), 40)
+    # Measured worst 0.42% over the rounding draws of torch seeds 1000-1019; 3% leaves 7x.
     assert max(abs(a - b) / b for a, b in zip(got, want, strict=True)) < 0.03
 
 
@@ -294,7 +302,7 @@ def test_memory_report_at_12_8_8_is_under_3_6_bytes_per_parameter():
     assert report.params == sum(
         lp.codes.numel() + 4 * lp.absmax.numel() for lp in lpmm.low_precision_parameters(model).values()
     )
-    assert report.bytes_per_param <= 3.6
+    assert report.bytes_per_param <= 3.6  # 3.5 + 12 / 2048 + a few step counts: 3.506
     baseline = make()
     base_opt = torch.optim.SGD(baseline.parameters(), lr=0.01, momentum=0.9)
     baseline(x).square().mean().backward()
@@ -348,14 +356,17 @@ def test_export_float_loads_into_the_original_and_a_float_dict_into_a_converted_
     assert set(exported) == set(ref.state_dict())
     ref.load_state_dict(exported)
     x, _ = _batch()
-    torch.testing.assert_close(ref(x), model(x), rtol=1e-6, atol=1e-6)
+    # The exported tensors are the dequantized values the converted model computes with, so the outputs are
+    # bit-identical (measured 0 difference over torch seeds 0-49; was rtol = atol = 1e-6).
+    torch.testing.assert_close(ref(x), model(x), rtol=0, atol=0)
     fresh = lpmm.convert(_mlp(seed=3), param_bits=8, group_size=64)
     fresh.load_state_dict(exported)
-    # Values on the grid re-encode to the same codes.
+    # Values on the grid re-encode to the same codes and absmax, so they decode to the same values
+    # (measured 0 difference over torch seeds 0-49; was atol = absmax * 1e-6).
     for a, b in zip(
         lpmm.low_precision_parameters(model).values(), lpmm.low_precision_parameters(fresh).values(), strict=True
     ):
-        torch.testing.assert_close(a.dequantize(), b.dequantize(), rtol=0, atol=float(a.absmax.max()) * 1e-6)
+        torch.testing.assert_close(a.dequantize(), b.dequantize(), rtol=0, atol=0)
     with pytest.raises(RuntimeError, match=r"Unexpected key\(s\) in state_dict: \"0.weight\""):
         fresh.load_state_dict({**exported, "0.weight": torch.zeros(3, 3)})
 
