@@ -48,6 +48,8 @@ def test_fsdp2_matches_one_process_on_the_full_batch(tmp_path, optimizer):
     # (AdamW8bit), 5.8e-6 (SGD8bit), 2.2e-7 (AdamW32bit), 4.6e-7 (LARS8bit), 1.0e-5 (percentile
     # clipping), 7.2e-6 (LAMB8bit) relative; 2e-4 allows 10x that.
     assert _relative(ref["losses"], fsdp["losses"]) < 2e-4, (ref, fsdp)
+    # The run makes progress: one process's last loss over its first, measured 0.69 (LAMB8bit) to 0.79
+    # (SGD8bit) over these 8 steps; 0.85 lies between that and no progress (1).
     assert fsdp["losses"][-1] < 0.85 * fsdp["losses"][0]
 
 
@@ -118,6 +120,7 @@ def test_lpmm_data_parallel_matches_one_process(tmp_path, optimizer, parallel):
     # differs from one process by rounding: measured over 8 steps 1.5e-4 (LPMMSGD) and 1.8e-4
     # (LPMMAdamW) under FSDP2, 1.4e-4 (DDP, none) relative; 1e-3 allows 5x that.
     assert _relative(ref["losses"], run["losses"]) < 1e-3, (ref, run)
+    # Progress, as above: one process's last loss over its first, measured 0.78 (LPMMAdamW) and 0.79 (LPMMSGD).
     assert run["losses"][-1] < 0.85 * run["losses"][0]
     assert run["eight_bit_states"] == ref["eight_bit_states"] > 0
     if parallel == "fsdp":

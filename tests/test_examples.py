@@ -25,6 +25,8 @@ def test_quantize_state_dict_shrinks_weights_about_fourfold():
     out = run("quantize_state_dict.py", "--bits", "8")
     fp32, packed = (int(v.replace(",", "")) for v in re.findall(r"([\d,]+) bytes", out))
     assert 3.8 < fp32 / packed < 4.0  # 1 byte per weight plus one fp32 absmax per 256
+    # Half the largest gap of the 8-bit dynamic map is 1.05% of a block's absmax per weight; measured 0.97%
+    # relative change of the example's output (python examples/quantize_state_dict.py --bits 8).
     assert float(re.search(r"relative output change: (\S+)", out).group(1)) < 0.02
 
 
@@ -71,6 +73,8 @@ def test_hf_trainer_compressed_keeps_logits_and_trains():
     out = run("hf_trainer_compressed.py", "--steps", "8")
     assert "logits unchanged: True" in out, out
     ratio = float(re.search(r"bytes \((\S+)x\)", out).group(1))
+    # Measured 0.888x (python examples/hf_trainer_compressed.py --steps 8): the compressed activations are a
+    # part of what the model saves, so the bound asks for a saving, at least 5%, not a size.
     assert ratio < 0.95, out
     first, last = map(float, re.search(r"AdamW8bit: loss (\S+) -> (\S+)", out).groups())
     assert last < first, out
@@ -81,6 +85,9 @@ def test_blpa_resnet_digits_saves_less_and_learns():
     rows = re.findall(r"saved for backward\s+([\d,]+) bytes.*?test accuracy (\S+)%", out)
     assert len(rows) == 2, out
     (exact_bytes, exact_acc), (approx_bytes, approx_acc) = ((int(b.replace(",", "")), float(a)) for b, a in rows)
+    # 4-bit codes in place of fp32 activations: 1/8 of the bytes plus the exact ReLU masks and statistics;
+    # measured 1,369,216 / 8,253,184 = 0.17, and test accuracies 91.4% (torch) and 90.6% (BLPA) after 3 epochs
+    # (python examples/blpa_resnet_digits.py --epochs 3). 80% is far above chance (10%) and below both.
     assert approx_bytes < 0.25 * exact_bytes, out
     assert approx_acc > 80 and exact_acc > 80, out
 

@@ -449,6 +449,7 @@ def test_digits_mlp_at_12_8_8_matches_fp32_sgdm():
     for seed in range(2):
         fp32 = ex.fit(ex.mlp, None, lr=0.05, epochs=20, seed=seed)
         low = ex.fit(ex.mlp, (12, 8, "stochastic"), lr=0.05, epochs=20, seed=seed)
+        # The README's digits table: fp32 SGDM reaches 96.9-97.2% on seeds 0-2; 95% says it learned the task.
         assert fp32[0] > 0.95
         # The bound: within 1 percentage point (measured: equal accuracy on seeds 0-2).
         assert abs(low[0] - fp32[0]) <= 0.01, (seed, low, fp32)
@@ -469,7 +470,7 @@ def test_digits_8bit_parameters_stochastic_rounding_and_micro_batching_close_the
     fp32, fp32_8 = loss(None), loss(None, 8)
     nearest_1, nearest_8 = loss((8, 8, "nearest")), loss((8, 8, "nearest"), 8)
     stochastic_1, stochastic_8 = loss((8, 8, "stochastic")), loss((8, 8, "stochastic"), 8)
-    assert nearest_1 > fp32 * 1.25  # stalled
+    assert nearest_1 > fp32 * 1.25  # stalled: measured 1.6436 / 1.2007 = 1.37, where stochastic gives 1.003
     assert nearest_8 < nearest_1 - 0.5 * (nearest_1 - fp32)  # micro-batching closes most of the gap
     assert abs(stochastic_1 - fp32) < 0.02 * fp32
     assert abs(stochastic_8 - fp32_8) < 0.02 * fp32_8
