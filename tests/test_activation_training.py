@@ -58,9 +58,13 @@ def _train(method: str, act: str, seed: int = 0) -> float:
 @pytest.mark.parametrize("method", ["fewbit", "invact"])
 def test_final_loss_within_one_percent_of_exact(method, act):
     # Measured, seeds 0/1/2 (exact loss ~1.38-1.47): 3-bit few-bit GELU +0.14/+0.19/+0.12%, SiLU
-    # +0.38/+0.47/+0.38%; InvAct within 1e-6 relative. 1% is the bound. (On a regression task
-    # driven to a loss near zero, 3-bit few-bit ended 1.0-2.6% above exact: relative differences of a
-    # vanishing loss are large.)
+    # +0.38/+0.47/+0.38%; InvAct within 1e-6 relative. 1% is the bound for few-bit, about twice its
+    # worst. InvAct's backward differs from the exact derivative only by its slope error, about 1e-4 of the
+    # gradient at worst and only near the activation's minimum (README, Numerics), so its loss is held to
+    # 1e-4 relative: 100x the measured difference, 100x below few-bit's bound.
+    # (On a regression task driven to a loss near zero, 3-bit few-bit ended 1.0-2.6% above exact: relative
+    # differences of a vanishing loss are large.)
     exact = _train("exact", act)
     got = _train(method, act)
-    assert abs(got - exact) <= 0.01 * exact, (got, exact)
+    bound = 1e-4 if method == "invact" else 0.01
+    assert abs(got - exact) <= bound * exact, (got, exact)
