@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_session.sh build      # venv over the machine's torch, lowbit built with LOWBIT_CUDA=ON
 #   bash benchmarks/gpu_session.sh test       # the full test suite, CUDA tests included (extra args go to pytest)
 #   bash benchmarks/gpu_session.sh sanitize   # compute-sanitizer memcheck, then racecheck and synccheck, on tests/test_cuda.py
+#   bash benchmarks/gpu_session.sh demo       # python -m lowbit (self-check) and the demo with --device cuda
 #   bash benchmarks/gpu_session.sh bench      # benchmarks/bench_gpu.py at full size
 #   bash benchmarks/gpu_session.sh profile    # Nsight Compute on benchmarks/profile_gpu_kernels.py
 #   bash benchmarks/gpu_session.sh resources  # nvcc -Xptxas -v for the device's architecture (no GPU needed)
@@ -12,7 +13,8 @@
 #   bash benchmarks/gpu_session.sh device     # the stages in one device command, inside a time budget
 #
 # `device` is the one-call check: build (or LOWBIT_PREBUILT=1: the lowbit/_C module carried along), the
-# CUDA tests of the suite (`-k cuda`), compute-sanitizer memcheck, the benchmarks, the profile, then racecheck
+# CUDA tests of the suite (`-k cuda`), compute-sanitizer memcheck, the self-check and the demo on CUDA, the
+# benchmarks, the profile, then racecheck
 # and synccheck with the time left, the resource report alongside and RESULTS.md. Every stage's limit is
 # clamped to a deadline LOWBIT_GPU_BUDGET_S seconds (default 450) after it starts, so the command ends
 # with its report inside the device tool's 10 minutes; a stage cut short records status 124. It packs
@@ -202,6 +204,27 @@ stage_sanitize() {
   to_out "$logs/sanitize-memcheck.log" "$logs/sanitize-racecheck.log" "$logs/sanitize-synccheck.log" "$logs/sanitize.md"
 }
 
+# `python -m lowbit` (the build, the devices and its CUDA self-check) and the demo on the device: every config
+# trains from the same weights and batches, so its table says whether CUDA training matches the CPU's figures.
+stage_demo() {
+  local status=0 device=cuda steps=300
+  if ((dry_run)); then device=cpu steps=2; fi
+  run_logged selfcheck 120 "$py" -m lowbit || status=$?
+  run_logged demo "${limit_demo:-300}" "$py" -m lowbit demo --device "$device" --steps "$steps" --out "$work/demo" ||
+    status=$?
+  ((status == 0)) || failures=$((failures + 1))
+  {
+    echo "## python -m lowbit and the demo on the device (exit status $status)"
+    echo
+    echo '```'
+    cat "$logs/selfcheck.log"
+    echo
+    grep -v "it/s\|s/it" "$logs/demo.log" || true
+    echo '```'
+  } >"$logs/demo.md"
+  to_out "$logs/selfcheck.log" "$logs/demo.log" "$logs/demo.md"
+}
+
 stage_bench() {
   local status=0
   local -a mode=()
@@ -298,7 +321,7 @@ stage_report() {
     if [[ -f "$logs/commands.tsv" ]]; then
       awk -F'\t' '{gsub(/\|/, "/", $2); printf "| %s | `%s` | %s | %s |\n", $1, $2, $3, $4}' "$logs/commands.tsv"
     fi
-    for part in build test sanitize bench profile resources; do
+    for part in build test sanitize demo bench profile resources; do
       if [[ -f "$logs/$part.md" ]]; then
         echo
         cat "$logs/$part.md"
@@ -314,13 +337,15 @@ stage_device() {
   local -a parallel=()
   deadline=$(($(date +%s) + ${LOWBIT_GPU_BUDGET_S:-450}))
   pack_outputs=1
-  limit_build=240 limit_test=150 limit_memcheck=120 limit_bench=150 limit_profile=90 limit_sanitize_other=60
+  limit_build=240 limit_test=150 limit_memcheck=120 limit_demo=90 limit_bench=150 limit_profile=90
+  limit_sanitize_other=60
   # pytest-xdist spreads the tests over the device machine's cores; the dry run's venv may lack it.
   if ((!dry_run)); then parallel=(-n 8); fi
   stage_build
   stage_resources &
   stage_test -k cuda --ignore=tests/test_cuda_emulation.py --continue-on-collection-errors "${parallel[@]}"
   stage_sanitize memcheck
+  stage_demo
   stage_bench
   stage_profile
   stage_sanitize racecheck synccheck
@@ -334,12 +359,12 @@ stage_device() {
 }
 
 case "$stage" in
-  build | test | sanitize | bench | profile | resources | report | device) "stage_$stage" "$@" ;;
+  build | test | sanitize | demo | bench | profile | resources | report | device) "stage_$stage" "$@" ;;
   all)
-    for s in build test sanitize bench profile resources report; do "stage_$s"; done
+    for s in build test sanitize demo bench profile resources report; do "stage_$s"; done
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh [--cpu-dry-run] [build|test|sanitize|bench|profile|resources|report|all|device]" >&2
+    echo "usage: bash benchmarks/gpu_session.sh [--cpu-dry-run] [build|test|sanitize|demo|bench|profile|resources|report|all|device]" >&2
     exit 2
     ;;
 esac
