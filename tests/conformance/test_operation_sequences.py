@@ -481,4 +481,7 @@ def test_first_moment_with_a_small_beta1_is_torchs_lerp(case):
         p.grad, q.grad = torch.tensor(g), torch.tensor(g)
         opt.step()
         ref.step()
+    # Two steps of the same fp32 formula, rounded in another order: a few ulps (2^-24 each) of the moment,
+    # under tests/test_optim.py::test_fp32_states_match_torch's 1e-5; the cancellation this guards against
+    # would leave 0 where torch has 1.
     torch.testing.assert_close(opt.dequantized_state(p)["exp_avg"], ref.state[q]["exp_avg"], rtol=1e-5, atol=1e-5)
