@@ -92,6 +92,9 @@ def test_gradients_flow_through_a_model_under_torch_compile():
     got = compiled(x).square().sum()
     got.backward()
     assert torch.equal(got, eager)
+    # The loss is bit-identical; the parameter gradients go through aot_eager's own decomposition of the
+    # Linear backward, so they may differ by fp32 rounding of a few sums: torch's default fp32 tolerance
+    # (rtol 1.3e-6, about 11 ulps; atol 1e-5).
     for p, w in zip(model.parameters(), want, strict=True):
         torch.testing.assert_close(p.grad, w)
 
