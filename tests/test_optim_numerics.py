@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import lowbit.optim as O
+from lowbit import _reference as R
 from lowbit.functional import create_dynamic_map
 from lowbit.optim.state_storage import state_map
 from tests.blocks import adjacent_code_ratio, two_gradient_block
@@ -203,14 +204,11 @@ def _bnb_cell(bench, run, name: str, args: argparse.Namespace):
 
 
 def _round_to_map(x: torch.Tensor, signed: bool, block: int) -> torch.Tensor:
-    """``x`` rounded to nearest on the 8-bit state map scaled by each block's absmax (torch only)."""
+    """``x`` rounded to nearest on the 8-bit state map scaled by each block's absmax, through the pure-PyTorch
+    twin of the block-wise quantizer."""
     code = state_map(signed, x.device)
-    flat = x.reshape(-1)
-    rows = torch.cat([flat, flat.new_zeros(-flat.numel() % block)]).view(-1, block)
-    absmax = rows.abs().amax(1, keepdim=True)
-    scaled = rows / torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    rounded = code[torch.bucketize(scaled, (code[1:] + code[:-1]) / 2)] * absmax
-    return rounded.reshape(-1)[: flat.numel()].view_as(x)
+    packed, absmax = R.quantize_blockwise(x, code, 8, block, False, 0, 0)
+    return R.dequantize_blockwise(packed, absmax, code, 8, block, x.numel(), torch.float32).view_as(x)
 
 
 def _rounded_twin_run(bench, run, column, seed: int, block: int, min_8bit_size: int):
