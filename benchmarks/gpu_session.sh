@@ -14,15 +14,16 @@
 #
 # `device` is the one-call check: build (or LOWBIT_PREBUILT=1: the lowbit/_C module carried along), the
 # CUDA tests of the suite (`-k cuda`), compute-sanitizer memcheck, the self-check and the demo on CUDA, the
-# benchmarks, the profile, then racecheck
-# and synccheck with the time left, the resource report alongside and RESULTS.md. Every stage's limit is
-# clamped to a deadline LOWBIT_GPU_BUDGET_S seconds (default 450) after it starts, so the command ends
-# with its report inside the device tool's 10 minutes; a stage cut short records status 124. It packs
-# the logs into $OUT/gpu-session-logs.tar.gz beside RESULTS.md and bench_gpu.json.
+# benchmarks, the profile, then racecheck and synccheck with the time left, the resource report alongside
+# and RESULTS.md. Every stage's limit is clamped to a deadline LOWBIT_GPU_BUDGET_S seconds (default 450)
+# after it starts, so the command ends with its report inside the device tool's 10 minutes; a stage cut
+# short records status 124. It packs the logs into $OUT/gpu-session-logs.tar.gz beside RESULTS.md and
+# bench_gpu.json.
 #
-# Otherwise run each stage as its own command, in this order, while the machine stays warm (build outputs and logs under build/gpu-session/ persist
-# between calls on a warm machine; on a fresh one, run `build` again). Each stage stays inside that
-# limit: the long ones run under `timeout` and record a timeout as their result. When $OUT is set,
+# Otherwise run each stage as its own command, in this order, while the machine stays warm (build outputs
+# and logs under build/gpu-session/ persist between calls on a warm machine; on a fresh one, run `build`
+# again). Each stage stays inside that limit: the long ones run under `timeout` and record a timeout as
+# their result. When $OUT is set,
 # each stage copies its log and Markdown there (at most 8 files per command come back), `report`
 # copies RESULTS.md. Nothing is fetched from the internet: the venv uses the machine's torch, and
 # packages it lacks can be carried as wheels (.whl/, see the device README).

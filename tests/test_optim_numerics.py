@@ -211,6 +211,27 @@ def _round_to_map(x: torch.Tensor, signed: bool, block: int) -> torch.Tensor:
     return R.dequantize_blockwise(packed, absmax, code, 8, block, x.numel(), torch.float32).view_as(x)
 
 
+def _round_state_(state: dict[str, torch.Tensor], block: int) -> None:
+    """Rounds a torch-layout optimizer state in place to nearest on the 8-bit maps: second moments as their
+    roots on the zero-free unsigned map, the other states on the signed map."""
+    for key, value in state.items():
+        if key == "exp_avg_sq":
+            value.copy_(_round_to_map(value.sqrt(), False, block).square())
+        elif key != "step":
+            value.copy_(_round_to_map(value, True, block))
+
+
+def _train_rounding_states(run, model: nn.Module, opt, batches, round_param) -> None:
+    """Trains ``model`` with ``opt`` on ``batches``, calling ``round_param(p)`` for every parameter after
+    every step."""
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        run.backward(model, batch)
+        opt.step()
+        for p in model.parameters():
+            round_param(p)
+
+
 def _rounded_twin_run(bench, run, column, seed: int, block: int, min_8bit_size: int):
     """(max, mean) |p - reference| of ``column``'s fp32 reference optimizer whose states of tensors of at
     least ``min_8bit_size`` elements are rounded to the 8-bit maps after every step, against the plain
@@ -220,20 +241,14 @@ def _rounded_twin_run(bench, run, column, seed: int, block: int, min_8bit_size: 
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     bench.train(ref, column.make_reference(list(ref.parameters()), dict(column.hyper)), batches, run.backward)
     opt = column.make_reference(list(model.parameters()), dict(column.hyper))
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        run.backward(model, batch)
-        opt.step()
-        for p in model.parameters():
-            if p.numel() < min_8bit_size:
-                continue
+
+    def round_param(p: nn.Parameter) -> None:
+        if p.numel() >= min_8bit_size:
             state = opt.dequantized_state(p)
-            for key, value in state.items():
-                if key == "exp_avg_sq":  # stored as its root on the zero-free unsigned map
-                    state[key] = _round_to_map(value.sqrt(), False, block).square()
-                elif key != "step":
-                    state[key] = _round_to_map(value, True, block)
+            _round_state_(state, block)
             opt.load_dequantized_state(p, state)
+
+    _train_rounding_states(run, model, opt, batches, round_param)
     want = bench.params_of(ref)
     return (*bench.distance(bench.params_of(model), want), bench.movement(want, initial))
 
@@ -301,14 +316,7 @@ def test_lpmm_adamw_stays_near_torch(scenario):
     ref, model = copy.deepcopy(base), copy.deepcopy(base)
     bench.train(ref, torch.optim.AdamW(ref.parameters(), **bench.LPMM_HYPER, foreach=False), batches, run.backward)
     opt = torch.optim.AdamW(model.parameters(), **bench.LPMM_HYPER, foreach=False)
-    for batch in batches:
-        opt.zero_grad(set_to_none=True)
-        run.backward(model, batch)
-        opt.step()
-        for p in model.parameters():
-            state = opt.state[p]
-            state["exp_avg"].copy_(_round_to_map(state["exp_avg"], True, 2048))
-            state["exp_avg_sq"].copy_(_round_to_map(state["exp_avg_sq"].sqrt(), False, 2048).square())
+    _train_rounding_states(run, model, opt, batches, lambda p: _round_state_(opt.state[p], 2048))
     twin_mean = bench.distance(bench.params_of(model), bench.params_of(ref))[1]
     assert twin_mean > 0 and cell.mean_abs[0] <= twin_mean, (cell.mean_abs[0], twin_mean)
     for hi, moved in zip(cell.max_abs, cell.reference_moved, strict=True):
