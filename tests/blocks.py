@@ -19,6 +19,13 @@ def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(-1, block).amax(1).repeat_interleave(block)[:n]
 
 
+def half_code_gap(signed: bool) -> float:
+    """Half the largest gap between adjacent codes of an 8-bit state map (signed: first moments and momentum;
+    unsigned: second moments, stored as roots): the most nearest rounding moves a value normalised by its
+    block's absmax."""
+    return 0.5 * float(state_map(signed, torch.device("cpu")).diff().max())
+
+
 def two_gradient_block(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], steps: int = 2) -> torch.Tensor:
     """The parameter after ``steps`` steps of ``make([p])`` on a 4096-element p whose first gradient is
     10 and 1e-4 in one block (zeros elsewhere), then zeros: the zero-point case of 8-bit states."""

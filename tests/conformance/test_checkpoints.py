@@ -21,7 +21,7 @@ import lowbit.optim as O
 from lowbit import _ops
 from lowbit.functional import create_dynamic_map
 from lowbit.optim.state_storage import state_map
-from tests.blocks import block_absmax
+from tests.blocks import block_absmax, half_code_gap
 from tests.test_optim import DEFAULT_BOUNDS, _relative
 
 # One step from states that are an encode of torch's (as after every load here that converts a state):
@@ -53,21 +53,15 @@ def _grad(gen: torch.Generator, n: int, step: int) -> torch.Tensor:
     return scale * torch.randn(n, generator=gen) * (1 + 0.5 * torch.sin(torch.arange(n) / 50.0))
 
 
-def _half_gap(signed: bool) -> float:
-    """Half the largest gap between adjacent codes of a state map: the most nearest rounding moves a
-    normalised value."""
-    return 0.5 * float(state_map(signed, torch.device("cpu")).diff().max())
-
-
 def _assert_encoded(got: torch.Tensor, want: torch.Tensor, signed: bool, block: int) -> None:
     """``got`` is ``want`` encoded once in blocks of ``block`` and decoded: each element within half a code
     gap times its block's absmax (1e-6 relative for fp32 rounding). A second moment (unsigned) is stored
     as its root w: |w'^2 - w^2| <= |w' - w| (2 w + |w' - w|), with |w' - w| <= h * absmax(w)."""
     got, want = got.reshape(-1), want.reshape(-1)
     if signed:
-        bound = _half_gap(True) * block_absmax(want, block)
+        bound = half_code_gap(True) * block_absmax(want, block)
     else:
-        d = _half_gap(False) * block_absmax(want.sqrt(), block)
+        d = half_code_gap(False) * block_absmax(want.sqrt(), block)
         bound = d * (2 * want.sqrt() + d)
     err = (got - want).abs()
     assert bool((err <= bound * (1 + 1e-5) + 1e-6 * want.abs()).all()), float((err - bound).max())

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import lowbit.optim as O
-from lowbit.optim.state_storage import state_map
+from tests.blocks import half_code_gap
 from tests.test_optim import DEFAULT_BOUNDS, _grad, _relative
 
 
@@ -61,10 +61,6 @@ EIGHT_BIT = [
 # sequences are at most 14 steps long, and loading torch's state only re-syncs the states.
 DRIFT_BOUND = DEFAULT_BOUNDS[1]
 
-# Half the largest gap between adjacent codes of the signed map (first moments, momentum) and of the
-# unsigned one (second moments, stored as roots): nearest rounding moves a value normalised by its block's
-# absmax by at most this much.
-HALF_GAP = {signed: 0.5 * float(state_map(signed, torch.device("cpu")).diff().max()) for signed in (True, False)}
 # fp32 rounding around one encode: the normalisation x / absmax and the decode code * absmax each round
 # by at most 2^-24 relative, and the update that feeds the encoder by a few more ulps; 2^-20 of the block
 # absmax covers them with room to spare.
@@ -297,7 +293,7 @@ class Run:
         k = self.main._state_names.index(name)
         signed = self.main._state_signed[k]
         absmax = self.main.state[p][f"absmax{k + 1}"].repeat_interleave(self.block_size)[: p.numel()]
-        d = ((HALF_GAP[signed] + ENCODE_ROUNDING) * absmax).view(p.shape)
+        d = ((half_code_gap(signed) + ENCODE_ROUNDING) * absmax).view(p.shape)
         if signed:
             return d
         root = self.main.dequantized_state(p)[name].sqrt()
