@@ -151,7 +151,10 @@ def dequantize_linear(
     """Twin of ``lowbit::dequantize_linear``."""
     qmax = float(2 ** (bits - 1) - 1)
     codes = _load(packed, bits, numel).float()
-    return (((codes - qmax) / qmax) * _expand(absmax, numel, blocksize)).to(dtype)
+    # A tensor divisor, not a Python number: CUDA torch turns division by a scalar into multiplication by
+    # its reciprocal, one ulp away from blockwise.h's true division.
+    divisor = torch.full((), qmax, device=codes.device)
+    return (((codes - qmax) / divisor) * _expand(absmax, numel, blocksize)).to(dtype)
 
 
 def nearest_oracle(xn: Tensor, code: Tensor) -> Tensor:
