@@ -126,7 +126,7 @@ void check_n_states(int n_states) {
 }
 
 lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flags, int norm_mode, int n_states,
-                             int64_t block_size, uintptr_t map1, uintptr_t map2, uintptr_t map3, uintptr_t meta,
+                             int64_t block_size, int state_bits, uintptr_t map1, uintptr_t map2, uintptr_t map3, uintptr_t meta,
                              uintptr_t scalars, uintptr_t grad_scales, int64_t count, int64_t total_blocks,
                              uintptr_t norm_sums = 0, uintptr_t update_scales = 0, uintptr_t block_sums = 0,
                              uintptr_t tensor_scales = 0) {
@@ -137,6 +137,10 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
   check_n_states(n_states);
   if (norm_mode < lowbit::kNormNone || norm_mode > lowbit::kNormClip) {
     throw std::invalid_argument("lowbit: unknown norm mode " + std::to_string(norm_mode));
+  }
+  if (state_bits != 8 && state_bits != 4) {
+    throw std::invalid_argument("lowbit: optimizer states are 8-bit or 4-bit, got state_bits " +
+                                std::to_string(state_bits));
   }
   if (norm_mode != lowbit::kNormNone && update_scales == 0) {
     if (block_sums == 0 && total_blocks > 0) {
@@ -151,6 +155,7 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
       h,
       n_states,
       block_size,
+      state_bits,
       ptr<const float>(map1),
       ptr<const float>(map2),
       ptr<const float>(map3),

@@ -107,8 +107,10 @@ struct BlpaArgs {
 
 // One fused optimizer step over a list of tensors. Row t of `meta` (int64, kMetaCols columns)
 // describes tensor t; row t of `scalars` (float32, kScalarCols columns) holds its StepScalars.
-// States with state_bits == 8 are uint8 codes into map1/map2/map3 (signed/unsigned per rule and slot)
-// with one fp32 absmax per block of block_size elements; with state_bits == 32 they are fp32 tensors.
+// States with kStateBits == the call's state_bits (8 or 4) are codes into map1/map2/map3 (2^state_bits
+// entries each, signed/unsigned per rule and slot), one uint8 per code at 8 bits and two per byte at 4
+// (lowbit/pack.h, element 2i in the low nibble), with one fp32 absmax per block of block_size elements;
+// with kStateBits == 32 they are fp32 tensors.
 // kFirstBlock is the running count of blocks before tensor t; total_blocks is the count for all.
 enum MetaCol : int {
   kParam,
@@ -141,6 +143,7 @@ struct OptimArgs {
   StepHyper hyper;
   int n_states;
   int64_t block_size;
+  int state_bits;  // the width of the call's quantized states: 8 or 4
   const float* map1;
   const float* map2;
   const float* map3;

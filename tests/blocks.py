@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lowbit.optim.state_storage import state_map
+from lowbit.optim.state_storage import optimizer_state_map, state_map
 
 
 def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -19,11 +19,14 @@ def block_absmax(x: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(-1, block).amax(1).repeat_interleave(block)[:n]
 
 
-def half_code_gap(signed: bool) -> float:
-    """Half the largest gap between adjacent codes of an 8-bit state map (signed: first moments and momentum;
-    unsigned: second moments, stored as roots): the most nearest rounding moves a value normalised by its
-    block's absmax."""
-    return 0.5 * float(state_map(signed, torch.device("cpu")).diff().max())
+def half_code_gap(signed: bool, bits: int = 8) -> float:
+    """The most nearest rounding moves a value normalised by its block's absmax (in [-1, 1] signed, [0, 1]
+    unsigned) on a ``bits``-bit optimizer state map (signed: first moments and momentum; unsigned: second
+    moments, stored as roots): half the largest gap between adjacent codes, or the distance from an end of
+    the range to the map's nearest code where that is larger (the 4-bit root map's floor, 1/16)."""
+    code = optimizer_state_map(signed, torch.device("cpu"), bits).double()
+    low = -1.0 if signed else 0.0
+    return max(0.5 * float(code.diff().max()), float(code[0]) - low, 1.0 - float(code[-1]))
 
 
 def two_gradient_block(make: Callable[[list[nn.Parameter]], torch.optim.Optimizer], steps: int = 2) -> torch.Tensor:

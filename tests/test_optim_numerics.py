@@ -20,6 +20,8 @@ from torch import nn
 import lowbit.optim as O
 from lowbit import _reference as R
 from lowbit.functional import create_dynamic_map
+from lowbit.optim import optimizer as optimizer_module
+from lowbit.optim import state_storage
 from lowbit.optim.state_storage import state_map
 from tests.blocks import adjacent_code_ratio, two_gradient_block
 
@@ -48,6 +50,52 @@ def test_second_moment_map_has_no_zero(bits):
     assert float(code.min()) > 0 and float(code[0]) == float(plain[1])
     assert torch.equal(code[1:], plain[1:])
     assert bool((code[1:] >= code[:-1]).all())
+
+
+def _zero_point_run(monkeypatch: pytest.MonkeyPatch, root_map: torch.Tensor | None) -> torch.Tensor:
+    """p after two Adam4bit steps (lr 1e-3) from zero: g = 10 and 0.1 in one block of 128, then g = 0.
+    ``root_map`` replaces the 4-bit map of second-moment roots when given."""
+    if root_map is not None:
+        real = state_storage.optimizer_state_map
+
+        def patched(signed: bool, device: torch.device, width: int) -> torch.Tensor:
+            return root_map if width == 4 and not signed else real(signed, device, width)
+
+        monkeypatch.setattr(state_storage, "optimizer_state_map", patched)
+        monkeypatch.setattr(optimizer_module, "optimizer_state_map", patched)
+    p = nn.Parameter(torch.zeros(128))
+    opt = O.Adam4bit([p], lr=1e-3, min_4bit_size=0)
+    for scale in (1.0, 0.0):
+        g = torch.zeros(128)
+        g[0], g[1] = 10.0 * scale, 0.1 * scale
+        p.grad = g
+        opt.step()
+    return p.detach()
+
+
+def test_four_bit_second_moment_has_no_zero_point(monkeypatch):
+    # The paper's failure (Li, Chen, Zhu 2023, section 4.1) at 4 bits: element 1's first moment is 1e-2 of
+    # its block's, kept by the signed map's 0.0055 code, while the root of its second moment, also 1e-2 of
+    # the block's, rounds to 0 on a map that holds 0 (linspace(0, 1, 16): its smallest non-zero code is
+    # 1/15). Step 2 then moves it by lr * m_hat / eps: p[1] = -2.6e3, where torch ends at -1.7e-3.
+    ref = nn.Parameter(torch.zeros(128))
+    torch_opt = torch.optim.Adam([ref], lr=1e-3)
+    for scale in (1.0, 0.0):
+        g = torch.zeros(128)
+        g[0], g[1] = 10.0 * scale, 0.1 * scale
+        ref.grad = g
+        torch_opt.step()
+    want = ref.detach()
+    assert float(want[1]) < 0
+    broken = _zero_point_run(monkeypatch, torch.linspace(0, 1, 16))
+    assert float(broken[1].abs()) > 1e3 * float(want[1].abs())
+    monkeypatch.undo()
+    # lowbit's root map has no zero: its floor, 1/16 of the block's root, can only enlarge the denominator.
+    # Element 1's m decodes to 0.0055 of the block's (true 1e-2) and its root to 1/16 (true 1e-2): step 2
+    # is at most torch's in size, and in its direction.
+    got = _zero_point_run(monkeypatch, None)
+    assert want[1] <= got[1] < 0
+    assert float(got[0]) == pytest.approx(float(want[0]), rel=1e-6)
 
 
 def test_second_moment_state_round_trips_through_torch_layout():

@@ -9,7 +9,8 @@ import torch
 
 from lowbit import _ops
 from lowbit import _reference as R
-from lowbit.functional import create_dynamic_map, quantize_blockwise
+from lowbit.functional import quantize_blockwise
+from lowbit.optim.state_storage import optimizer_state_map
 
 # rule, n_states, flags, hyper (lr, b1, b2, 1-b1, 1-b2, eps, wd, 1-lr*wd, max_unorm)
 RULES = {
@@ -40,13 +41,17 @@ SIGNED = {
 }
 
 
-def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int) -> list:
+# The quantized states' block size per width: the optimizers' defaults.
+BLOCK = {8: 256, 4: 128}
+
+
+def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int, bits: int = 8) -> list:
     gen = torch.Generator().manual_seed(seed)
     sizes = [5000, 300, 4097, 64 * 70]
     params = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
     grads = [torch.randn(n, generator=gen).to(dtype) for n in sizes]
     states, absmax = [[], [], []], [[], [], []]
-    maps = [create_dynamic_map(signed=s) for s in (True, False)]
+    maps = [optimizer_state_map(s, torch.device("cpu"), bits) for s in (True, False)]
     for k in range(n_states):
         signed = SIGNED[rule][k]
         for n in sizes:
@@ -54,7 +59,7 @@ def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int) -> list:
             if not signed:
                 value = value.abs()
             if n >= 4096:
-                codes, qs = quantize_blockwise(value, code=maps[0] if signed else maps[1], blocksize=256)
+                codes, qs = quantize_blockwise(value, code=maps[0] if signed else maps[1], blocksize=BLOCK[bits])
                 states[k].append(codes)
                 absmax[k].append(qs.absmax)
             else:
@@ -72,13 +77,15 @@ def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int) -> list:
 @pytest.mark.parametrize("name", sorted(n for n in RULES if n != "lamb"))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("grad_scale", [False, True])
-def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, cpu_kernels):
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, bits, cpu_kernels):
     rule, n_states, flags, hyper = RULES[name]
-    params, grads, s1, s2, s3, a1, a2, a3, scalars, map1, map2, map3 = _tensors(rule, n_states, dtype, seed=len(name))
+    tensors = _tensors(rule, n_states, dtype, seed=len(name), bits=bits)
+    params, grads, s1, s2, s3, a1, a2, a3, scalars, map1, map2, map3 = tensors
     scales = torch.tensor([0.5, 1.0, 2.0, 0.25]) if grad_scale else None
     ours = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
     ref = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
-    args = (scalars, scales, map1, map2, map3, rule, hyper, flags, 0, n_states, 256)
+    args = (scalars, scales, map1, map2, map3, rule, hyper, flags, 0, n_states, BLOCK[bits], None, bits)
     _ops.optimizer_step_(ours[0], grads, *ours[1:], *args)
     R.optimizer_step_(ref[0], grads, *ref[1:], *args)
     for got, want in zip(ours, ref, strict=True):

@@ -1,4 +1,4 @@
-"""Property test of whole trajectories: every 8-bit optimizer against its own 32-bit twin, and
+"""Property test of whole trajectories: every 8-bit and 4-bit optimizer against its own 32-bit twin, and
 LPMMAdamW against torch.optim.AdamW, on random gradient sequences that mix dense steps, rarely
 non-zero rows, exactly-zero steps, magnitudes over many decades and occasional non-finite elements.
 
@@ -28,17 +28,19 @@ from torch import nn
 
 import lowbit.optim as O
 from lowbit import lpmm
-from lowbit.optim.state_storage import state_map
+from lowbit.optim.state_storage import optimizer_state_map
 from tests.blocks import block_absmax
 
 
-def _largest_code_ratio(signed: bool) -> float:
-    code = state_map(signed, torch.device("cpu")).double().abs().unique()
+def _largest_code_ratio(signed: bool, bits: int) -> float:
+    code = optimizer_state_map(signed, torch.device("cpu"), bits).double().abs().unique()
     code = code[code > 0]
     return float((code[1:] / code[:-1]).max())
 
 
-RHO = _largest_code_ratio(True) * _largest_code_ratio(False)
+# Per state width; at 4 bits 5.9 (0.0325 / 0.0055 on the signed map) times 2 (1/16 to 2/16 on the roots').
+RHO_BITS = {bits: _largest_code_ratio(True, bits) * _largest_code_ratio(False, bits) for bits in (8, 4)}
+RHO = RHO_BITS[8]
 
 LR = 1e-3
 ADAM_BETAS = (0.9, 0.999)
@@ -56,16 +58,20 @@ def _adam_step_bound(t: int, lr: float = LR, betas: tuple[float, float] = ADAM_B
 # a Bounds of the quantities seen so far). Adam's is per element, to first order in the map steps
 # (RHO); the others hold exactly: a block's 8-bit state never exceeds its absmax, which obeys the
 # rule's own recursion over the block.
+# The 4-bit cases hold to the same bounds with their maps' RHO: both maps end at 1 too.
 class Bounds:
-    def __init__(self, t: int, gmax_block: torch.Tensor, pnorm: float, pnorm_max: float) -> None:
-        self.t, self.gmax_block, self.pnorm, self.pnorm_max = t, gmax_block, pnorm, pnorm_max
+    def __init__(self, t: int, gmax_block: torch.Tensor, pnorm: float, pnorm_max: float, rho: float) -> None:
+        self.t, self.gmax_block, self.pnorm, self.pnorm_max, self.rho = t, gmax_block, pnorm, pnorm_max, rho
 
 
 CASES = [
-    (O.Adam8bit, O.Adam32bit, dict(lr=LR), lambda b: RHO * _adam_step_bound(b.t)),
-    (O.AdamW8bit, O.AdamW32bit, dict(lr=LR, weight_decay=0.1), lambda b: RHO * _adam_step_bound(b.t)),
+    (O.Adam8bit, O.Adam32bit, dict(lr=LR), lambda b: b.rho * _adam_step_bound(b.t)),
+    (O.AdamW8bit, O.AdamW32bit, dict(lr=LR, weight_decay=0.1), lambda b: b.rho * _adam_step_bound(b.t)),
+    (O.Adam4bit, O.Adam32bit, dict(lr=LR), lambda b: b.rho * _adam_step_bound(b.t)),
+    (O.AdamW4bit, O.AdamW32bit, dict(lr=LR, weight_decay=0.1), lambda b: b.rho * _adam_step_bound(b.t)),
     # |buf| <= the block's max |g| / (1 - momentum).
     (O.SGD8bit, O.SGD32bit, dict(lr=LR, momentum=0.9), lambda b: LR * b.gmax_block / (1 - 0.9)),
+    (O.SGD4bit, O.SGD32bit, dict(lr=LR, momentum=0.9), lambda b: LR * b.gmax_block / (1 - 0.9)),
     # square_avg >= (1 - alpha) g^2 holds this step's gradient: |u| <= lr / sqrt(1 - alpha).
     (O.RMSprop8bit, O.RMSprop32bit, dict(lr=LR), lambda b: LR / math.sqrt(1 - 0.99)),
     # sum >= g^2: |u| <= lr.
@@ -137,7 +143,7 @@ sequences = st.tuples(
 
 
 def _check_against_twins(p0: torch.Tensor, grads: list[torch.Tensor], dtype: torch.dtype, block: int, label: object):
-    """Runs every 8-bit optimizer of CASES and its 32-bit twin on the gradients ``grads`` from ``p0`` and
+    """Runs every quantized optimizer of CASES and its 32-bit twin on the gradients ``grads`` from ``p0`` and
     checks the quantization bound of the module docstring and, in fp32, the direction."""
     n = p0.numel()
     # Parameters stored in bf16 round each step, in both runs, by at most its unit roundoff times |p|.
@@ -145,8 +151,9 @@ def _check_against_twins(p0: torch.Tensor, grads: list[torch.Tensor], dtype: tor
     for cls8, cls32, kw, step_bound in CASES:
         # copy=True: in fp32, .to(dtype) would hand both optimizers the one tensor p0.
         p8, p32 = nn.Parameter(p0.to(dtype, copy=True)), nn.Parameter(p0.to(dtype, copy=True))
-        o8 = cls8([p8], block_size=block, min_8bit_size=0, **kw)
+        o8 = cls8([p8], block_size=block, min_8bit_size=0, min_4bit_size=0, **kw)
         o32 = cls32([p32], **kw)
+        rho = RHO_BITS[o8.defaults["optim_bits"]]
         decay = 1.0 - LR * kw.get("weight_decay", 0.0)
         allowed = torch.zeros(n, dtype=torch.float64)
         gmax = torch.zeros(n)
@@ -162,7 +169,7 @@ def _check_against_twins(p0: torch.Tensor, grads: list[torch.Tensor], dtype: tor
             after = p32.detach().double()
             u32 = (before * decay - after).abs().nan_to_num(0.0, 0.0, 0.0)
             u8 = torch.as_tensor(
-                step_bound(Bounds(t, block_absmax(gmax, block), pnorm, pnorm_max)), dtype=torch.float64
+                step_bound(Bounds(t, block_absmax(gmax, block), pnorm, pnorm_max, rho)), dtype=torch.float64
             )
             allowed = allowed + u8 + u32 + unit * 2 * (after.abs().nan_to_num(0.0, 0.0, 0.0) + allowed + u8 + u32)
         # A non-finite element is non-finite in both (the step is torch's fp32 arithmetic); LAMB and
@@ -178,7 +185,7 @@ def _check_against_twins(p0: torch.Tensor, grads: list[torch.Tensor], dtype: tor
 
 @settings(max_examples=100)
 @given(seq=sequences, dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-def test_8bit_trajectory_stays_within_the_quantization_bound(seq, dtype):
+def test_quantized_trajectory_stays_within_the_quantization_bound(seq, dtype):
     seed, n, block, kinds = seq
     gen = torch.Generator().manual_seed(seed)
     p0 = torch.randn(n, generator=gen)

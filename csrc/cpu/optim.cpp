@@ -18,6 +18,7 @@
 #include "lowbit/optim_rules.h"
 #include "lowbit/state_form.h"
 #include "map_index.h"
+#include "pack_chunk.h"
 #include "parallel.h"
 
 namespace lowbit::cpu {
@@ -32,7 +33,8 @@ struct TensorView {
   float* absmax[kMaxStates];
   int64_t n;
   int dtype;
-  bool eight_bit;
+  int bits;        // 8 or 4: codes into the call's maps (kernels.h: kStateBits); 32: fp32 states
+  bool quantized;  // bits != 32
   StepScalars scalars;
 };
 
@@ -45,26 +47,49 @@ TensorView view(const OptimArgs& a, int64_t t) {
                      static_cast<float*>(cell_address(m[kAbsmax3]))},
                     m[kNumel],
                     static_cast<int>(m[kDtype]),
-                    m[kStateBits] == 8,
+                    static_cast<int>(m[kStateBits]),
+                    m[kStateBits] != 32,
                     scalars_row(a.scalars, t, a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f)};
 }
 
-// Decodes 8-bit state k of a block into out: the stored forms of state_form.h, which the update
-// loops turn into state values and back.
+// Decodes quantized state k of a block into out: the stored forms of state_form.h, which the update
+// loops turn into state values and back. Blocks start on whole bytes of 4-bit codes (lo is a multiple of
+// the block size, at least 64).
 void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, const float* map,
                 const BytePlanes* planes, float* out) {
-  const uint8_t* codes = static_cast<const uint8_t*>(t.state[k]) + lo;
   const float amax = t.absmax[k][block];
+  if (t.bits == 4) {
+    const uint8_t* packed = static_cast<const uint8_t*>(t.state[k]) + lo / 2;
+    uint32_t tile[kTile];
+    for (int j = 0; j < cnt; j += kTile) {
+      const int m = std::min(kTile, cnt - j);
+      unpack_chunk(packed + j / 2, m, std::integral_constant<int, 4>{}, tile);
+      for (int i = 0; i < m; ++i) out[j + i] = map[tile[i]] * amax;
+    }
+    return;
+  }
+  const uint8_t* codes = static_cast<const uint8_t*>(t.state[k]) + lo;
   if (planes != nullptr) return decode_u8_vbmi(*planes, map, codes, cnt, amax, out);
   if (avx512_active()) return decode_u8_avx512(map, codes, cnt, amax, out);
   for (int i = 0; i < cnt; ++i) out[i] = map[codes[i]] * amax;
 }
 
-// Requantizes 8-bit state k of a block from in, against the block absmax of bit pattern max_bits.
+// Requantizes quantized state k of a block from in, against the block absmax of bit pattern max_bits.
 void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, uint32_t max_bits,
                  const MapIndex* index, bool gather, const float* in) {
   const float amax = absmax_from_bits(max_bits);
   t.absmax[k][block] = amax;
+  if (t.bits == 4) {
+    uint8_t* packed = static_cast<uint8_t*>(t.state[k]) + lo / 2;
+    uint32_t tile[kTile];
+    const MapSpan span{*index, gather};
+    for (int j = 0; j < cnt; j += kTile) {
+      const int m = std::min(kTile, cnt - j);
+      span.encode<false>(in + j, m, amax, RngKey{0, 0}, 0, tile);
+      pack_chunk(tile, m, std::integral_constant<int, 4>{}, packed + j / 2);
+    }
+    return;
+  }
   uint8_t* codes = static_cast<uint8_t*>(t.state[k]) + lo;
   if (index->nearest_direct()) {
     if (gather) return nearest_codes_u8_avx512(*index, in, cnt, amax, codes);
@@ -89,7 +114,7 @@ void block_states(const OptimArgs& a, const TensorView& t, int64_t block, int64_
   for (int k = 0; k < kMaxStates; ++k) {
     s[k] = decoded[k];
     if (k >= kStates) continue;
-    if (t.eight_bit) {
+    if (t.quantized) {
       load_state(t, k, block, lo, cnt, state_map(a, k), planes[k], s[k]);
     } else {
       s[k] = static_cast<float*>(t.state[k]) + lo;
@@ -232,12 +257,12 @@ struct StateCoders {
   bool gather = false;
 };
 
-// Calls fn(std::bool_constant<root>{}), root: the states are 8-bit ones of a rule with a second moment,
-// in their stored form (only then is the root variant of the loops instantiated).
+// Calls fn(std::bool_constant<root>{}), root: the states are quantized ones of a rule with a second
+// moment, in their stored form (only then is the root variant of the loops instantiated).
 template <Rule kRule, typename Fn>
-LB_ALWAYS_INLINE inline void with_root(bool eight_bit, Fn&& fn) {
+LB_ALWAYS_INLINE inline void with_root(bool quantized, Fn&& fn) {
   if constexpr (second_moment_slot(kRule) >= 0) {
-    if (eight_bit) return fn(std::true_type{});
+    if (quantized) return fn(std::true_type{});
   }
   fn(std::false_type{});
 }
@@ -252,10 +277,10 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   uint32_t max_bits[kMaxStates];
-  with_root<kRule>(t.eight_bit, [&](auto root) {
+  with_root<kRule>(t.quantized, [&](auto root) {
     update<kRule, kStates, decltype(root)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, max_bits);
   });
-  if (t.eight_bit) {
+  if (t.quantized) {
     if (max_bits[0] >= kNonFiniteBits || max_bits[1] >= kNonFiniteBits || max_bits[2] >= kNonFiniteBits) {
       restart_nonfinite3(s, kStates, cnt, max_bits);
     }
@@ -349,7 +374,7 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   const T* grad = static_cast<const T*>(t.grad) + lo;
   float p_val[kMaxBlock];
   float u_val[kMaxBlock];
-  with_root<kRule>(t.eight_bit, [&](auto root) {
+  with_root<kRule>(t.quantized, [&](auto root) {
     constexpr bool kRoot = decltype(root)::value;
 #if defined(__x86_64__) && defined(__GNUC__)
     if (avx512_active()) {
@@ -388,22 +413,22 @@ void with_states(int n_states, Fn&& fn) {
 template <Rule kRule>
 void step_all(const OptimArgs& a, int threads) {
   std::vector<TensorView> tensors;
-  bool any_eight_bit = false;
+  bool any_quantized = false;
   int64_t elements = 0;
   for (int64_t t = 0; t < a.count; ++t) {
     tensors.push_back(view(a, t));
-    any_eight_bit |= tensors.back().eight_bit;
+    any_quantized |= tensors.back().quantized;
     elements += tensors.back().n;
   }
   std::shared_ptr<const MapIndex> owned[kMaxStates];
   std::unique_ptr<BytePlanes> planes[kMaxStates];
   StateCoders coders;
   // Decided (and on first use timed) here, outside the parallel region.
-  coders.gather = any_eight_bit && gather_encode_active();
-  const bool vbmi = any_eight_bit && vbmi_decode_active();
-  for (int k = 0; k < a.n_states && any_eight_bit; ++k) {
+  coders.gather = any_quantized && gather_encode_active();
+  const bool vbmi = any_quantized && a.state_bits == 8 && vbmi_decode_active();
+  for (int k = 0; k < a.n_states && any_quantized; ++k) {
     const float* map = state_map(a, k);
-    owned[k] = map_index(map, 256);
+    owned[k] = map_index(map, 1u << a.state_bits);
     coders.index[k] = owned[k].get();
     if (vbmi) {
       planes[k] = std::make_unique<BytePlanes>(map);

@@ -38,6 +38,13 @@ __device__ BlockTask find_block(const OptimArgs& a, int64_t b) {
   return BlockTask{lo, start, static_cast<int>(left < a.block_size ? left : a.block_size)};
 }
 
+// The code of element e of a quantized state: a byte at 8 bits, a nibble at 4 (lowbit/pack.h: element 2i
+// in the low nibble).
+__device__ uint32_t state_code(int64_t ptr, int64_t e, int bits) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(static_cast<uintptr_t>(ptr));
+  return bits == 8 ? bytes[e] : (bytes[e >> 1] >> ((e & 1) * 4)) & 15u;
+}
+
 __device__ StepScalars tensor_scalars(const OptimArgs& a, int64_t t, const float* update_scales) {
   return scalars_row(a.scalars, t, a.grad_scales != nullptr ? a.grad_scales[t] : 1.f,
                      update_scales != nullptr ? update_scales[t] : 1.f);
@@ -52,7 +59,7 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
                            double (*squares)[kMaxThreads], double* lanes, double* sums) {
   const int64_t* m = a.meta + task.tensor * kMetaCols;
   const StepScalars scalars = tensor_scalars(a, task.tensor, nullptr);
-  const bool eight_bit = m[kStateBits] == 8;
+  const bool quantized = m[kStateBits] != 32;
   const int64_t block = task.lo / a.block_size;
   const T* param = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kParam])) + task.lo;
   const T* grad = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kGrad])) + task.lo;
@@ -66,7 +73,7 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
       for (int k = 0; k < kMaxStates; ++k) {
         if (k >= a.n_states) continue;
         const int64_t ptr = m[kState1 + k];
-        s[k] = eight_bit ? state_value(maps[k][reinterpret_cast<const uint8_t*>(ptr)[task.lo + i]] *
+        s[k] = quantized ? state_value(maps[k][state_code(ptr, task.lo + i, a.state_bits)] *
                                            reinterpret_cast<const float*>(m[kAbsmax1 + k])[block],
                                        root_slot(kRule, k))
                          : reinterpret_cast<const float*>(ptr)[task.lo + i];
@@ -92,12 +99,13 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
   }
 }
 
+// nibbles: one 4-bit code per element of the block, staged so that a thread writes whole bytes of codes.
 template <Rule kRule, typename T>
 __device__ void step_block(const OptimArgs& a, const BlockTask& task, const float (*maps)[256], uint32_t* scratch,
-                           const float* update_scales) {
+                           uint8_t* nibbles, const float* update_scales) {
   const int64_t* m = a.meta + task.tensor * kMetaCols;
   const StepScalars scalars = tensor_scalars(a, task.tensor, update_scales);
-  const bool eight_bit = m[kStateBits] == 8;
+  const bool quantized = m[kStateBits] != 32;
   const int64_t block = task.lo / a.block_size;
   T* param = reinterpret_cast<T*>(static_cast<uintptr_t>(m[kParam])) + task.lo;
   const T* grad = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kGrad])) + task.lo;
@@ -112,11 +120,11 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
   uint32_t max_bits[kMaxStates] = {0, 0, 0};
   const int per = (task.cnt + blockDim.x - 1) / blockDim.x;
   for (int k = 0; k < a.n_states; ++k) {
-    const float amax = eight_bit ? absmax[k][block] : 0.f;
+    const float amax = quantized ? absmax[k][block] : 0.f;
     for (int j = 0; j < per; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
       if (i < task.cnt) {
-        s[k][j] = eight_bit ? state_value(maps[k][static_cast<const uint8_t*>(state[k])[task.lo + i]] * amax,
+        s[k][j] = quantized ? state_value(maps[k][state_code(m[kState1 + k], task.lo + i, a.state_bits)] * amax,
                                           root_slot(kRule, k))
                             : static_cast<const float*>(state[k])[task.lo + i];
       }
@@ -132,14 +140,14 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
       float& s3 = a.n_states > 2 ? s[2][j] : unused;
       apply_rule(kRule, a.hyper, scalars, p, to_float(grad[i]), s1, s2, s3);
       param[i] = from_float<T>(p);
-      if (eight_bit) restart_if_nonfinite(s1, s2, s3);
+      if (quantized) restart_if_nonfinite(s1, s2, s3);
       max_bits[0] = max(max_bits[0], abs_bits(s1));
       max_bits[1] = max(max_bits[1], abs_bits(s2));
       max_bits[2] = max(max_bits[2], abs_bits(s3));
     }
   }
   for (int k = 0; k < a.n_states; ++k) {
-    if (!eight_bit) {
+    if (!quantized) {
       for (int j = 0; j < per; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
         if (i < task.cnt) static_cast<float*>(state[k])[task.lo + i] = s[k][j];
@@ -149,12 +157,27 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
     const bool root = root_slot(kRule, k);
     const float amax = stored_absmax(block_max(max_bits[k], scratch), root);
     if (threadIdx.x == 0) absmax[k][block] = amax;
-    uint8_t* codes = static_cast<uint8_t*>(state[k]) + task.lo;
+    const uint32_t map_n = 1u << a.state_bits;
+    uint8_t* codes = static_cast<uint8_t*>(state[k]) + (a.state_bits == 8 ? task.lo : task.lo / 2);
     for (int j = 0; j < per; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
       if (i < task.cnt) {
-        codes[i] = static_cast<uint8_t>(map_encode_nearest(maps[k], 256, normalise(stored_form(s[k][j], root), amax)));
+        const auto code = static_cast<uint8_t>(
+            map_encode_nearest(maps[k], map_n, normalise(stored_form(s[k][j], root), amax)));
+        if (a.state_bits == 8) {
+          codes[i] = code;
+        } else {
+          nibbles[i] = code;
+        }
       }
+    }
+    if (a.state_bits == 4) {
+      __syncthreads();
+      for (int b = threadIdx.x; 2 * b < task.cnt; b += blockDim.x) {
+        const uint32_t high = 2 * b + 1 < task.cnt ? nibbles[2 * b + 1] : 0u;
+        codes[b] = static_cast<uint8_t>(nibbles[2 * b] | (high << 4));
+      }
+      __syncthreads();  // the next state overwrites the nibbles
     }
   }
 }
@@ -163,7 +186,7 @@ __device__ void load_maps(const OptimArgs& a, float (*smap)[256]) {
   for (int k = 0; k < kMaxStates; ++k) {
     const float* map = state_map(a, k);
     if (map == nullptr) continue;  // map3 of a caller that passes none: never read
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) smap[k][i] = map[i];
+    for (int i = threadIdx.x; i < (1 << a.state_bits); i += blockDim.x) smap[k][i] = map[i];
   }
   __syncthreads();
 }
@@ -216,11 +239,12 @@ template <Rule kRule>
 __global__ void optimizer_kernel(OptimArgs a, const float* update_scales) {
   __shared__ float smap[kMaxStates][256];
   __shared__ uint32_t scratch[kMaxThreads / 32];
+  __shared__ uint8_t nibbles[kMaxThreads * kMaxPerThread];
   load_maps(a, smap);
   for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
     const BlockTask task = find_block(a, b);
     visit_dtype(static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype]), [&](auto dtype) {
-      step_block<kRule, typename decltype(dtype)::type>(a, task, smap, scratch, update_scales);
+      step_block<kRule, typename decltype(dtype)::type>(a, task, smap, scratch, nibbles, update_scales);
     });
   }
 }

@@ -62,8 +62,10 @@ class StepArgs(NamedTuple):
     first step); ``grad_scales`` (optional, fp32, one per tensor, on the params' device) multiplies each
     gradient; ``hyper`` is :meth:`StepHyper.values`; ``norm_mode`` selects LAMB's trust ratio (1) or
     max_unorm clipping (2). Each of the ``n_states`` states (up to 3, in the rule's slot order) is either
-    uint8 codes into its map (``map1``..``map3``) with one fp32 absmax per block of ``block_size``
-    elements, or an fp32 tensor (then its absmax entry is unused). ``update_scales`` (optional, fp32, one
+    uint8 codes into its map (``map1``..``map3``, ``2**state_bits`` entries) with one fp32 absmax per block
+    of ``block_size`` elements, or an fp32 tensor (then its absmax entry is unused). ``state_bits`` is 8
+    (one code per byte, a state of as many elements as its parameter) or 4 (two codes per byte, element
+    ``2i`` in the low nibble: ``ceil(n / 2)`` bytes for ``n`` elements). ``update_scales`` (optional, fp32, one
     per tensor, on the params' device) replaces the norm mode's own per-tensor scales: the step of tensors
     whose norms span ranks (see :func:`optimizer_norms`).
     """
@@ -88,6 +90,7 @@ class StepArgs(NamedTuple):
     n_states: int
     block_size: int
     update_scales: Optional[Tensor] = None
+    state_bits: int = 8
 
     def written(self) -> list[Tensor]:
         """The tensors a step writes in place."""
@@ -98,10 +101,15 @@ _MUTATED = ("params", "state1", "state2", "state3", "absmax1", "absmax2", "absma
 
 
 def _tensor_widths(
-    params: list[Any], grads: list[Any], states: list[list[Any]], absmaxes: list[list[Any]], block_size: int
+    params: list[Any],
+    grads: list[Any],
+    states: list[list[Any]],
+    absmaxes: list[list[Any]],
+    block_size: int,
+    state_bits: int,
 ) -> list[int]:
     """Checks every tensor of a step (parameters, gradients, and the states and absmaxes in use) and returns
-    each one's state width, 8 or 32. Each rule is one condition, written out inline (this runs for every
+    each one's state width, ``state_bits`` or 32. Each rule is one condition, written out inline (this runs for every
     tensor of every step); the message, and the type check that names what is wrong, are built only when it
     fails."""
     device = params[0].device
@@ -130,21 +138,23 @@ def _tensor_widths(
             _common.check(False, f"params[{i}] and grads[{i}] must be on {device}")
         n = p.numel()
         eight = bool(states) and isinstance(states[0][i], Tensor) and states[0][i].dtype == torch.uint8
+        size = (n * state_bits + 7) // 8 if eight else n
         for k, state in enumerate(states):
             s = state[i]
             if not (
                 isinstance(s, Tensor)
                 and not is_traceable_wrapper_subclass(s)
                 and s.dtype == (torch.uint8 if eight else torch.float32)
-                and s.numel() == n
+                and s.numel() == size
                 and s.device == device
                 and s.is_contiguous()
             ):
                 _common.check_input(f"state{k + 1}[{i}]", s, (torch.uint8, torch.float32))
+                what = f"{size} bytes of {state_bits}-bit codes" if eight else f"{n} elements"
                 _common.check(
-                    s.numel() == n and s.device == device, f"state{k + 1}[{i}] must have {n} elements on {device}"
+                    s.numel() == size and s.device == device, f"state{k + 1}[{i}] must have {what} on {device}"
                 )
-                _common.check(False, f"the states of params[{i}] must all be 8-bit or all 32-bit")
+                _common.check(False, f"the states of params[{i}] must all be {state_bits}-bit or all 32-bit")
             a = absmaxes[k][i]
             if eight and not (
                 isinstance(a, Tensor)
@@ -156,14 +166,15 @@ def _tensor_widths(
                 _common.check_input(f"absmax{k + 1}[{i}]", a, (torch.float32,))
                 blocks = num_blocks(n, block_size)
                 _common.check(False, f"absmax{k + 1}[{i}] must have {blocks} entries")
-        widths.append(8 if eight else 32)
+        widths.append(state_bits if eight else 32)
     return widths
 
 
 def check_optimizer_step(args: StepArgs) -> list[int]:
-    """The checks of ``lowbit::optimizer_step_``; returns each tensor's state width (8 or 32). An optimizer
-    that steps several fused calls checks every one before the first one writes."""
+    """The checks of ``lowbit::optimizer_step_``; returns each tensor's state width (``state_bits`` or 32).
+    An optimizer that steps several fused calls checks every one before the first one writes."""
     count = len(args.params)
+    _common.check(args.state_bits in (8, 4), f"state_bits must be 8 or 4, got {args.state_bits}")
     _common.check(0 <= args.n_states <= MAX_STATES, f"n_states must be 0 to {MAX_STATES}, got {args.n_states}")
     _common.check(args.norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {args.norm_mode}")
     _common.check_blocksize(args.block_size)
@@ -187,12 +198,12 @@ def check_optimizer_step(args: StepArgs) -> list[int]:
         _common.check(len(lst) == count, f"{name} has {len(lst)} tensors but params has {count}")
     if not count:
         return []
-    widths = _tensor_widths(args.params, args.grads, states, absmaxes, args.block_size)
+    widths = _tensor_widths(args.params, args.grads, states, absmaxes, args.block_size, args.state_bits)
     maps = {"map1": args.map1, "map2": args.map2, "map3": args.map3}
     scales = {name: getattr(args, name) for name in ("grad_scales", "update_scales") if getattr(args, name) is not None}
     _common.check_same_device("params[0]", args.params[0], **maps, **scales)
     for t in maps.values():
-        _common.check_map(t, 8)
+        _common.check_map(t, args.state_bits)
     return widths
 
 
@@ -223,7 +234,7 @@ def _call(args: StepArgs, norm_sums: Optional[Tensor]) -> None:
     first_block = 0
     for i, p in enumerate(args.params):
         ptrs = [states[k][i].data_ptr() if k < n_states else 0 for k in range(MAX_STATES)]
-        amax = [absmaxes[k][i].data_ptr() if k < n_states and widths[i] == 8 else 0 for k in range(MAX_STATES)]
+        amax = [absmaxes[k][i].data_ptr() if k < n_states and widths[i] != 32 else 0 for k in range(MAX_STATES)]
         n = p.numel()
         rows.append([p.data_ptr(), grads[i].data_ptr(), *ptrs, *amax, n, DTYPE_CODES[p.dtype], widths[i], first_block])
         first_block += num_blocks(n, block_size)
@@ -237,6 +248,7 @@ def _call(args: StepArgs, norm_sums: Optional[Tensor]) -> None:
         args.norm_mode,
         n_states,
         args.block_size,
+        args.state_bits,
         args.map1.data_ptr(),
         args.map2.data_ptr(),
         args.map3.data_ptr(),

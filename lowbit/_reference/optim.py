@@ -158,14 +158,14 @@ def optimizer_step_(*args: Any, **kwargs: Any) -> None:
     f32 = torch.float32
     for i, p in enumerate(params):
         n = p.numel()
-        eight = n_states > 0 and states[0][i].dtype == torch.uint8
+        eight = n_states > 0 and states[0][i].dtype == torch.uint8  # quantized: 8-bit or 4-bit codes
         values = []
         for k in range(3):
             if k >= n_states:
                 values.append(torch.zeros(n, dtype=f32))
             elif eight:
                 stored = dequantize_blockwise(
-                    states[k][i].reshape(-1), absmaxes[k][i], maps[k], 8, block_size, n, torch.float32
+                    states[k][i].reshape(-1), absmaxes[k][i], maps[k], a.state_bits, block_size, n, torch.float32
                 )
                 values.append(stored * stored if _root_slot(rule, k) else stored)
             else:
@@ -198,7 +198,7 @@ def optimizer_step_(*args: Any, **kwargs: Any) -> None:
         for k, value in enumerate(new_states):
             if eight:
                 codes, amax = quantize_blockwise(
-                    _sqrt32(value) if _root_slot(rule, k) else value, maps[k], 8, block_size, False, 0, 0
+                    _sqrt32(value) if _root_slot(rule, k) else value, maps[k], a.state_bits, block_size, False, 0, 0
                 )
                 states[k][i].copy_(codes.reshape(states[k][i].shape))
                 absmaxes[k][i].copy_(amax)

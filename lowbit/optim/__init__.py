@@ -1,11 +1,13 @@
-"""Optimizers with 8-bit block-wise or fp32 states, fused into one native call per param group."""
+"""Optimizers with 8-bit or 4-bit block-wise or fp32 states, fused into one native call per param group."""
 
 from lowbit.optim.config import clear_override, get_override, override
 from lowbit.optim.fixed_bits import (
     Adagrad8bit,
     Adagrad32bit,
+    Adam4bit,
     Adam8bit,
     Adam32bit,
+    AdamW4bit,
     AdamW8bit,
     AdamW32bit,
     LAMB8bit,
@@ -16,6 +18,7 @@ from lowbit.optim.fixed_bits import (
     Lion32bit,
     RMSprop8bit,
     RMSprop32bit,
+    SGD4bit,
     SGD8bit,
     SGD32bit,
 )
@@ -32,9 +35,11 @@ __all__ = [
     "Adagrad8bit",
     "Adagrad32bit",
     "Adam",
+    "Adam4bit",
     "Adam8bit",
     "Adam32bit",
     "AdamW",
+    "AdamW4bit",
     "AdamW8bit",
     "AdamW32bit",
     "LAMB8bit",
@@ -51,6 +56,7 @@ __all__ = [
     "RMSprop",
     "RMSprop8bit",
     "RMSprop32bit",
+    "SGD4bit",
     "SGD8bit",
     "SGD32bit",
     "clear_override",

@@ -25,6 +25,7 @@ OVERRIDABLE = frozenset(
         "optim_bits",
         "block_size",
         "min_8bit_size",
+        "min_4bit_size",
         "lr",
         "betas",
         "eps",

@@ -1,4 +1,4 @@
-"""The ``X8bit`` / ``X32bit`` optimizers: each public optimizer with ``optim_bits`` fixed."""
+"""The ``X8bit`` / ``X4bit`` / ``X32bit`` optimizers: each public optimizer with ``optim_bits`` fixed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from lowbit.optim.trust_ratio import LAMB, LARS
 
 
 def _fixed_bits(base: type[LowbitOptimizer], bits: int) -> type[LowbitOptimizer]:
-    """``base`` with ``optim_bits`` fixed (the ``X8bit`` / ``X32bit`` classes)."""
+    """``base`` with ``optim_bits`` fixed (the ``X8bit`` / ``X4bit`` / ``X32bit`` classes)."""
 
     class Fixed(base):  # type: ignore[valid-type, misc]
         def __init__(self, params: Params, *args: Any, **kwargs: Any) -> None:
@@ -19,13 +19,15 @@ def _fixed_bits(base: type[LowbitOptimizer], bits: int) -> type[LowbitOptimizer]
             super().__init__(params, *args, optim_bits=bits, **kwargs)
 
     Fixed.__name__ = Fixed.__qualname__ = f"{base.__name__}{bits}bit"
-    Fixed.__doc__ = f"{base.__name__} with {'8-bit block-wise' if bits == 8 else 'fp32'} states.\n\n{base.__doc__}"
+    form = {8: "8-bit block-wise", 4: "4-bit block-wise (blocks of 128 by default)", 32: "fp32"}[bits]
+    Fixed.__doc__ = f"{base.__name__} with {form} states.\n\n{base.__doc__}"
     return Fixed
 
 
 Adam8bit, Adam32bit = _fixed_bits(Adam, 8), _fixed_bits(Adam, 32)
 AdamW8bit, AdamW32bit = _fixed_bits(AdamW, 8), _fixed_bits(AdamW, 32)
 SGD8bit, SGD32bit = _fixed_bits(SGD, 8), _fixed_bits(SGD, 32)
+Adam4bit, AdamW4bit, SGD4bit = _fixed_bits(Adam, 4), _fixed_bits(AdamW, 4), _fixed_bits(SGD, 4)
 Lion8bit, Lion32bit = _fixed_bits(Lion, 8), _fixed_bits(Lion, 32)
 RMSprop8bit, RMSprop32bit = _fixed_bits(RMSprop, 8), _fixed_bits(RMSprop, 32)
 Adagrad8bit, Adagrad32bit = _fixed_bits(Adagrad, 8), _fixed_bits(Adagrad, 32)

@@ -50,10 +50,9 @@ def _check_tensor(value: Any, where: str, key: str, shape: torch.Size, dtypes: t
     return value
 
 
-def _check_absmax(value: Any, where: str, key: str, codes: Tensor) -> None:
+def _check_absmax(value: Any, where: str, key: str, numel: int) -> None:
     if not isinstance(value, Tensor) or value.dtype != torch.float32 or value.dim() != 1:
-        raise _fail(where, key, "must be a 1-D float32 tensor (one scale per block of the 8-bit state)")
-    numel = _ops.local(codes).numel()
+        raise _fail(where, key, "must be a 1-D float32 tensor (one scale per block of the quantized state)")
     if value.numel() not in {_ops.num_blocks(numel, b) for b in BLOCK_SIZES}:
         raise _fail(where, key, f"has {value.numel()} blocks, which no block size gives for {numel} elements")
     if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
@@ -80,11 +79,14 @@ def _check_entry(opt: LowbitOptimizer, p: Tensor, entry: Any, where: str) -> Non
             if f"absmax{k + 1}" in entry:
                 raise _fail(where, f"absmax{k + 1}", f"comes without 'state{k + 1}'")
             continue
-        codes = _check_tensor(codes, where, f"state{k + 1}", p.shape, (torch.uint8, torch.float32))
+        numel = _ops.local(p).numel()
+        packed = (numel + 1) // 2  # 4-bit codes, two per byte (state_storage.stored_width)
+        if not (isinstance(codes, Tensor) and codes.dtype == torch.uint8 and numel >= 2 and codes.shape == (packed,)):
+            codes = _check_tensor(codes, where, f"state{k + 1}", p.shape, (torch.uint8, torch.float32))
         if codes.dtype == torch.uint8:
             if f"absmax{k + 1}" not in entry:
-                raise _fail(where, f"state{k + 1}", f"is 8-bit but 'absmax{k + 1}' is missing")
-            _check_absmax(entry[f"absmax{k + 1}"], where, f"absmax{k + 1}", codes)
+                raise _fail(where, f"state{k + 1}", f"is quantized but 'absmax{k + 1}' is missing")
+            _check_absmax(entry[f"absmax{k + 1}"], where, f"absmax{k + 1}", numel)
     if "gnorm_vec" in entry:
         vec = entry["gnorm_vec"]
         if not isinstance(vec, Tensor) or vec.dtype != torch.float32 or vec.shape != (GNORM_HISTORY,):

@@ -46,8 +46,8 @@ from lowbit.optim.state_storage import (
     StoredStates,
     check_state_format,
     like_param,
+    optimizer_state_map,
     restore_state_dtypes,
-    state_map,
 )
 
 __all__ = ["LowbitOptimizer"]
@@ -66,13 +66,19 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
     Args:
         params: parameters or param groups.
         defaults: the optimizer's hyperparameters (set by the subclass).
-        optim_bits: 8 for block-wise 8-bit states, 32 for fp32 states.
-        block_size: elements per quantization block of 8-bit states (a power of two, 64..4096). The
-            default 256 stores 2 + 8/256 = 2.031 bytes per parameter for Adam; smaller blocks cost
-            bytes for little accuracy, larger ones lose accuracy for few bytes
-            (``benchmarks/bench_block_size.py``: 3.1% trajectory drift from fp32 Adam after 100 steps
-            at 256, 2.1% at 64 for 2.125 bytes, 3.4% at 2048 for 2.004 bytes).
-        min_8bit_size: parameters with fewer elements keep fp32 states.
+        optim_bits: 8 for block-wise 8-bit states, 4 for block-wise 4-bit states (two codes per byte, on
+            the zero-free maps of :func:`~lowbit.optim.state_storage.four_bit_signed_map` and
+            :func:`~lowbit.optim.state_storage.four_bit_unsigned_map`), 32 for fp32 states.
+        block_size: elements per quantization block of 8-bit and 4-bit states (a power of two,
+            64..4096); default 256 at 8 bits, 128 at 4 bits (Li, Chen, Zhu 2023, section 4.1: 4-bit
+            codes need the smaller block). At 8 bits, 256 stores 2 + 8/256 = 2.031 bytes per parameter
+            for Adam; smaller blocks cost bytes for little accuracy, larger ones lose accuracy for few
+            bytes (``benchmarks/bench_block_size.py``: 3.1% trajectory drift from fp32 Adam after 100
+            steps at 256, 2.1% at 64 for 2.125 bytes, 3.4% at 2048 for 2.004 bytes). At 4 bits, 128
+            stores 1 + 8/128 = 1.0625 bytes per parameter for Adam.
+        min_8bit_size: with ``optim_bits=8``, parameters with fewer elements keep fp32 states.
+        min_4bit_size: with ``optim_bits=4``, parameters with fewer elements keep fp32 states (as do
+            one-element shards of FSDP2 parameters).
         max_unorm: if > 0, scales a tensor's update down so that its norm, divided by the learning
             rate, is at most ``max_unorm * ||param||`` (bitsandbytes' option; a zero parameter is not
             clipped, since it would never move).
@@ -97,16 +103,20 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         defaults: dict[str, Any],
         *,
         optim_bits: int = 32,
-        block_size: int = 256,
+        block_size: Optional[int] = None,
         min_8bit_size: int = 4096,
+        min_4bit_size: int = 4096,
         max_unorm: float = 0.0,
         percentile_clipping: int = 100,
     ) -> None:
+        if block_size is None:
+            block_size = 128 if optim_bits == 4 else 256
         defaults = dict(
             defaults,
             optim_bits=optim_bits,
             block_size=block_size,
             min_8bit_size=min_8bit_size,
+            min_4bit_size=min_4bit_size,
             max_unorm=max_unorm,
             percentile_clipping=percentile_clipping,
             state_format=STATE_FORMAT,
@@ -324,7 +334,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         grads, grad_scales = self._adjust_grads(config, params, grads, grad_scales, originals)
         # Slots the rule does not use get a map all the same (the op checks every map).
         signed = [self._state_signed[slots[j]] if j < n_states else True for j in range(3)]
-        map1, map2, map3 = (state_map(s, device) for s in signed)
+        state_bits = 4 if config["optim_bits"] == 4 else 8
+        map1, map2, map3 = (optimizer_state_map(s, device, state_bits) for s in signed)
         args = StepArgs(
             params=params,
             grads=grads,
@@ -345,6 +356,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             norm_mode=norm_mode,
             n_states=n_states,
             block_size=config["block_size"],
+            state_bits=state_bits,
         )
         if norm_mode != NORM_NONE and any(isinstance(p, DTensor) for p in originals):
             # The norms of FSDP2 shards span ranks: the pre-pass sums are all-reduced, and the step

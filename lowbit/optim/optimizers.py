@@ -48,7 +48,7 @@ class Adam(LowbitOptimizer):
             the decoded maximum and the current second moment, so the denominator is never below
             Adam's.
         maximize: maximize the objective instead of minimizing.
-        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+        **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
             ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
@@ -136,7 +136,7 @@ class SGD(LowbitOptimizer):
         weight_decay: L2 penalty.
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         maximize: maximize the objective instead of minimizing.
-        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+        **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
             ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
@@ -193,7 +193,7 @@ class Lion(LowbitOptimizer):
         betas: interpolation coefficient of the update and decay of the momentum.
         weight_decay: decoupled weight decay.
         maximize: maximize the objective instead of minimizing.
-        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+        **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
             ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
@@ -234,7 +234,7 @@ class RMSprop(LowbitOptimizer):
             on the signed map at 8 bits), as torch.optim does. A negative rounding residue of the
             variance reads as 0 (where torch.optim takes the square root of it: NaN).
         maximize: maximize the objective instead of minimizing.
-        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+        **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
             ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
@@ -299,7 +299,7 @@ class Adagrad(LowbitOptimizer):
         initial_accumulator_value: starting value of the squared-gradient sum.
         eps: added to the denominator.
         maximize: maximize the objective instead of minimizing.
-        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+        **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
             ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 

@@ -21,6 +21,25 @@ _MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 STATE_FORMAT = 2
 
 
+def four_bit_signed_map() -> Tensor:
+    """The 4-bit map of signed states: Li, Chen, Zhu 2023's dynamic-exponent map (section 4.1, three
+    exponent decades), 15 distinct values from -0.8875 to 1 with one zero. :func:`create_dynamic_map` at
+    4 bits spends two codes on 0 instead."""
+    positive = []
+    for decade in range(3):
+        edges = torch.linspace(0.1, 1.0, 2**decade + 1, dtype=torch.float64)
+        positive.append((edges[:-1] + edges[1:]) / 2 * 10.0 ** (decade - 2))
+    half = torch.cat(positive)
+    zero, one = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    return torch.cat([-half.flip(0), zero, half, one]).float()
+
+
+def four_bit_unsigned_map() -> Tensor:
+    """The 4-bit map of second-moment roots: linear without zero, (i + 1) / 16 for i = 0..15 (Li, Chen,
+    Zhu 2023, section 4.2, whose v-form this is; lowbit stores sqrt(v) on it, include/lowbit/state_form.h)."""
+    return torch.arange(1, 17, dtype=torch.float32) / 16
+
+
 def state_map(signed: bool, device: torch.device, bits: int = 8) -> Tensor:
     """The dynamic map of optimizer states, cached per device: signed for first moments; unsigned
     without its zero for second moments, which are stored as their square roots
@@ -32,6 +51,34 @@ def state_map(signed: bool, device: torch.device, bits: int = 8) -> Tensor:
             code[0] = code[1]  # DE-0 (Li, Chen, Zhu 2023, section 4.1): the smallest code is a floor
         _MAPS[key] = code.to(device)
     return _MAPS[key]
+
+
+def optimizer_state_map(signed: bool, device: torch.device, width: int) -> Tensor:
+    """The map of the block-wise optimizers' states of ``width`` bits, cached per device: :func:`state_map`
+    at 8 bits; at 4 bits :func:`four_bit_signed_map` and :func:`four_bit_unsigned_map` (zero-free too).
+    The LPMM optimizers keep :func:`state_map` at every width."""
+    if width != 4:
+        return state_map(signed, device, width)
+    key = (signed, -4, device)
+    if key not in _MAPS:
+        _MAPS[key] = (four_bit_signed_map() if signed else four_bit_unsigned_map()).to(device)
+    return _MAPS[key]
+
+
+def stored_width(codes: Tensor, numel: int) -> int:
+    """The width of a stored state of ``numel`` elements: 32 (fp32 values), 8 (one uint8 code per element)
+    or 4 (two codes per byte, ``ceil(numel / 2)`` bytes). 4-bit states exist only for ``numel >= 2``
+    (:meth:`StoredStates._state_width`), so the two code layouts never have the same size."""
+    if codes.dtype != torch.uint8:
+        return 32
+    return 8 if codes.numel() == numel else 4
+
+
+def holds(codes: Tensor, numel: int) -> bool:
+    """Whether ``codes`` is a state of ``numel`` elements in one of the stored layouts."""
+    if codes.dtype != torch.uint8:
+        return codes.numel() == numel
+    return codes.numel() == numel or (numel >= 2 and codes.numel() == (numel + 1) // 2)
 
 
 def upgrade_second_moment(codes: Tensor, absmax: Tensor, bits: int, block: int, numel: int) -> tuple[Tensor, Tensor]:
@@ -65,11 +112,11 @@ def like_param(p: Tensor, value: Tensor) -> Tensor:
 
 
 def stored_block_size(numel: int, blocks: int) -> int:
-    """The block size of an 8-bit state of ``numel`` elements with ``blocks`` absmax values."""
+    """The block size of a quantized state of ``numel`` elements with ``blocks`` absmax values."""
     for shift in range(6, 13):
         if _ops.num_blocks(numel, 1 << shift) == blocks:
             return 1 << shift
-    raise ValueError(f"lowbit: an 8-bit state of {numel} elements cannot have {blocks} blocks")
+    raise ValueError(f"lowbit: a quantized state of {numel} elements cannot have {blocks} blocks")
 
 
 def restore_state_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
@@ -102,17 +149,26 @@ class StoredStates:
     param_groups: list[dict[str, Any]]
     state: dict[Tensor, Any]
 
-    def _eight_bit(self, config: dict[str, Any], p: Tensor) -> bool:
-        return config["optim_bits"] == 8 and p.numel() >= config["min_8bit_size"]
+    def _state_width(self, config: dict[str, Any], p: Tensor) -> int:
+        """The width ``config`` asks for the states of ``p``: 8 or 4 from ``optim_bits`` at or above
+        ``min_8bit_size`` / ``min_4bit_size`` elements (of the whole parameter under FSDP2), otherwise 32.
+        4-bit states also need two elements in the local shard: one code would not fill its byte, and
+        ``stored_width`` tells the layouts apart by size."""
+        bits = config["optim_bits"]
+        if bits == 8 and p.numel() >= config["min_8bit_size"]:
+            return 8
+        if bits == 4 and p.numel() >= config["min_4bit_size"] and _ops.local(p).numel() >= 2:
+            return 4
+        return 32
 
-    def _pack(self, k: int, value: Tensor, config: dict[str, Any], eight_bit: bool) -> tuple[Tensor, Tensor]:
-        """(state, absmax) of state k holding ``value`` in the 8-bit or fp32 layout (a second moment,
+    def _pack(self, k: int, value: Tensor, config: dict[str, Any], width: int) -> tuple[Tensor, Tensor]:
+        """(state, absmax) of state k holding ``value`` in the layout of ``width`` bits (a second moment,
         on the unsigned map, as its square root: include/lowbit/state_form.h)."""
-        if eight_bit:
+        if width != 32:
             signed = self._state_signed[k]
             codes, qs = quantize_blockwise(
                 value if signed else value.sqrt(),
-                code=state_map(signed, value.device),
+                code=optimizer_state_map(signed, value.device, width),
                 blocksize=config["block_size"],
             )
             return codes, qs.absmax
@@ -121,17 +177,19 @@ class StoredStates:
     def _unpack(self, k: int, p: Tensor, state: dict[str, Any]) -> Tensor:
         """The fp32 values of state k of ``p``, whatever layout they are stored in."""
         s = _ops.local(state[f"state{k + 1}"])
-        if s.dtype != torch.uint8:
+        shape = _ops.local(p).shape
+        width = stored_width(s, shape.numel())
+        if width == 32:
             return s
         absmax = state[f"absmax{k + 1}"]
         signed = self._state_signed[k]
         qs = QuantState(
             absmax,
-            state_map(signed, s.device),
-            stored_block_size(s.numel(), absmax.numel()),
-            s.shape,
+            optimizer_state_map(signed, s.device, width),
+            stored_block_size(shape.numel(), absmax.numel()),
+            shape,
             torch.float32,
-            8,
+            width,
         )
         value = dequantize_blockwise(s, qs)
         return value if signed else value.square()
@@ -142,13 +200,14 @@ class StoredStates:
         return state
 
     def _layout_matches(self, p: Tensor, state: dict[str, Any], config: dict[str, Any]) -> bool:
-        eight_bit = self._eight_bit(config, p)
-        blocks = _ops.num_blocks(_ops.local(p).numel(), config["block_size"])
+        width = self._state_width(config, p)
+        numel = _ops.local(p).numel()
+        blocks = _ops.num_blocks(numel, config["block_size"])
         for k in self._slots(config):
             s = state.get(f"state{k + 1}")
-            if s is None or (s.dtype == torch.uint8) != eight_bit:
+            if s is None or stored_width(_ops.local(s), numel) != width:
                 return False
-            if eight_bit and state[f"absmax{k + 1}"].numel() != blocks:
+            if width != 32 and state[f"absmax{k + 1}"].numel() != blocks:
                 return False
         return True
 
@@ -161,9 +220,9 @@ class StoredStates:
         values = {}
         for k in self._slots(config):
             if f"state{k + 1}" in state:
-                held, numel = _ops.local(state[f"state{k + 1}"]).numel(), _ops.local(p).numel()
-                if held != numel:
-                    raise ValueError(f"state{k + 1} has {held} elements, the parameter {numel}")
+                held, numel = _ops.local(state[f"state{k + 1}"]), _ops.local(p).numel()
+                if not holds(held, numel):
+                    raise ValueError(f"state{k + 1} has {held.numel()} elements, the parameter {numel}")
                 values[k] = self._unpack(k, p, state).clone()
             else:
                 values[k] = self._initial(k, p, config)
@@ -179,23 +238,24 @@ class StoredStates:
         of ``p``) in the layout ``config`` asks for. In 8-bit layout an element with a non-finite state
         restarts all its states from zero, as the step does (module docstring): one NaN would otherwise
         become its block's scale and spoil the block."""
-        eight_bit = self._eight_bit(config, p)  # by the global element count of an FSDP2 parameter
-        if eight_bit and values:
+        width = self._state_width(config, p)  # by the global element count of an FSDP2 parameter
+        if width != 32 and values:
             bad = ~torch.stack([v.isfinite() for v in values.values()]).all(0)
             if bool(bad.any()):
                 values = {k: v.masked_fill(bad, 0.0) for k, v in values.items()}
         out: dict[str, Tensor] = {}
         for k, value in values.items():
-            codes, out[f"absmax{k + 1}"] = self._pack(k, value, config, eight_bit)
-            out[f"state{k + 1}"] = like_param(p, codes)
+            codes, out[f"absmax{k + 1}"] = self._pack(k, value, config, width)
+            # Packed 4-bit codes are not shaped like the parameter: they stay local, as absmaxes do.
+            out[f"state{k + 1}"] = codes if width == 4 else like_param(p, codes)
         return out
 
     def _upgrade_second_moments(self, p: Tensor) -> None:
         state = self.state.get(p, {})
         for k, signed in enumerate(self._state_signed):
             codes = state.get(f"state{k + 1}")
-            if signed or codes is None or codes.dtype != torch.uint8:
-                continue
+            if signed or codes is None or stored_width(_ops.local(codes), _ops.local(p).numel()) != 8:
+                continue  # format 1 had no 4-bit states
             local, absmax = _ops.local(codes), state[f"absmax{k + 1}"]
             block = stored_block_size(local.numel(), absmax.numel())
             new, state[f"absmax{k + 1}"] = upgrade_second_moment(local, absmax, 8, block, local.numel())

@@ -30,7 +30,7 @@ class LAMB(LowbitOptimizer):
         eps: added to the denominator.
         weight_decay: weight decay, part of the direction the trust ratio scales.
         maximize: maximize the objective instead of minimizing.
-        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+        **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
             ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
@@ -83,7 +83,7 @@ class LARS(SGD):
         trust_coefficient: the paper's eta.
         eps: added to the denominator of the local learning rate.
         maximize: maximize the objective instead of minimizing.
-        **options: ``optim_bits`` (8 or 32, default 32), ``block_size``, ``min_8bit_size``,
+        **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
             ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 

@@ -20,9 +20,9 @@ from torch import nn
 import lowbit.optim as O
 from lowbit import _ops
 from lowbit.functional import create_dynamic_map
-from lowbit.optim.state_storage import state_map
+from lowbit.optim.state_storage import state_map, stored_width
 from tests.blocks import block_absmax, half_code_gap
-from tests.test_optim import DEFAULT_BOUNDS, _relative
+from tests.test_optim import DEFAULT_BOUNDS, FOUR_BIT_BOUNDS, _relative
 
 # One step from states that are an encode of torch's (as after every load here that converts a state):
 # tests/test_optim.py's re-synced per-step bound, 3% relative L2 of the update (twice the worst measured
@@ -53,29 +53,31 @@ def _grad(gen: torch.Generator, n: int, step: int) -> torch.Tensor:
     return scale * torch.randn(n, generator=gen) * (1 + 0.5 * torch.sin(torch.arange(n) / 50.0))
 
 
-def _assert_encoded(got: torch.Tensor, want: torch.Tensor, signed: bool, block: int) -> None:
-    """``got`` is ``want`` encoded once in blocks of ``block`` and decoded: each element within half a code
-    gap times its block's absmax (1e-6 relative for fp32 rounding). A second moment (unsigned) is stored
-    as its root w: |w'^2 - w^2| <= |w' - w| (2 w + |w' - w|), with |w' - w| <= h * absmax(w)."""
+def _assert_encoded(got: torch.Tensor, want: torch.Tensor, signed: bool, block: int, bits: int = 8) -> None:
+    """``got`` is ``want`` encoded once at ``bits`` bits in blocks of ``block`` and decoded: each element within
+    h times its block's absmax, h = half_code_gap (1e-6 relative for fp32 rounding). A second moment
+    (unsigned) is stored as its root w: |w'^2 - w^2| <= |w' - w| (2 w + |w' - w|), with |w' - w| <= h absmax(w)."""
     got, want = got.reshape(-1), want.reshape(-1)
     if signed:
-        bound = half_code_gap(True) * block_absmax(want, block)
+        bound = half_code_gap(True, bits) * block_absmax(want, block)
     else:
-        d = half_code_gap(False) * block_absmax(want.sqrt(), block)
+        d = half_code_gap(False, bits) * block_absmax(want.sqrt(), block)
         bound = d * (2 * want.sqrt() + d)
     err = (got - want).abs()
     assert bool((err <= bound * (1 + 1e-5) + 1e-6 * want.abs()).all()), float((err - bound).max())
 
 
 def _assert_loaded(opt: O.LowbitOptimizer, p: nn.Parameter, want: dict[str, torch.Tensor], block: int) -> None:
-    """The state of ``p`` after a load is ``want`` (torch's layout): exactly at 32 bits, as one encode at 8."""
+    """The state of ``p`` after a load is ``want`` (torch's layout): exactly at 32 bits, as one encode at 8 or
+    4."""
     got = opt.dequantized_state(p)
     assert set(got) == set(want) | {"step"}, sorted(got)
     for k, name in enumerate(opt._state_names):
         if name not in want:
             continue
-        if opt.state[p][f"state{k + 1}"].dtype == torch.uint8:
-            _assert_encoded(got[name], want[name], opt._state_signed[k], block)
+        width = stored_width(opt.state[p][f"state{k + 1}"], p.numel())
+        if width != 32:
+            _assert_encoded(got[name], want[name], opt._state_signed[k], block, width)
         else:
             assert torch.equal(got[name], want[name].float()), name
 
@@ -107,12 +109,13 @@ def _step(opt: torch.optim.Optimizer, p: nn.Parameter, grad: torch.Tensor) -> to
     return p.detach().clone()
 
 
-def _assert_step(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor, exact: bool) -> None:
+def _assert_step(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor, exact: bool, bits: int = 8) -> None:
     if exact:
         # The same fp32 formulas as torch's single-tensor path (tests/test_optim.py).
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     else:
-        assert _relative(got - before, want - before) < STEP_BOUND, _relative(got - before, want - before)
+        bound = STEP_BOUND if bits == 8 else FOUR_BIT_BOUNDS[0]
+        assert _relative(got - before, want - before) < bound, _relative(got - before, want - before)
 
 
 # -- torch.optim state dicts --------------------------------------------------------------------------
@@ -194,7 +197,7 @@ def _trained(cls: type, n: int, steps: int, seed: int, **kw: Any) -> tuple[nn.Pa
     return p, opt
 
 
-@pytest.mark.parametrize(("src_bits", "dst_bits"), [(32, 8), (8, 32)])
+@pytest.mark.parametrize(("src_bits", "dst_bits"), [(32, 8), (8, 32), (32, 4), (4, 32), (8, 4), (4, 8)])
 def test_state_dict_of_other_optim_bits_is_converted(src_bits, dst_bits):
     # 32 -> 8 used to take optim_bits=32 from the checkpoint's param group: the Adam8bit silently ran 32-bit.
     n = 5000
@@ -205,15 +208,14 @@ def test_state_dict_of_other_optim_bits_is_converted(src_bits, dst_bits):
     opt.load_state_dict(src.state_dict())
     assert opt.param_groups[0]["optim_bits"] == dst_bits
     _assert_same_hyperparameters(opt, kw)
-    dtype = torch.uint8 if dst_bits == 8 else torch.float32
-    assert opt.state[q]["state1"].dtype == dtype and opt.state[q]["state2"].dtype == dtype
+    assert stored_width(opt.state[q]["state1"], n) == stored_width(opt.state[q]["state2"], n) == dst_bits
     held = src.dequantized_state(p)
-    _assert_loaded(opt, q, {k: v for k, v in held.items() if k != "step"}, 256)
+    _assert_loaded(opt, q, {k: v for k, v in held.items() if k != "step"}, opt.param_groups[0]["block_size"])
     # The next step is torch's from the state the checkpoint held: to rounding when that state is loaded
-    # exactly (into fp32 states), within the one-encode step bound when it is encoded.
+    # exactly (into fp32 states), within the one-encode step bound of the width when it is encoded.
     grad = _grad(torch.Generator().manual_seed(2), n, 3)
     want = _torch_step(torch.optim.Adam, src.param_groups[0], p.detach(), held, grad)
-    _assert_step(_step(opt, q, grad), want, p.detach(), exact=dst_bits == 32)
+    _assert_step(_step(opt, q, grad), want, p.detach(), exact=dst_bits == 32, bits=dst_bits)
     assert float(opt.state[q]["step"]) == 4
 
 

@@ -26,6 +26,7 @@ import lowbit.optim as O
 OPTIMIZERS = {
     "AdamW8bit": lambda p, lr: O.AdamW8bit(p, lr=lr, min_8bit_size=0),
     "AdamW32bit": lambda p, lr: O.AdamW32bit(p, lr=lr),
+    "AdamW4bit": lambda p, lr: O.AdamW4bit(p, lr=lr, min_4bit_size=0),
     "SGD8bit": lambda p, lr: O.SGD8bit(p, lr=lr, momentum=0.9, min_8bit_size=0),
     "Lion8bit": lambda p, lr: O.Lion8bit(p, lr=lr, min_8bit_size=0),
     "AdamW8bit-amsgrad": lambda p, lr: O.AdamW8bit(p, lr=lr, amsgrad=True, min_8bit_size=0),
