@@ -23,7 +23,8 @@ def _relative(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.parametrize(
-    "optimizer", ["Adam8bit", "AdamW8bit", "SGD8bit", "AdamW32bit", "LARS8bit", "Adam8bit-clip", "LAMB8bit"]
+    "optimizer",
+    ["Adam8bit", "AdamW8bit", "SGD8bit", "AdamW32bit", "LARS8bit", "Adam8bit-clip", "LAMB8bit", "AdamW4bit"],
 )
 def test_fsdp2_matches_one_process_on_the_full_batch(tmp_path, optimizer):
     ref = launch(1, {"parallel": "none", "optimizer": optimizer, "steps": STEPS}, tmp_path)
@@ -78,7 +79,7 @@ def test_ddp_matches_one_process_on_the_full_batch(tmp_path, optimizer):
 LPMM = {"lpmm": [12, 8]}  # 12-bit parameters, 8-bit gradient accumulators, groups of 64
 
 
-@pytest.mark.parametrize("optimizer", ["Adam8bit", "AdamW8bit", "SGD8bit", "LPMMSGD"])
+@pytest.mark.parametrize("optimizer", ["Adam8bit", "AdamW8bit", "SGD8bit", "LPMMSGD", "AdamW4bit"])
 @pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
 def test_dcp_checkpoint_reshards_and_resumes(tmp_path, optimizer, save_world, load_world):
     checkpoint = str(tmp_path / "checkpoint")

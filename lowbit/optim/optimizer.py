@@ -67,8 +67,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         params: parameters or param groups.
         defaults: the optimizer's hyperparameters (set by the subclass).
         optim_bits: 8 for block-wise 8-bit states, 4 for block-wise 4-bit states (two codes per byte, on
-            the zero-free maps of :func:`~lowbit.optim.state_storage.four_bit_signed_map` and
-            :func:`~lowbit.optim.state_storage.four_bit_unsigned_map`), 32 for fp32 states.
+            the maps of :func:`~lowbit.optim.state_storage.optimizer_state_map`), 32 for fp32 states.
         block_size: elements per quantization block of 8-bit and 4-bit states (a power of two,
             64..4096); default 256 at 8 bits, 128 at 4 bits (Li, Chen, Zhu 2023, section 4.1: 4-bit
             codes need the smaller block). At 8 bits, 256 stores 2 + 8/256 = 2.031 bytes per parameter

@@ -21,19 +21,6 @@ _MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 STATE_FORMAT = 2
 
 
-def four_bit_signed_map() -> Tensor:
-    """The 4-bit map of signed states: Li, Chen, Zhu 2023's dynamic-exponent map (section 4.1, three
-    exponent decades), 15 distinct values from -0.8875 to 1 with one zero. :func:`create_dynamic_map` at
-    4 bits spends two codes on 0 instead."""
-    positive = []
-    for decade in range(3):
-        edges = torch.linspace(0.1, 1.0, 2**decade + 1, dtype=torch.float64)
-        positive.append((edges[:-1] + edges[1:]) / 2 * 10.0 ** (decade - 2))
-    half = torch.cat(positive)
-    zero, one = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
-    return torch.cat([-half.flip(0), zero, half, one]).float()
-
-
 def four_bit_unsigned_map() -> Tensor:
     """The 4-bit map of second-moment roots: linear without zero, (i + 1) / 16 for i = 0..15 (Li, Chen,
     Zhu 2023, section 4.2, whose v-form this is; lowbit stores sqrt(v) on it, include/lowbit/state_form.h)."""
@@ -54,14 +41,17 @@ def state_map(signed: bool, device: torch.device, bits: int = 8) -> Tensor:
 
 
 def optimizer_state_map(signed: bool, device: torch.device, width: int) -> Tensor:
-    """The map of the block-wise optimizers' states of ``width`` bits, cached per device: :func:`state_map`
-    at 8 bits; at 4 bits :func:`four_bit_signed_map` and :func:`four_bit_unsigned_map` (zero-free too).
-    The LPMM optimizers keep :func:`state_map` at every width."""
-    if width != 4:
+    """The map of the block-wise optimizers' states of ``width`` bits, cached per device: :func:`state_map`,
+    except for 4-bit second-moment roots, which use :func:`four_bit_unsigned_map` (zero-free too). The
+    signed 4-bit map is the dynamic one, symmetric with both +-1, so that a block's absmax element decodes
+    exactly whatever its sign; Li, Chen, Zhu 2023's map stops at -0.8875 and decodes a negative absmax 11%
+    short (benchmarks/bench_state_forms.py --m-map: the two train alike). The LPMM optimizers keep
+    :func:`state_map` at every width."""
+    if width != 4 or signed:
         return state_map(signed, device, width)
     key = (signed, -4, device)
     if key not in _MAPS:
-        _MAPS[key] = (four_bit_signed_map() if signed else four_bit_unsigned_map()).to(device)
+        _MAPS[key] = four_bit_unsigned_map().to(device)
     return _MAPS[key]
 
 
