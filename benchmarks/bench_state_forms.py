@@ -1,6 +1,6 @@
 """How should 4-bit Adam second moments be stored? A measurement of four stored forms of v.
 
-    python benchmarks/bench_state_forms.py [--seeds 0 1 2] [--per-seed] [--m-fp32]
+    python benchmarks/bench_state_forms.py [--seeds 0 1 2] [--per-seed] [--m-fp32] [--m-map paper|dynamic]
 
 Pure PyTorch (fp32, CPU, one thread, fixed seeds); lowbit itself is not imported. Every variant runs
 torch.optim.AdamW's update (decoupled decay ``p *= 1 - lr*wd``, ``m.lerp_(g, 1-b1)``,
@@ -8,8 +8,8 @@ torch.optim.AdamW's update (decoupled decay ``p *= 1 - lr*wd``, ``m.lerp_(g, 1-b
 ``p -= lr/bc1 * m/denom``) and after each step replaces m and v by their 4-bit quantize -> dequantize
 round trip: block-wise absmax over blocks of 128 contiguous elements of the flattened tensor (last
 block zero-padded), nearest code (argmin over the map, ties to the lower index). Every tensor is
-quantized, whatever its size. m always uses the signed 4-bit dynamic-exponent (DE) map of Li, Chen,
-Zhu 2023. The variants differ in v:
+quantized, whatever its size. m uses the signed 4-bit dynamic-exponent (DE) map of Li, Chen,
+Zhu 2023, or with ``--m-map dynamic`` lowbit's symmetric one. The variants differ in v:
 
     V1  v       on the linear map (i+1)/16            (the 4-bit paper / torchao AdamW4bit)
     V2  sqrt(v) on the linear map (i+1)/16
@@ -59,11 +59,20 @@ from torch.nn import functional as F
 LR, WD, BETAS, EPS = 1e-3, 1e-2, (0.9, 0.999), 1e-8
 BLOCK = 128
 
-# Signed 4-bit dynamic-exponent map of the first moment (notes/low-bit-states.md section 1).
-M_MAP = torch.tensor(
-    [-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0]
-    + [0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0]
-)
+# Signed 4-bit maps of the first moment (--m-map): "paper", Li et al.'s dynamic-exponent map
+# (notes/low-bit-states.md section 1), which stops at -0.8875; "dynamic", lowbit's (create_dynamic_map at 4
+# bits, as lowbit.optim.state_storage.optimizer_state_map), symmetric with both +-1 and 0 twice.
+M_MAPS = {
+    "paper": torch.tensor(
+        [-0.8875, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0]
+        + [0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 0.8875, 1.0]
+    ),
+    "dynamic": torch.tensor(
+        [-1.0, -0.6625, -0.4375, -0.2125, -0.0775, -0.0325, -0.0055, 0.0]
+        + [0.0, 0.0055, 0.0325, 0.0775, 0.2125, 0.4375, 0.6625, 1.0]
+    ),
+}
+M_MAP = M_MAPS["paper"].clone()
 # Linear map without zero, (i+1)/16.
 LINEAR_MAP = torch.arange(1, 17, dtype=torch.float32) / 16
 # Unsigned 4-bit dynamic map; DE-0 sets code[0] = code[1] so that nothing decodes to 0.
@@ -352,13 +361,18 @@ def main() -> None:
     parser.add_argument(
         "--m-fp32", action="store_true", help="diagnostic: keep m in fp32 so that only v is quantized (V1-V4)"
     )
+    parser.add_argument("--m-map", choices=sorted(M_MAPS), default="paper", help="the first moment's 4-bit map")
     args = parser.parse_args()
+    M_MAP.copy_(M_MAPS[args.m_map])
     if args.m_fp32:
         VARIANTS[:] = [VARIANTS[0]] + [
             dataclasses.replace(v, name=v.name + " (m fp32)", quant_m=False) for v in VARIANTS if v.v_map is not None
         ]
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, seeds {args.seeds}, block {BLOCK}, lr {LR}, wd {WD}, betas {BETAS}, eps {EPS}")
+    print(
+        f"torch {torch.__version__}, seeds {args.seeds}, block {BLOCK}, lr {LR}, wd {WD}, betas {BETAS}, eps {EPS}, "
+        f"m map {args.m_map}"
+    )
     for name in args.scenarios:
         t0 = time.perf_counter()
         results = run_scenario(name, args.seeds)
