@@ -20,6 +20,12 @@ settings.register_profile("thorough", deadline=None, max_examples=500)
 settings.register_profile("fresh", parent=settings.get_profile("lowbit"), derandomize=False, print_blob=True)
 settings.load_profile(os.environ.get("LOWBIT_HYPOTHESIS_PROFILE", "lowbit"))
 
+# Under pytest-xdist (README: `-n auto`), the workers share the cores: each keeps its share of threads, as
+# OpenMP loops whose threads outnumber the cores wait on each other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """With LOWBIT_PROPERTY_TESTS_ONLY=1, keeps only the hypothesis property tests."""
