@@ -14,12 +14,15 @@ from lowbit.optim.fixed_bits import (
     LARS32bit,
     Lion8bit,
     Lion32bit,
+    Muon8bit,
+    Muon32bit,
     RMSprop8bit,
     RMSprop32bit,
     SGD8bit,
     SGD32bit,
 )
 from lowbit.optim.lpmm import LPMMSGD, LPMMAdamW, LPMMOptimizer
+from lowbit.optim.muon import Muon, muon_with_adamw
 from lowbit.optim.optimizer import LowbitOptimizer
 from lowbit.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
 from lowbit.optim.trust_ratio import LAMB, LARS
@@ -48,6 +51,9 @@ __all__ = [
     "Lion8bit",
     "Lion32bit",
     "LowbitOptimizer",
+    "Muon",
+    "Muon8bit",
+    "Muon32bit",
     "RMSprop",
     "RMSprop8bit",
     "RMSprop32bit",
@@ -55,5 +61,6 @@ __all__ = [
     "SGD32bit",
     "clear_override",
     "get_override",
+    "muon_with_adamw",
     "override",
 ]
