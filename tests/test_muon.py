@@ -1,11 +1,12 @@
 """Muon8bit / Muon32bit against torch.optim.Muon: arguments and errors, the fused momentum op against its
 pure-PyTorch twin, exactness of the 32-bit twin, the 8-bit trajectory, state size, the usual recipe
-(Muon on hidden matrices, AdamW on the rest) and FSDP2's sharded parameters."""
+(Muon on hidden matrices, AdamW on the rest) and FSDP2's sharded parameters. State dicts (torch.optim.Muon's
+into Muon8bit and back, round trips) are in tests/conformance/test_checkpoints.py, the trajectory bound in
+tests/test_optim_trajectories.py, the CUDA launcher in tests/test_cuda_emulation.py."""
 
 from __future__ import annotations
 
 import inspect
-import io
 
 import pytest
 import torch
@@ -16,7 +17,6 @@ from lowbit import _ops
 from lowbit import _reference as R
 from lowbit.functional import create_dynamic_map, quantize_blockwise
 from lowbit.memory import memory_report
-from tests.blocks import block_absmax, half_code_gap
 
 pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch >= 2.9")
 
@@ -193,50 +193,6 @@ def test_8bit_state_is_at_most_1_02_bytes_per_parameter(shape):
     assert opt.state[model.weight]["state1"].dtype == torch.uint8
 
 
-# -- state dicts -------------------------------------------------------------------------------------------
-
-
-def test_torch_muon_state_dict_loads_into_muon8bit_and_back():
-    shape = (64, 96)
-    grads = _grads(shape, 6, seed=5)
-    p = nn.Parameter(torch.randn(shape))
-    ref = torch.optim.Muon([p], lr=0.02)
-    _run(ref, p, grads[:3])
-    buf = ref.state[p]["momentum_buffer"].clone()
-    q = nn.Parameter(p.detach().clone())
-    opt = O.Muon8bit([q], lr=0.5, weight_decay=0.3, min_8bit_size=0)  # hyperparameters come from the dict
-    opt.load_state_dict(ref.state_dict())
-    assert opt.param_groups[0]["lr"] == 0.02 and opt.param_groups[0]["weight_decay"] == 0.1
-    # One encode of torch's buffer: each element within half a code gap of its block's absmax.
-    loaded = opt.dequantized_state(q)["momentum_buffer"].reshape(-1)
-    bound = half_code_gap(True) * block_absmax(buf, 256) * (1 + 1e-6)
-    assert bool(((loaded - buf.reshape(-1)).abs() <= bound).all())
-    # And back: torch.optim.Muon steps from lowbit's buffer as Muon32bit does, bit for bit.
-    back_p = nn.Parameter(q.detach().clone())
-    back = torch.optim.Muon([back_p], lr=0.02)
-    back.load_state_dict({"state": {0: opt.dequantized_state(q)}, "param_groups": ref.state_dict()["param_groups"]})
-    twin_p = nn.Parameter(q.detach().clone())
-    twin = O.Muon32bit([twin_p])
-    twin.load_state_dict(back.state_dict())
-    assert torch.equal(_run(back, back_p, grads[3:]), _run(twin, twin_p, grads[3:]))
-
-
-def test_state_dict_round_trip_resumes_bit_for_bit():
-    shape = (64, 96)
-    grads = _grads(shape, 6, seed=6)
-    p = nn.Parameter(torch.randn(shape))
-    opt = O.Muon8bit([p], lr=0.02, min_8bit_size=0)
-    _run(opt, p, grads[:3])
-    buffer = io.BytesIO()
-    torch.save(opt.state_dict(), buffer)
-    q = nn.Parameter(p.detach().clone())
-    resumed = O.Muon8bit([q])
-    resumed.load_state_dict(torch.load(io.BytesIO(buffer.getvalue())))
-    assert torch.equal(_run(opt, p, grads[3:]), _run(resumed, q, grads[3:]))
-    assert torch.equal(opt.state[p]["state1"], resumed.state[q]["state1"])
-    assert float(resumed.state[q]["step"]) == 6
-
-
 # -- failures change nothing -----------------------------------------------------------------------------
 
 
@@ -305,7 +261,7 @@ def test_muon_with_adamw_splits_one_model(tie):
         O.muon_with_adamw(net, head=["nope"])
 
 
-def _mlp_loss(make_muon: type, seed: int) -> float:
+def _mlp_loss(make_muon: type, seed: int, steps: int = 50) -> float:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(512, 16, generator=gen)
     y = torch.sin(x @ torch.randn(16, 4, generator=gen))
@@ -314,7 +270,7 @@ def _mlp_loss(make_muon: type, seed: int) -> float:
     hidden = [model[2].weight]
     rest = [p for p in model.parameters() if p is not model[2].weight]
     opts = [make_muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=3e-3)]
-    for _ in range(150):
+    for _ in range(steps):
         loss = nn.functional.mse_loss(model(x), y)
         for o in opts:
             o.zero_grad()
@@ -325,11 +281,14 @@ def _mlp_loss(make_muon: type, seed: int) -> float:
         return float(nn.functional.mse_loss(model(x), y))
 
 
-def test_mlp_with_muon8bit_hidden_matrices_ends_within_2_percent_of_torch_muon():
-    # The run: a 16-128-128-4 ReLU MLP regressing sin(x W) on 512 fixed points, full batch, 150 steps;
-    # the 128x128 hidden matrix with Muon (lr 0.02, torch's other defaults), everything else with
-    # torch.optim.AdamW (lr 3e-3) in both runs, the same init. The bound: issue 29's 2% of the final loss,
-    # on the mean over two seeds. A Muon8bit that does not step its matrix ends tens of percent higher.
-    ours = sum(_mlp_loss(O.Muon8bit, seed) for seed in (0, 1))
-    torchs = sum(_mlp_loss(torch.optim.Muon, seed) for seed in (0, 1))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_mlp_with_muon8bit_hidden_matrices_ends_within_2_percent_of_torch_muon(seed):
+    # The run: a 16-128-128-4 ReLU MLP regressing sin(x W) on 512 fixed points, full batch, 50 steps from
+    # the same init; its 128x128 hidden matrix with Muon (lr 0.02, torch's other defaults), everything
+    # else with torch.optim.AdamW (lr 3e-3) in both runs. The bound: issue 29's 2% of the final loss, per
+    # seed. Why 50 steps: later this run enters a spiky regime where a 0.2% change of torch's own lr moves
+    # the loss at step 150 by up to 11%, which would measure chaos, not the buffer. Measured at 50 steps
+    # (seeds 0-3): Muon8bit within 0.8% of torch, the 0.2% lr change within 0.4%; a Muon that does not
+    # step the matrix (lr 0) ends 170-200% higher.
+    ours, torchs = _mlp_loss(O.Muon8bit, seed), _mlp_loss(torch.optim.Muon, seed)
     assert abs(ours - torchs) <= 0.02 * torchs, (ours, torchs)
