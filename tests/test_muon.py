@@ -83,6 +83,14 @@ def test_momentum_op_fp32_buffer_is_torchs_lerp():
         assert torch.equal(update, g.lerp(want, 0.95) if nesterov else want)
 
 
+def test_momentum_op_passes_opcheck():
+    # Schema (which arguments it mutates), fake kernel and autograd registration, as torch.compile sees them.
+    code = create_dynamic_map()
+    state, qs = quantize_blockwise(torch.randn(300), code, blocksize=64)
+    args = (torch.randn(300), state, qs.absmax, code, torch.empty(300), 0.95, True, 64)
+    torch.library.opcheck(torch.ops.lowbit.muon_momentum_.default, args)
+
+
 def test_momentum_op_checks_before_writing():
     code = create_dynamic_map()
     state, absmax, update = torch.zeros(300, dtype=torch.uint8), torch.zeros(2), torch.zeros(300)
