@@ -7,10 +7,12 @@ Run from the repository root::
 
 Options: ``--numel`` (parameters per workload, default 16 * 2**20), ``--workload`` (``single``: one
 tensor of ``--numel`` parameters; ``many``: transformer-like tensors totalling about ``--numel``;
-``both``, the default), ``--repeats`` (timed steps per optimizer, 10), ``--warmup`` (untimed steps per
-optimizer before timing, 3, at least 1), ``--threads`` (``torch.set_num_threads``), ``--dtype``
-(parameter and gradient dtype, float32 or bfloat16), ``--device`` (cpu or cuda), ``--json PATH`` (also
-write the results as JSON).
+``both``, the default; ``muon``: the 1024x1024, 4096x1024 and 1024x4096 matrices of issue 29, stepped by
+Muon8bit, Muon32bit and torch.optim.Muon, the baseline of that table, also with ``ns_steps=0``, which
+times the momentum step and the update alone), ``--repeats`` (timed steps per optimizer, 10),
+``--warmup`` (untimed steps per optimizer before timing, 3, at least 1), ``--threads``
+(``torch.set_num_threads``), ``--dtype`` (parameter and gradient dtype, float32 or bfloat16), ``--device``
+(cpu or cuda), ``--json PATH`` (also write the results as JSON).
 
 The ``many`` workload is a GPT-style stack of 24 layers of hidden size d (the largest multiple of 16
 that fits ``--numel``), each with four d x d attention matrices, a d x 4d and a 4d x d MLP matrix, their
@@ -51,6 +53,9 @@ import lowbit.optim
 LR = 1e-3
 MOMENTUM = 0.9
 BASELINE = "torch AdamW fused"
+MUON_BASELINE = "torch Muon"
+MUON_LR = 0.02
+MUON_SHAPES = [(1024, 1024), (4096, 1024), (1024, 4096)]
 HEADLINE = "lowbit Adam8bit"
 LAYERS = 24
 # Hidden sizes are multiples of 16, as in real models, so the shapes stay realistic at any --numel.
@@ -67,6 +72,7 @@ class Workload:
     name: str
     shapes: list[tuple[int, ...]]
     hidden: Optional[int] = None
+    baseline: str = BASELINE
 
     @property
     def numel(self) -> int:
@@ -115,7 +121,20 @@ def make_workloads(kind: str, numel: int) -> list[Workload]:
         workloads.append(Workload("single", [(numel,)]))
     if kind in ("many", "both"):
         workloads.append(many_workload(numel))
+    if kind == "muon":
+        workloads.append(Workload("muon", list(MUON_SHAPES), baseline=MUON_BASELINE))
     return workloads
+
+
+def muon_factories() -> dict[str, Factory]:
+    """Muon's rows: lowbit's 8- and 32-bit buffers against torch.optim.Muon, with and without Newton-Schulz."""
+    return {
+        "lowbit Muon8bit": lambda ps: lowbit.optim.Muon8bit(ps, lr=MUON_LR),
+        "lowbit Muon32bit": lambda ps: lowbit.optim.Muon32bit(ps, lr=MUON_LR),
+        MUON_BASELINE: lambda ps: torch.optim.Muon(ps, lr=MUON_LR),
+        "lowbit Muon8bit, ns_steps=0": lambda ps: lowbit.optim.Muon8bit(ps, lr=MUON_LR, ns_steps=0),
+        "torch Muon, ns_steps=0": lambda ps: torch.optim.Muon(ps, lr=MUON_LR, ns_steps=0),
+    }
 
 
 def import_optional(name: str) -> Optional[ModuleType]:
@@ -221,15 +240,16 @@ def run_workload(
     return [Row(name, statistics.median(ts), min(ts), memory[name]) for name, ts in times.items()]
 
 
-def ratio_to_baseline(rows: list[Row], optimizer: str) -> float:
-    """Median step time of ``optimizer`` over that of the baseline, both from ``rows``."""
+def ratio_to_baseline(rows: list[Row], optimizer: str, baseline: str = BASELINE) -> float:
+    """Median step time of ``optimizer`` over that of ``baseline``, both from ``rows``."""
     medians = {r.optimizer: r.median_s for r in rows}
-    return medians[optimizer] / medians[BASELINE]
+    return medians[optimizer] / medians[baseline]
 
 
-def format_table(rows: list[Row], numel: int) -> str:
+def format_table(rows: list[Row], numel: int, baseline: str = BASELINE) -> str:
     """Plain-text table; ms and ns/param from the median step, "best" the fastest, ratio of medians."""
-    header = ["optimizer", "median ms", "best ms", "ns/param", "x fused AdamW", "state bytes/param"]
+    ratio = "x fused AdamW" if baseline == BASELINE else f"x {baseline}"
+    header = ["optimizer", "median ms", "best ms", "ns/param", ratio, "state bytes/param"]
     lines = [header]
     for r in rows:
         lines.append(
@@ -238,7 +258,7 @@ def format_table(rows: list[Row], numel: int) -> str:
                 f"{r.median_s * 1e3:.2f}",
                 f"{r.min_s * 1e3:.2f}",
                 f"{r.median_s * 1e9 / numel:.3f}",
-                f"{ratio_to_baseline(rows, r.optimizer):.2f}x",
+                f"{ratio_to_baseline(rows, r.optimizer, baseline):.2f}x",
                 f"{r.state_bytes / numel:.3f}",
             ]
         )
@@ -284,7 +304,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--numel", type=int, default=16 * 2**20, help="parameters per workload (default 16M)")
-    p.add_argument("--workload", choices=("single", "many", "both"), default="both")
+    p.add_argument("--workload", choices=("single", "many", "both", "muon"), default="both")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per optimizer (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per optimizer first (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(THREADS)")
@@ -310,7 +330,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     workloads = make_workloads(args.workload, args.numel)
 
     results = {
-        w.name: run_workload(w, factories, DTYPES[args.dtype], device, args.warmup, args.repeats) for w in workloads
+        w.name: run_workload(
+            w,
+            factories if w.baseline == BASELINE else muon_factories(),
+            DTYPES[args.dtype],
+            device,
+            args.warmup,
+            args.repeats,
+        )
+        for w in workloads
     }
 
     env = environment(args, workloads, bnb, torchao)
@@ -325,13 +353,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     for w in workloads:
         print()
         print(f"workload {w.name}: {describe(w)}")
-        print(format_table(results[w.name], w.numel))
+        print(format_table(results[w.name], w.numel, w.baseline))
     print()
-    headline = {w.name: ratio_to_baseline(results[w.name], HEADLINE) for w in workloads}
-    print(
-        f"{HEADLINE} median / {BASELINE} median (target <= 1.5x on CPU, 2 threads, 16M fp32 params): "
-        + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in headline.items())
-    )
+    headline = {w.name: ratio_to_baseline(results[w.name], HEADLINE) for w in workloads if w.baseline == BASELINE}
+    if headline:
+        print(
+            f"{HEADLINE} median / {BASELINE} median (target <= 1.5x on CPU, 2 threads, 16M fp32 params): "
+            + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in headline.items())
+        )
 
     if args.json is not None:
         result = {
@@ -343,11 +372,12 @@ def main(argv: Optional[list[str]] = None) -> None:
                     "numel": w.numel,
                     "tensors": len(w.shapes),
                     "hidden": w.hidden,
+                    "baseline": w.baseline,
                     "rows": [
                         {
                             **dataclasses.asdict(r),
                             "ns_per_param": r.median_s * 1e9 / w.numel,
-                            "x_baseline": ratio_to_baseline(results[w.name], r.optimizer),
+                            "x_baseline": ratio_to_baseline(results[w.name], r.optimizer, w.baseline),
                             "state_bytes_per_param": r.state_bytes / w.numel,
                         }
                         for r in results[w.name]

@@ -66,6 +66,21 @@ lowbit::InvactGradArgs invact_grad_args(uintptr_t grad, uintptr_t y, uintptr_t b
                                 ptr<const float>(coeffs), ptr<const float>(params), ptr<void>(out)};
 }
 
+lowbit::MuonArgs muon_args(uintptr_t grad, int dtype, int64_t n, uintptr_t state, uintptr_t absmax, int state_bits,
+                           uintptr_t map, int64_t block_size, uintptr_t update, float one_minus_momentum,
+                           float momentum, bool nesterov) {
+  if (state_bits != 8 && state_bits != 32) {
+    throw std::invalid_argument("lowbit: muon_momentum state_bits must be 8 or 32, got " + std::to_string(state_bits));
+  }
+  if (state_bits == 8 && (block_size < 64 || block_size > 4096 || (block_size & (block_size - 1)) != 0)) {
+    throw std::invalid_argument("lowbit: muon_momentum block_size must be a power of two in 64..4096");
+  }
+  return lowbit::MuonArgs{ptr<const void>(grad), dtype,      n,
+                          ptr<void>(state),      ptr<float>(absmax), state_bits,
+                          ptr<const float>(map), block_size, ptr<float>(update),
+                          lowbit::MuonHyper{one_minus_momentum, momentum, nesterov}};
+}
+
 // t: x, a2, grad, codes_in, codes_out, mean, invstd, grid, gamma, beta, out, g_gamma, g_beta (addresses).
 lowbit::BlpaArgs blpa_args(const std::vector<uintptr_t>& t, int64_t n, int64_t channels, int64_t inner, int dtype,
                            int bits, int batch_stats) {
@@ -340,6 +355,7 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
   def_loop(m, "blpa_decode", &blpa_args, &lowbit::cpu::blpa_decode, LB_CUDA_LOOP(blpa_decode));
   def_loop(m, "blpa_backward", &blpa_args, &lowbit::cpu::blpa_backward, LB_CUDA_LOOP(blpa_backward));
   def_loop(m, "invact_grad", &invact_grad_args, &lowbit::cpu::invact_grad, LB_CUDA_LOOP(invact_grad));
+  def_loop(m, "muon_momentum", &muon_args, &lowbit::cpu::muon_momentum, LB_CUDA_LOOP(muon_momentum));
   def_loop(m, "optimizer_step", &optim_args, &lowbit::cpu::optimizer_step, LB_CUDA_LOOP(optimizer_step));
   def_loop(m, "lpmm_accumulate", &lpmm_accum_args, &lowbit::cpu::lpmm_accumulate, LB_CUDA_LOOP(lpmm_accumulate));
   def_loop(m, "lpmm_step", &lpmm_args, &lowbit::cpu::lpmm_step, LB_CUDA_LOOP(lpmm_step));

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "lowbit/momentum_rule.h"
 #include "lowbit/optim_rules.h"
 #include "lowbit/rounding.h"
 
@@ -138,6 +139,23 @@ LB_HD StepScalars scalars_row(const float* scalars, int64_t t, float grad_scale,
 // The address held in an int64 cell of a meta table.
 LB_HD void* cell_address(int64_t cell) { return reinterpret_cast<void*>(static_cast<uintptr_t>(cell)); }
 
+// Muon's fused momentum step over one tensor of n elements (lowbit/momentum_rule.h): the buffer is
+// fp32 (state_bits 32) or uint8 codes into the 256-entry `map` with one fp32 absmax per block of
+// block_size elements (state_bits 8), decoded, updated and requantized in place; the (Nesterov-blended)
+// update goes to `update` (fp32), which Newton-Schulz then orthogonalises.
+struct MuonArgs {
+  const void* grad;
+  int dtype;
+  int64_t n;
+  void* state;
+  float* absmax;
+  int state_bits;
+  const float* map;
+  int64_t block_size;
+  float* update;
+  MuonHyper hyper;
+};
+
 struct OptimArgs {
   Rule rule;
   StepHyper hyper;
@@ -267,6 +285,7 @@ void unpack_bits(const PackArgs& a, int threads);
 void fewbit_encode(const FewbitEncodeArgs& a, int threads);
 void fewbit_grad(const FewbitGradArgs& a, int threads);
 void invact_grad(const InvactGradArgs& a, int threads);
+void muon_momentum(const MuonArgs& a, int threads);
 void blpa_encode(const BlpaArgs& a, int threads);
 void blpa_decode(const BlpaArgs& a, int threads);
 void blpa_backward(const BlpaArgs& a, int threads);
@@ -290,6 +309,7 @@ void unpack_bits(const PackArgs& a, int device, uintptr_t stream);
 void fewbit_encode(const FewbitEncodeArgs& a, int device, uintptr_t stream);
 void fewbit_grad(const FewbitGradArgs& a, int device, uintptr_t stream);
 void invact_grad(const InvactGradArgs& a, int device, uintptr_t stream);
+void muon_momentum(const MuonArgs& a, int device, uintptr_t stream);
 void blpa_encode(const BlpaArgs& a, int device, uintptr_t stream);
 void blpa_decode(const BlpaArgs& a, int device, uintptr_t stream);
 void blpa_backward(const BlpaArgs& a, int device, uintptr_t stream);

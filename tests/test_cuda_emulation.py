@@ -21,6 +21,9 @@ Launchers (csrc/cuda) and the tests that run them:
   tensor's block sums)
 - lpmm.cu: lpmm_accumulate: test_lpmm_accumulate; lpmm_step: test_lpmm_step,
   test_lpmm_step_blocks_of_several_groups (small groups sharing a thread block)
+- muon.cu: muon_momentum: test_muon_momentum (8-bit buffers at block sizes 64..4096 and fp32 buffers,
+  fp32/fp16/bf16 gradients, Nesterov on and off, a non-finite gradient), test_muon8bit_steps (Muon8bit's
+  step through the launcher)
 - every launcher with no elements: test_empty_launches
 Not covered yet: nothing of csrc/cuda; what the emulation cannot show (races between blocks, stream order,
 occupancy) needs a GPU. Build the module as .ci/run does; LOWBIT_CUDA_EMULATION_SANITIZE=ON adds
@@ -45,7 +48,8 @@ emu = pytest.importorskip("lowbit._C_cuda_emu", reason="built only with the CMak
 
 SIZES = [1, 255, 257, 4095, 4097]
 _OP_MODULES = [
-    importlib.import_module(f"lowbit._ops.{name}") for name in ("quantize", "fewbit", "invact", "blpa", "optim", "lpmm")
+    importlib.import_module(f"lowbit._ops.{name}")
+    for name in ("quantize", "fewbit", "invact", "blpa", "optim", "lpmm", "muon")
 ]
 
 
@@ -423,6 +427,50 @@ def test_lpmm_step_blocks_of_several_groups(group):
     _identical(run)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [64, 256, 4096, 0])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_momentum(dtype, block, nesterov):
+    # block 0: an fp32 buffer (the grid-stride kernel); otherwise 8-bit codes on the signed dynamic map.
+    code = F.create_dynamic_map(signed=True)
+
+    def run() -> list:
+        out = []
+        for n in SIZES:
+            g = torch.Generator().manual_seed(n)
+            grad = (torch.randn(n, generator=g) * torch.logspace(-3, 3, n)).to(dtype)
+            grad[n // 2] = float("nan")
+            m = torch.randn(n, generator=g)
+            if block:
+                state, qs = F.quantize_blockwise(m, code, blocksize=block)
+                absmax = qs.absmax
+            else:
+                state, absmax = m, torch.empty(0)
+            update = torch.empty(n)
+            for _ in range(2):
+                _ops.muon_momentum_(grad, state, absmax, code, update, 0.95, nesterov, block or 256)
+            out += [state, absmax, update]
+        return out
+
+    _identical(run)
+
+
+def test_muon8bit_steps():
+    import lowbit.optim as O
+
+    def run() -> list:
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in [(33, 129), (64, 80)]]
+        opt = O.Muon8bit(params, lr=0.02, min_8bit_size=0)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        return [*params, opt.state_dict()]
+
+    _identical(run)
+
+
 # Every launcher with no elements returns before launching: a grid of 0 blocks fails in the emulation as
 # on a GPU (the ops skip empty tensors before reaching the launchers, so these call them directly).
 EMPTY_LAUNCHES = {
@@ -438,6 +486,8 @@ EMPTY_LAUNCHES = {
     "blpa_decode": lambda: emu.blpa_decode_cuda([0] * 13, 0, 4, 1, 0, 4, 1, 0, 0),
     "blpa_backward": lambda: emu.blpa_backward_cuda([0] * 13, 0, 4, 1, 0, 4, 1, 0, 0),
     "lpmm_accumulate": lambda: emu.lpmm_accumulate_cuda(0, 0, 0, 0, 0, 8, 256, False, 0, 0, 0),
+    "muon_momentum": lambda: emu.muon_momentum_cuda(0, 0, 0, 0, 0, 8, 0, 256, 0, 0.05, 0.95, True, 0, 0),
+    "muon_momentum fp32": lambda: emu.muon_momentum_cuda(0, 0, 0, 0, 0, 32, 0, 256, 0, 0.05, 0.95, False, 0, 0),
 }
 
 

@@ -59,9 +59,9 @@ def test_every_native_entry_point_has_a_caller():
     # CUDA launchers of a CPU-only build are looked up only when a CUDA tensor arrives.
     import inspect
 
-    from lowbit._ops import blpa, fewbit, quantize
+    from lowbit._ops import blpa, fewbit, muon, quantize
 
-    source = "".join(inspect.getsource(m) for m in (quantize, fewbit, invact, blpa, optim, lpmm))
+    source = "".join(inspect.getsource(m) for m in (quantize, fewbit, invact, blpa, optim, muon, lpmm))
     for name in dir(_C):
         if name.endswith("_cpu"):
             assert f"_C.{name}," in source and f"_C.{name.removesuffix('_cpu')}_cuda)" in source, name

@@ -1,4 +1,5 @@
-"""Property test of whole trajectories: every 8-bit and 4-bit optimizer against its own 32-bit twin, and
+"""Property test of whole trajectories: every 8-bit and 4-bit optimizer against its own 32-bit twin (Muon8bit
+on the tensor as a matrix), and
 LPMMAdamW against torch.optim.AdamW, on random gradient sequences that mix dense steps, rarely
 non-zero rows, exactly-zero steps, magnitudes over many decades and occasional non-finite elements.
 
@@ -58,6 +59,30 @@ def _adam_step_bound(t: int, lr: float = LR, betas: tuple[float, float] = ADAM_B
 # a Bounds of the quantities seen so far). Adam's is per element, to first order in the map steps
 # (RHO); the others hold exactly: a block's 8-bit state never exceeds its absmax, which obeys the
 # rule's own recursion over the block.
+def _ns_sup(coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315), steps: int = 5) -> float:
+    """The largest singular value torch.optim.Muon's Newton-Schulz can output: the sup over [0, b] of the
+    quintic a x + b x^3 + c x^5, iterated from b = 1 (1.2024 for the defaults, a fixed point after one
+    iteration), times 1.05 for the iteration's bf16 arithmetic (each of its five steps rounds its operands
+    to bf16, a relative 2^-9 each, well under 5% in all)."""
+    a, b, c = coefficients
+    bound = 1.0
+    for _ in range(steps):
+        x = torch.linspace(0, bound, 100001, dtype=torch.float64)
+        bound = float((a * x + b * x**3 + c * x**5).abs().max())
+    return 1.05 * bound
+
+
+NS_SUP = _ns_sup()
+
+
+def _as_matrix(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a wide matrix: rows the largest divisor of its size up to its square root (1 x n for a
+    prime n)."""
+    n = t.numel()
+    rows = max(r for r in range(1, math.isqrt(n) + 1) if n % r == 0)
+    return t.reshape(rows, n // rows)
+
+
 # The 4-bit cases hold to the same bounds with their maps' RHO: both maps end at 1 too.
 class Bounds:
     def __init__(self, t: int, gmax_block: torch.Tensor, pnorm: float, pnorm_max: float, rho: float) -> None:
@@ -82,7 +107,20 @@ CASES = [
     (O.LAMB8bit, O.LAMB32bit, dict(lr=LR), lambda b: LR * b.pnorm),
     # Each trust-scaled gradient is at most eta ||p||; the momentum sums them.
     (O.LARS8bit, O.LARS32bit, dict(lr=LR, momentum=0.9), lambda b: LR * 1e-3 * b.pnorm_max / (1 - 0.9)),
+    # Newton-Schulz's output O has every |O_ij| <= its largest singular value, which the quintic takes
+    # from [0, 1] (the input is scaled to Frobenius norm <= 1) to at most NS_SUP; the stepped matrices are
+    # wide (_as_matrix), so the adjusted lr is lr.
+    (O.Muon8bit, O.Muon32bit, dict(lr=LR, weight_decay=0.1), lambda b: LR * NS_SUP),
 ]
+
+
+def o8_bits(cls: type) -> int:
+    """The state width of a quantized class of CASES."""
+    return 4 if cls in (O.Adam4bit, O.AdamW4bit, O.SGD4bit) else 8
+
+
+# Muon steps 2-D parameters only: its cases run on the tensor reshaped by _as_matrix.
+MATRIX_ONLY = (O.Muon8bit,)
 KINDS = ["dense", "rare_rows", "zero", "decades", "outlier", "nonfinite"]
 
 
@@ -150,10 +188,12 @@ def _check_against_twins(p0: torch.Tensor, grads: list[torch.Tensor], dtype: tor
     unit = 2.0**-24 if dtype == torch.float32 else 2.0**-8
     for cls8, cls32, kw, step_bound in CASES:
         # copy=True: in fp32, .to(dtype) would hand both optimizers the one tensor p0.
-        p8, p32 = nn.Parameter(p0.to(dtype, copy=True)), nn.Parameter(p0.to(dtype, copy=True))
-        o8 = cls8([p8], block_size=block, min_8bit_size=0, min_4bit_size=0, **kw)
+        shaped = _as_matrix if cls8 in MATRIX_ONLY else lambda t: t
+        p8, p32 = nn.Parameter(shaped(p0.to(dtype, copy=True))), nn.Parameter(shaped(p0.to(dtype, copy=True)))
+        size = {"min_4bit_size": 0} if o8_bits(cls8) == 4 else {"min_8bit_size": 0}
+        o8 = cls8([p8], block_size=block, **size, **kw)
         o32 = cls32([p32], **kw)
-        rho = RHO_BITS[o8.defaults["optim_bits"]]
+        rho = RHO_BITS[o8_bits(cls8)]
         decay = 1.0 - LR * kw.get("weight_decay", 0.0)
         allowed = torch.zeros(n, dtype=torch.float64)
         gmax = torch.zeros(n)
@@ -162,11 +202,11 @@ def _check_against_twins(p0: torch.Tensor, grads: list[torch.Tensor], dtype: tor
             gmax = torch.maximum(gmax, g.abs().nan_to_num(0.0, 0.0, 0.0))
             pnorm = max(float(p8.detach().float().norm()), float(p32.detach().float().norm()))
             pnorm_max = max(pnorm_max, pnorm)
-            before = p32.detach().double().clone()
+            before = p32.detach().double().reshape(-1).clone()
             for p, opt in ((p8, o8), (p32, o32)):
-                p.grad = g.to(dtype)
+                p.grad = shaped(g.to(dtype))
                 opt.step()
-            after = p32.detach().double()
+            after = p32.detach().double().reshape(-1)
             u32 = (before * decay - after).abs().nan_to_num(0.0, 0.0, 0.0)
             u8 = torch.as_tensor(
                 step_bound(Bounds(t, block_absmax(gmax, block), pnorm, pnorm_max, rho)), dtype=torch.float64
@@ -174,13 +214,14 @@ def _check_against_twins(p0: torch.Tensor, grads: list[torch.Tensor], dtype: tor
             allowed = allowed + u8 + u32 + unit * 2 * (after.abs().nan_to_num(0.0, 0.0, 0.0) + allowed + u8 + u32)
         # A non-finite element is non-finite in both (the step is torch's fp32 arithmetic); LAMB and
         # LARS make the whole tensor NaN through its norm.
-        finite = p8.detach().isfinite()
-        assert torch.equal(finite, p32.detach().isfinite()), cls8.__name__
-        diff = (p8.detach().double() - p32.detach().double()).abs()
+        end8, end32 = p8.detach().reshape(-1), p32.detach().reshape(-1)
+        finite = end8.isfinite()
+        assert torch.equal(finite, end32.isfinite()), cls8.__name__
+        diff = (end8.double() - end32.double()).abs()
         over = (diff > allowed) & finite
         assert not bool(over.any()), (cls8.__name__, float((diff - allowed)[over].max()), label)
         if dtype == torch.float32:
-            _assert_moves_toward(p0, p8.detach(), p32.detach(), (cls8.__name__, label), cls8 is O.Lion8bit)
+            _assert_moves_toward(p0, end8, end32, (cls8.__name__, label), cls8 is O.Lion8bit)
 
 
 @settings(max_examples=100)

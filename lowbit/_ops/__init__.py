@@ -4,7 +4,7 @@ This package is the only place that turns tensors into raw pointers for ``lowbit
 dtype, device, contiguity and sizes before it does so; the native side trusts these checks. The ops
 work on flat element streams; shapes, maps and argument policy live in :mod:`lowbit.functional`.
 One file per native feature, as in ``csrc/``: :mod:`.quantize`, :mod:`.fewbit`, :mod:`.invact`,
-:mod:`.blpa`, :mod:`.optim`, :mod:`.lpmm`; :mod:`._common` holds the dtype codes, the shared checks and
+:mod:`.blpa`, :mod:`.optim`, :mod:`.muon`, :mod:`.lpmm`; :mod:`._common` holds the dtype codes, the shared checks and
 the launcher.
 """
 
@@ -21,6 +21,7 @@ from lowbit._ops.blpa import blpa_backward, blpa_decode, blpa_encode
 from lowbit._ops.fewbit import fewbit_encode, fewbit_grad
 from lowbit._ops.invact import invact_grad
 from lowbit._ops.lpmm import LpmmStepArgs, lpmm_accumulate_, lpmm_step_, lpmm_step_eager
+from lowbit._ops.muon import check_muon_momentum, muon_momentum_
 from lowbit._ops.optim import (
     StepArgs,
     StepHyper,
@@ -49,6 +50,7 @@ __all__ = [
     "blpa_backward",
     "blpa_decode",
     "blpa_encode",
+    "check_muon_momentum",
     "check_optimizer_step",
     "dequantize_blockwise",
     "dequantize_linear",
@@ -59,6 +61,7 @@ __all__ = [
     "lpmm_accumulate_",
     "lpmm_step_",
     "lpmm_step_eager",
+    "muon_momentum_",
     "num_blocks",
     "optimizer_norms",
     "optimizer_step_",

@@ -4,7 +4,7 @@ Each function computes, with ordinary torch operations, the same fp32 arithmetic
 as the native kernels, so results agree bit for bit (codes, absmax and dequantized values),
 including the counter-based random stream of stochastic rounding. They are written for clarity, not
 speed. One file per family, as in :mod:`lowbit._ops`: :mod:`.quantize`, :mod:`.activations`,
-:mod:`.optim`.
+:mod:`.optim`, :mod:`.muon`.
 """
 
 from lowbit._reference.activations import (
@@ -15,6 +15,7 @@ from lowbit._reference.activations import (
     fewbit_grad,
     invact_grad,
 )
+from lowbit._reference.muon import muon_momentum_
 from lowbit._reference.optim import lpmm_accumulate_, lpmm_step_, optimizer_step_
 from lowbit._reference.quantize import (
     block_absmax,
@@ -40,6 +41,7 @@ __all__ = [
     "invact_grad",
     "lpmm_accumulate_",
     "lpmm_step_",
+    "muon_momentum_",
     "nearest_oracle",
     "optimizer_step_",
     "pack_bits",

@@ -16,6 +16,8 @@ from lowbit.optim.fixed_bits import (
     LARS32bit,
     Lion8bit,
     Lion32bit,
+    Muon8bit,
+    Muon32bit,
     RMSprop8bit,
     RMSprop32bit,
     SGD4bit,
@@ -23,6 +25,7 @@ from lowbit.optim.fixed_bits import (
     SGD32bit,
 )
 from lowbit.optim.lpmm import LPMMSGD, LPMMAdamW, LPMMOptimizer
+from lowbit.optim.muon import Muon, muon_with_adamw
 from lowbit.optim.optimizer import LowbitOptimizer
 from lowbit.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
 from lowbit.optim.trust_ratio import LAMB, LARS
@@ -53,6 +56,9 @@ __all__ = [
     "Lion8bit",
     "Lion32bit",
     "LowbitOptimizer",
+    "Muon",
+    "Muon8bit",
+    "Muon32bit",
     "RMSprop",
     "RMSprop8bit",
     "RMSprop32bit",
@@ -61,5 +67,6 @@ __all__ = [
     "SGD32bit",
     "clear_override",
     "get_override",
+    "muon_with_adamw",
     "override",
 ]

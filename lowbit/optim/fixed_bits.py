@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowbit.optim.muon import Muon
 from lowbit.optim.optimizer import LowbitOptimizer, Params
 from lowbit.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
 from lowbit.optim.trust_ratio import LAMB, LARS
@@ -33,3 +34,4 @@ RMSprop8bit, RMSprop32bit = _fixed_bits(RMSprop, 8), _fixed_bits(RMSprop, 32)
 Adagrad8bit, Adagrad32bit = _fixed_bits(Adagrad, 8), _fixed_bits(Adagrad, 32)
 LAMB8bit, LAMB32bit = _fixed_bits(LAMB, 8), _fixed_bits(LAMB, 32)
 LARS8bit, LARS32bit = _fixed_bits(LARS, 8), _fixed_bits(LARS, 32)
+Muon8bit, Muon32bit = _fixed_bits(Muon, 8), _fixed_bits(Muon, 32)

@@ -1,6 +1,7 @@
 """Checkpoint migration: every way a saved state reaches a lowbit optimizer in a form other than its own.
 
-The paths: a torch.optim state dict into its lowbit twin (options that add a state included), a lowbit
+The paths: a torch.optim state dict into its lowbit twin (options that add a state included; Muon's, of a
+matrix, and back), a lowbit
 state dict of another ``optim_bits`` or ``block_size``, one written before an option added a state, and
 one of state format 1 (second moments on the unsigned map, lowbit 0.1.0) for the block-wise and the LPMM
 optimizers; a state dict of a newer format is refused. Each test checks the state right after the load
@@ -11,6 +12,7 @@ step after the load against torch.optim's step from the checkpoint's state.
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -157,6 +159,62 @@ def test_torch_state_dict_loads_into_the_lowbit_twin(tcls, name, kw, bits):
     (r,) = mine.param_groups[0]["params"]
     grad = _grad(gen, n, 7)
     torch.testing.assert_close(_step(mine, r, grad), _step(back, twin, grad), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is torch >= 2.9")
+@pytest.mark.parametrize("bits", [8, 32])
+def test_torch_muon_state_dict_loads_into_the_lowbit_twin_and_back(bits):
+    # Muon steps matrices and takes no foreach, so it has its own case. Its steps after a load are
+    # compared bit for bit: Muon32bit is torch.optim.Muon bit for bit (tests/test_muon.py), so once both
+    # hold the same buffer values they step alike.
+    shape = (64, 96)
+    gen = torch.Generator().manual_seed(0)
+    grads = [_grad(gen, shape[0] * shape[1], step).reshape(shape) for step in range(8)]
+    p = nn.Parameter(torch.randn(shape, generator=gen))
+    ref = torch.optim.Muon([p], lr=0.02)
+    for g in grads[:6]:
+        _step(ref, p, g)
+    q = nn.Parameter(p.detach().clone())
+    opt = getattr(O, f"Muon{bits}bit")([q], **OTHERS, min_8bit_size=0)
+    opt.load_state_dict(ref.state_dict())
+    _assert_same_hyperparameters(opt, ref.param_groups[0])
+    _assert_loaded(opt, q, {"momentum_buffer": ref.state[p]["momentum_buffer"]}, 256)
+    assert opt.state[q]["state1"].dtype == (torch.uint8 if bits == 8 else torch.float32)
+    # The next step is torch's from the loaded buffer (exactly torch's at 32 bits).
+    held = opt.dequantized_state(q)["momentum_buffer"]
+    from_held = torch.optim.Muon([r := nn.Parameter(q.detach().clone())], lr=0.02)
+    from_held.load_state_dict(
+        {"state": {0: {"momentum_buffer": held.clone()}}, "param_groups": ref.state_dict()["param_groups"]}
+    )
+    assert torch.equal(_step(opt, q, grads[6]), _step(from_held, r, grads[6]))
+    # And back: lowbit's state in torch's layout loads into torch.optim.Muon, which steps as lowbit's twin.
+    twin = nn.Parameter(q.detach().clone())
+    back = torch.optim.Muon([twin], lr=0.02)
+    back.load_state_dict({"state": {0: opt.dequantized_state(q)}, "param_groups": ref.state_dict()["param_groups"]})
+    mine = O.Muon32bit([nn.Parameter(q.detach().clone())], **OTHERS)
+    mine.load_state_dict(back.state_dict())
+    (m,) = mine.param_groups[0]["params"]
+    assert torch.equal(_step(mine, m, grads[7]), _step(back, twin, grads[7]))
+
+
+@pytest.mark.parametrize("bits", [8, 32])
+def test_muon_state_dict_round_trips_and_resumes_bit_for_bit(bits):
+    shape = (64, 96)
+    gen = torch.Generator().manual_seed(1)
+    grads = [_grad(gen, shape[0] * shape[1], step).reshape(shape) for step in range(6)]
+    p = nn.Parameter(torch.randn(shape, generator=gen))
+    opt = getattr(O, f"Muon{bits}bit")([p], lr=0.02, min_8bit_size=0)
+    for g in grads[:3]:
+        _step(opt, p, g)
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    q = nn.Parameter(p.detach().clone())
+    resumed = getattr(O, f"Muon{bits}bit")([q], **OTHERS, min_8bit_size=0)
+    resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    for g in grads[3:]:
+        assert torch.equal(_step(opt, p, g), _step(resumed, q, g))
+    assert torch.equal(opt.state[p]["state1"], resumed.state[q]["state1"])
+    assert float(resumed.state[q]["step"]) == 6
 
 
 def test_torch_second_moment_under_the_maps_floor_steps_no_further_than_torchs():
