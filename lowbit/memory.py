@@ -7,7 +7,8 @@ and its optimizer hold, counted from their storage, converted (:mod:`lowbit.lpmm
 ``torch.autograd.graph.saved_tensors_hooks``, so the numbers are what autograd really saves, whatever
 the layers do internally. A storage saved several times (an output that the next layer saves as its
 input too) counts once, and parameter storages are left out: they are there with or without a
-backward pass.
+backward pass. The measuring pass leaves the model as it was: buffers that the forward pass updates
+(batch-norm running statistics) and the random number generators are restored afterwards.
 """
 
 from __future__ import annotations
@@ -33,14 +34,22 @@ class SavedBytes:
         total: bytes of all distinct storages saved, parameters excluded.
         by_module: the same bytes by the qualified name of the innermost module running when each
             storage was first saved (``""``: the top-level module, or outside any module).
+        exclusive: by module name, the bytes of the storages that only that module saved: what autograd
+            would no longer keep if that module saved nothing. An activation's output that the next
+            layer saves as its input counts for neither.
     """
 
     total: int = 0
     by_module: dict[str, int] = field(default_factory=dict)
+    exclusive: dict[str, int] = field(default_factory=dict)
 
 
 def _storage_key(t: Tensor) -> tuple[torch.device, int]:
     return (t.device, t.untyped_storage().data_ptr())
+
+
+def _cuda_index(t: Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def saved_tensor_bytes(model_or_fn: Union[nn.Module, Callable[..., Any]], *inputs: Any, **kwargs: Any) -> SavedBytes:
@@ -60,16 +69,20 @@ def saved_tensor_bytes(model_or_fn: Union[nn.Module, Callable[..., Any]], *input
         excluded = {_storage_key(p) for p in model_or_fn.parameters()}
         names = {m: name for name, m in model_or_fn.named_modules()}
     stack: list[str] = [""]
-    seen: set[tuple[torch.device, int]] = set()
+    # Each distinct saved storage: its bytes and the modules that saved it.
+    savers: dict[tuple[torch.device, int], tuple[int, set[str]]] = {}
     result = SavedBytes()
 
     def pack(t: Tensor) -> Tensor:
         key = _storage_key(t)
-        if key not in seen and key not in excluded:
-            seen.add(key)
+        if key in excluded:
+            return t
+        if key not in savers:
             nbytes = t.untyped_storage().nbytes()
+            savers[key] = (nbytes, set())
             result.total += nbytes
             result.by_module[stack[-1]] = result.by_module.get(stack[-1], 0) + nbytes
+        savers[key][1].add(stack[-1])
         return t
 
     def enter(module: nn.Module, args: Any) -> None:
@@ -82,12 +95,22 @@ def saved_tensor_bytes(model_or_fn: Union[nn.Module, Callable[..., Any]], *input
     for module in names:
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave))
+    buffers = [(b, b.clone()) for m in names for b in m.buffers(recurse=False)]
+    tensors = [*(b for b, _ in buffers), *(p for m in names for p in m.parameters(recurse=False)), *inputs]
+    devices = sorted({_cuda_index(t) for t in tensors if isinstance(t, Tensor) and t.device.type == "cuda"})
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model_or_fn(*inputs, **kwargs)
     finally:
         for h in handles:
             h.remove()
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+    for nbytes, who in savers.values():
+        if len(who) == 1:
+            (only,) = who
+            result.exclusive[only] = result.exclusive.get(only, 0) + nbytes
     return result
 
 

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lowbit.memory import SavedBytes, saved_tensor_bytes
 from lowbit.nn import invact
 from lowbit.nn.activations import FewBitActivation, InvActivation
 from lowbit.nn.fewbit.tables import WEIGHTS, _check_bits, table_bits
@@ -35,6 +36,7 @@ from lowbit.nn.fewbit.tables import WEIGHTS, _check_bits, table_bits
 __all__ = ["CompressionReport", "Replacement", "compress_activations"]
 
 METHODS = ("fewbit", "invact")
+WHEN = ("smaller", "always")
 
 # torch.nn modules whose forward is the named function when their parameters are torch's defaults.
 _MODULES: dict[type, Callable[[nn.Module], Optional[str]]] = {
@@ -105,11 +107,22 @@ _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
 @dataclass(frozen=True)
 class Replacement:
-    """One swapped activation: where (module path, ``.attr`` for a function attribute), what, by what."""
+    """One swapped activation: where (module path, ``.attr`` for a function attribute), what, by what.
+
+    Attributes:
+        path: the module path, ``parent.attr`` for a function attribute.
+        before: the original activation.
+        after: the lowbit layer now in its place.
+        saved_before: bytes that only the original activation kept for backward on the sample
+            (see :attr:`lowbit.memory.SavedBytes.exclusive`); None without a sample.
+        saved_after: the same for the lowbit layer; None without a sample.
+    """
 
     path: str
     before: str
     after: str
+    saved_before: Optional[int] = None
+    saved_after: Optional[int] = None
 
 
 @dataclass
@@ -122,14 +135,23 @@ class CompressionReport:
         fallbacks: ``(path, reason)`` of each replaced function attribute that was later called with
             arguments no lowbit layer implements, so that it ran the original function; filled in while
             the model runs, once per attribute and set of such arguments (a warning says the same).
+        bytes_before: bytes the model saved for backward on the sample before the call, measured by
+            :func:`lowbit.memory.saved_tensor_bytes`; None without a sample.
+        expected_bytes: bytes it is expected to save on the sample now: ``bytes_before`` less what each
+            replacement frees (``saved_before - saved_after``); None without a sample. Measure it with
+            ``lowbit.memory.saved_tensor_bytes(model, *sample_args, **sample_kwargs).total``.
     """
 
     replaced: list[Replacement] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    bytes_before: Optional[int] = None
+    expected_bytes: Optional[int] = None
 
     def __str__(self) -> str:
         lines = [f"replaced {len(self.replaced)} activation(s)"]
+        if self.bytes_before is not None and self.expected_bytes is not None:
+            lines[0] += f"; saved for backward on the sample: {self.bytes_before:,} -> {self.expected_bytes:,} bytes"
         lines += [f"  {r.path}: {r.before} -> {r.after}" for r in self.replaced]
         if self.skipped:
             lines.append(f"left {len(self.skipped)} alone")
@@ -302,10 +324,89 @@ def _make_call(
     return new.to(device), None
 
 
+@dataclass
+class _Swap:
+    """One recognised activation and the lowbit layer that may take its place."""
+
+    owner: nn.Module
+    key: str
+    is_module: bool
+    path: str
+    old: Any
+    new: nn.Module
+    before: str
+    after: str
+
+    def install(self, value: Any) -> None:
+        if isinstance(value, nn.Module):
+            setattr(self.owner, self.key, value)
+        else:
+            # A function attribute back in place of a module registered under its name.
+            self.owner._modules.pop(self.key, None)
+            setattr(self.owner, self.key, value)
+
+
+class _Probe(nn.Module):
+    """Runs a function attribute unchanged as a module, so that what it saves is counted under its path."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``."""
+        return self.fn(*args, **kwargs)
+
+
+def _saves_output(activation: Any) -> bool:
+    """Whether torch's backward of ``activation`` (a module, or a function called with its defaults) keeps
+    the output: then the next layer, which saves its input, usually keeps the same storage."""
+    saved: list[Tensor] = []
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        # A non-leaf input, so that in-place activations run as they do inside a model.
+        x = torch.linspace(-3.0, 3.0, 8, requires_grad=True) * 1.0
+        y = activation(x)
+    return any(t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for t in saved)
+
+
+def _check_sample(sample_args: Any, sample_kwargs: Any) -> Optional[tuple[tuple, dict[str, Any]]]:
+    if sample_args is None and sample_kwargs is None:
+        return None
+    if sample_args is not None and not isinstance(sample_args, tuple):
+        raise TypeError(f"lowbit: sample_args must be a tuple of arguments, got {type(sample_args).__name__}")
+    if sample_kwargs is not None and not (
+        isinstance(sample_kwargs, dict) and all(isinstance(k, str) for k in sample_kwargs)
+    ):
+        raise TypeError(f"lowbit: sample_kwargs must be a dict of keywords, got {type(sample_kwargs).__name__}")
+    return tuple(sample_args or ()), dict(sample_kwargs or {})
+
+
+def _exclusive_bytes(model: nn.Module, sample: tuple[tuple, dict[str, Any]]) -> SavedBytes:
+    args, kwargs = sample
+    with torch.enable_grad():
+        return saved_tensor_bytes(model, *args, **kwargs)
+
+
 def compress_activations(
-    model: nn.Module, method: str = "fewbit", bits: int = 3, weight: str = "normal", strict: bool = True
+    model: nn.Module,
+    method: str = "fewbit",
+    bits: int = 3,
+    weight: str = "normal",
+    strict: bool = True,
+    when: str = "smaller",
+    sample_args: Optional[tuple] = None,
+    sample_kwargs: Optional[dict[str, Any]] = None,
 ) -> CompressionReport:
     """Replace the activations of ``model`` in place by ones that save less for backward.
+
+    An activation is replaced only where that lowers the bytes autograd keeps (``when="smaller"``),
+    counting storage that another layer saves anyway: torch's ReLU saves its output, which the next
+    convolution saves as its input, so a few-bit ReLU there would add its codes and free nothing. With a
+    sample input the model runs twice on it (as it is, and with every replacement) and each activation is
+    judged by the bytes that only it keeps (:attr:`lowbit.memory.SavedBytes.exclusive`); the report then
+    states the bytes expected after the call. Without a sample, activations whose torch backward keeps the
+    output (ReLU, Sigmoid, Tanh, in-place forms) are left alone, and the others, which keep their input,
+    are replaced. The sample runs leave the model's buffers and the random generators as they were.
 
     Args:
         model: any ``nn.Module``; its submodules are replaced, the model object itself is kept.
@@ -317,10 +418,14 @@ def compress_activations(
         strict: replace only activations whose forward stays bit-identical (default); with False also
             Python-formula activations such as Hugging Face's ``NewGELUActivation``, whose outputs then
             change by rounding.
+        when: ``"smaller"`` (default): only where the replacement saves fewer bytes, as above;
+            ``"always"``: every recognised activation.
+        sample_args: positional arguments of one forward call of ``model`` (a tuple), to measure on.
+        sample_kwargs: keyword arguments of that call (a dict).
 
     Returns:
         A :class:`CompressionReport` listing every replacement and every recognised activation left
-        alone, with the reason.
+        alone, with the reason, and with a sample the bytes saved for backward before and expected after.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"lowbit: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -330,17 +435,73 @@ def compress_activations(
         _check_bits(bits)
         if weight not in WEIGHTS:
             raise ValueError(f"lowbit: weight must be one of {WEIGHTS}, got {weight!r}")
+    if when not in WHEN:
+        raise ValueError(f"lowbit: when must be one of {WHEN}, got {when!r}")
+    sample = _check_sample(sample_args, sample_kwargs)
     # The new layers' tables go where the model lives (activations themselves hold no tensors).
     device = next(iter(model.parameters()), torch.empty(0)).device
     report = CompressionReport()
     root_name, root_reason = _module_name(model, strict)
     if root_name is not None or root_reason is not None:
         report.skipped.append(("", "the root module cannot be replaced in place; wrap it or convert its parent"))
-    _walk(model, "", (method, bits, weight, device), strict, report)
+    swaps: list[_Swap] = []
+    _walk(model, "", (method, bits, weight, device), strict, report, swaps)
+    if sample is None:
+        for swap in swaps:
+            if when == "smaller" and _saves_output(swap.old):
+                report.skipped.append((swap.path, _keeps_output_reason(swap)))
+            else:
+                swap.install(swap.new)
+                report.replaced.append(Replacement(swap.path, swap.before, swap.after))
+        return report
+    _measured_swaps(model, swaps, sample, when, report)
     return report
 
 
-def _walk(module: nn.Module, prefix: str, how: tuple, strict: bool, report: CompressionReport) -> None:
+def _keeps_output_reason(swap: _Swap) -> str:
+    return (
+        f"torch's backward of {swap.before} keeps its output, which the next layer usually saves as its input: "
+        f"{swap.after} would add its codes and free nothing (pass sample_args to measure, or when='always')"
+    )
+
+
+def _measured_swaps(
+    model: nn.Module, swaps: list[_Swap], sample: tuple[tuple, dict[str, Any]], when: str, report: CompressionReport
+) -> None:
+    """Install the swaps that lower the bytes saved on ``sample`` (all of them for ``when="always"``)."""
+    try:
+        for swap in swaps:
+            if not swap.is_module:
+                swap.install(_Probe(swap.old))
+        before = _exclusive_bytes(model, sample)
+        for swap in swaps:
+            swap.install(swap.new)
+        after = _exclusive_bytes(model, sample)
+    except BaseException:
+        for swap in swaps:
+            swap.install(swap.old)
+        raise
+    report.bytes_before = report.expected_bytes = before.total
+    for swap in swaps:
+        kept_before, kept_after = before.exclusive.get(swap.path, 0), after.exclusive.get(swap.path, 0)
+        if when == "smaller" and kept_after >= kept_before:
+            swap.install(swap.old)
+            report.skipped.append(
+                (
+                    swap.path,
+                    f"on the sample, {swap.before} keeps {kept_before:,} bytes for backward that no other layer "
+                    f"keeps, {swap.after} would keep {kept_after:,}: no saving",
+                )
+            )
+            continue
+        report.expected_bytes -= kept_before - kept_after
+        report.replaced.append(Replacement(swap.path, swap.before, swap.after, kept_before, kept_after))
+
+
+def _walk(
+    module: nn.Module, prefix: str, how: tuple, strict: bool, report: CompressionReport, swaps: list[_Swap]
+) -> None:
+    """Collect a swap for each recognised activation under ``module``; record the ones lowbit cannot take."""
     for attr, value in list(vars(module).items()):
         if attr.startswith("_") or isinstance(value, (nn.Module, torch.Tensor)):
             continue
@@ -352,9 +513,8 @@ def _walk(module: nn.Module, prefix: str, how: tuple, strict: bool, report: Comp
         if new is None:
             report.skipped.append((path, reason or ""))
             continue
-        setattr(module, attr, new)
         after = new._describe() if isinstance(new, _FunctionCall) else repr(new)
-        report.replaced.append(Replacement(path, getattr(value, "__name__", repr(value)), after))
+        swaps.append(_Swap(module, attr, False, path, value, new, getattr(value, "__name__", repr(value)), after))
     for child_name, child in list(module._modules.items()):
         if child is None:
             continue
@@ -364,11 +524,10 @@ def _walk(module: nn.Module, prefix: str, how: tuple, strict: bool, report: Comp
             if reason is not None:
                 report.skipped.append((path, reason))
             else:
-                _walk(child, path, how, strict, report)
+                _walk(child, path, how, strict, report, swaps)
             continue
         new, why = _make(name, *how)
         if new is None:
             report.skipped.append((path, why or ""))
             continue
-        module._modules[child_name] = new
-        report.replaced.append(Replacement(path, repr(child), repr(new)))
+        swaps.append(_Swap(module, child_name, True, path, child, new, repr(child), repr(new)))
