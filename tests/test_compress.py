@@ -56,15 +56,15 @@ def test_forward_unchanged_weights_kept_and_report(method):
     )
     paths = {r.path for r in report.replaced}
     skipped = dict(report.skipped)
-    assert skipped["4.2"].startswith("ELU with non-default")
     if method == "fewbit":
-        assert paths == {"1", "2.act_fn", "5.act_fn", "6"}
+        assert paths == {"1", "2.act_fn", "4.2", "5.act_fn", "6"}
+        assert model[4][2].name == "elu(alpha=0.5)"  # its table derived for that alpha
         # Tanh and ReLU keep their outputs for backward, which the next layer keeps too: nothing to free.
         assert "keeps its output" in skipped["3.0"] and "keeps its output" in skipped["4.1"]
         assert model[1].bits == 4 and model[6].name == "gelu_tanh"
     else:
         assert paths == {"1", "2.act_fn", "5.act_fn", "6"}
-        assert "no inverted form" in skipped["3.0"] and "no inverted form" in skipped["4.1"]
+        assert all("no inverted form" in skipped[p] for p in ("3.0", "4.1", "4.2"))
         assert isinstance(model[2].act_fn, lnn.InvActivation) and model[2].act_fn.name == "silu"
     assert "replaced" in str(report)
 
@@ -72,7 +72,7 @@ def test_forward_unchanged_weights_kept_and_report(method):
 def test_always_replaces_output_keeping_activations():
     model = _model()
     report = lnn.compress_activations(model, bits=4, when="always")
-    assert {r.path for r in report.replaced} == {"1", "2.act_fn", "3.0", "4.1", "5.act_fn", "6"}
+    assert {r.path for r in report.replaced} == {"1", "2.act_fn", "3.0", "4.1", "4.2", "5.act_fn", "6"}
     assert isinstance(model[4][1], lnn.FewBitActivation) and model[4][1].bits == 1  # ReLU: exact 1 bit
 
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lowbit import _ops
 from lowbit.nn import fewbit, invact
-from lowbit.nn._registry import activation_fn
+from lowbit.nn._registry import activation_fn, derivative, two_values
 
 __all__ = [
     "FewBitActivation",
@@ -48,12 +48,17 @@ __all__ = [
 
 
 class _FewBitFunction(torch.autograd.Function):
-    """y = f(x) by torch; saves the packed interval codes of x and the level table for backward."""
+    """y = f(x) by torch; saves the packed interval codes of x and the level table for backward.
+
+    For a two-valued derivative the code is that of f'(x) itself: one boundary between the two values
+    separates them exactly, however many intervals of x each value covers (ReLU6: 0, 1, 0).
+    """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, name: str, boundaries: Tensor, levels: Tensor, bits: int) -> Tensor:
         y = activation_fn(name)(x)
-        packed = _ops.fewbit_encode(x.contiguous(), boundaries, bits)
+        coded = derivative(name)(x) if two_values(name) is not None else x
+        packed = _ops.fewbit_encode(coded.contiguous(), boundaries, bits)
         ctx.save_for_backward(packed, levels)
         ctx.bits = bits
         return y

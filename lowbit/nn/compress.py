@@ -1,13 +1,15 @@
 """Swap a model's activations for ones that save less for backward, in place, keeping every weight.
 
-:func:`compress_activations` walks a model and replaces each activation that computes exactly a torch
-function lowbit has a compressed form of: ``torch.nn`` activation modules (``nn.GELU``, ``nn.SiLU``, ...,
-with torch's default parameters), activation functions stored as module attributes (``self.act_fn =
-F.silu``), and Hugging Face ``transformers.activations`` modules that call the torch function
-(``GELUActivation``, ``GELUTanh``, ``SiLUActivation``, ``MishActivation``). The forward pass of the
-model is unchanged bit for bit. Activations written as Python formulas (``NewGELUActivation``,
-``FastGELUActivation``, ...) round differently from torch's kernels; they are replaced only with
-``strict=False``.
+:func:`compress_activations` walks a model and replaces the activations it recognises
+(:mod:`lowbit.nn._catalogue`): every pointwise ``torch.nn`` activation module with its parameters
+(few-bit tables derived for parameters without shipped ones; exact 1-bit forms where the derivative takes
+two values: ReLU6, Hardtanh, LeakyReLU with any slope, Threshold, Hardsigmoid, Hardshrink, Softshrink),
+activation functions stored as module attributes (``self.act_fn = F.silu``), and Hugging Face
+``transformers.activations`` modules. The forward pass of the model is unchanged bit for bit: a
+Hugging Face Python formula (``QuickGELUActivation``, ``NewGELUActivation``, ...) keeps its own formula
+in a few-bit layer. The inverted layers exist for torch's GELU, SiLU and Mish only, whose kernels round
+differently from those formulas; they replace ``NewGELUActivation`` and ``FastGELUActivation`` only with
+``strict=False``. Classes that cannot be replaced (PReLU, RReLU, softmax, ...) are listed with the reason.
 
 A function attribute keeps the function's calling convention: a call with extra arguments
 (``self.act(x, negative_slope=0.01)``, ``approximate="tanh"``, ``inplace=True``) runs a lowbit layer when
@@ -30,6 +32,7 @@ from torch import Tensor, nn
 
 from lowbit.memory import SavedBytes, saved_tensor_bytes
 from lowbit.nn import invact
+from lowbit.nn._catalogue import HF_EXACT, HF_FORMULA, hf_formula, hf_pointwise, torch_module
 from lowbit.nn.activations import FewBitActivation, InvActivation
 from lowbit.nn.fewbit.tables import WEIGHTS, _check_bits, table_bits
 
@@ -37,21 +40,6 @@ __all__ = ["CompressionReport", "Replacement", "compress_activations"]
 
 METHODS = ("fewbit", "invact")
 WHEN = ("smaller", "always")
-
-# torch.nn modules whose forward is the named function when their parameters are torch's defaults.
-_MODULES: dict[type, Callable[[nn.Module], Optional[str]]] = {
-    nn.GELU: lambda m: {"none": "gelu", "tanh": "gelu_tanh"}.get(m.approximate),
-    nn.SiLU: lambda m: "silu",
-    nn.Mish: lambda m: "mish",
-    nn.Sigmoid: lambda m: "sigmoid",
-    nn.Tanh: lambda m: "tanh",
-    nn.SELU: lambda m: "selu",
-    nn.ELU: lambda m: "elu" if m.alpha == 1.0 else None,
-    nn.Softplus: lambda m: "softplus" if (m.beta, m.threshold) == (1.0, 20.0) else None,
-    nn.Hardswish: lambda m: "hardswish",
-    nn.LeakyReLU: lambda m: "leaky_relu" if m.negative_slope == 0.01 else None,
-    nn.ReLU: lambda m: "relu",
-}
 
 _FUNCTIONS: dict[Any, str] = {
     F.gelu: "gelu",
@@ -70,17 +58,6 @@ _FUNCTIONS: dict[Any, str] = {
     F.relu: "relu",
     torch.relu: "relu",
 }
-
-# Hugging Face activations (transformers.activations) by class name: exact ones call the torch function
-# through ``self.act`` or directly; the others are Python formulas of the same function.
-_HF_EXACT = {
-    "GELUActivation": "gelu",
-    "GELUTanh": "gelu_tanh",
-    "PytorchGELUTanh": "gelu_tanh",
-    "SiLUActivation": "silu",
-    "MishActivation": "mish",
-}
-_HF_FORMULA = {"NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh"}
 
 # The calling convention of each function in _FUNCTIONS after ``input``: (positional-or-keyword names,
 # keyword-only names, defaults), one entry per key of _FUNCTIONS. A call is bound against it the way
@@ -175,26 +152,24 @@ def _function_name(fn: Any) -> Optional[str]:
         return None
 
 
-def _module_name(m: nn.Module, strict: bool) -> tuple[Optional[str], Optional[str]]:
+def _module_name(m: nn.Module, strict: bool, method: str) -> tuple[Optional[str], Optional[str]]:
     """(activation name, None) for a replaceable module, (None, reason) for a recognised one that is
     not, (None, None) for anything else."""
-    rule = _MODULES.get(type(m))
-    if rule is not None:
-        name = rule(m)
-        return (name, None) if name else (None, f"{type(m).__name__} with non-default parameters")
-    cls = type(m).__name__
-    if not type(m).__module__.startswith("transformers."):
-        return None, None
+    cls, reason = hf_pointwise(m)
+    if cls is None:
+        return (None, reason) if reason is not None else torch_module(m)
+    # Exact when it calls the torch function: directly (no ``act``) or through ``self.act``.
+    act = getattr(m, "act", None)
+    if cls in HF_EXACT and (act is None or _function_name(act) == HF_EXACT[cls]):
+        return HF_EXACT[cls], None
+    if method == "fewbit":
+        return hf_formula(m), None  # the module's own formula: the forward stays bit-identical
     formula = f"{cls} computes a Python formula that rounds differently from torch's kernel (strict=False)"
-    if cls in _HF_EXACT:
-        # Exact when it calls the torch function: directly (no ``act``) or through ``self.act``.
-        act = getattr(m, "act", None)
-        if act is None or _function_name(act) == _HF_EXACT[cls] or not strict:
-            return _HF_EXACT[cls], None
-        return None, formula
-    if cls in _HF_FORMULA:
-        return (None, formula) if strict else (_HF_FORMULA[cls], None)
-    return None, None
+    if not strict and cls in HF_EXACT:
+        return HF_EXACT[cls], None
+    if cls in HF_FORMULA:
+        return (None, formula) if strict else (HF_FORMULA[cls], None)
+    return None, f"{cls} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish)"
 
 
 class _FunctionCall(nn.Module):
@@ -415,9 +390,9 @@ def compress_activations(
             output plus 1 bit per element; GELU, SiLU and Mish only).
         bits: bits per element for ``"fewbit"``, 1..8.
         weight: the few-bit tables' weight, ``"normal"`` or ``"uniform"``.
-        strict: replace only activations whose forward stays bit-identical (default); with False also
-            Python-formula activations such as Hugging Face's ``NewGELUActivation``, whose outputs then
-            change by rounding.
+        strict: replace only activations whose forward stays bit-identical (default); with False
+            ``"invact"`` also replaces Python-formula activations such as Hugging Face's
+            ``NewGELUActivation`` by torch's function, whose outputs then differ by rounding.
         when: ``"smaller"`` (default): only where the replacement saves fewer bytes, as above;
             ``"always"``: every recognised activation.
         sample_args: positional arguments of one forward call of ``model`` (a tuple), to measure on.
@@ -441,7 +416,7 @@ def compress_activations(
     # The new layers' tables go where the model lives (activations themselves hold no tensors).
     device = next(iter(model.parameters()), torch.empty(0)).device
     report = CompressionReport()
-    root_name, root_reason = _module_name(model, strict)
+    root_name, root_reason = _module_name(model, strict, method)
     if root_name is not None or root_reason is not None:
         report.skipped.append(("", "the root module cannot be replaced in place; wrap it or convert its parent"))
     swaps: list[_Swap] = []
@@ -519,7 +494,7 @@ def _walk(
         if child is None:
             continue
         path = f"{prefix}.{child_name}" if prefix else child_name
-        name, reason = _module_name(child, strict)
+        name, reason = _module_name(child, strict, how[0])
         if name is None:
             if reason is not None:
                 report.skipped.append((path, reason))
