@@ -231,3 +231,46 @@ def test_sample_arguments_are_checked():
         lnn.compress_activations(nn.Sequential(nn.GELU()), sample_kwargs=[torch.randn(2)])
     with pytest.raises(ValueError, match="when must be one of"):
         lnn.compress_activations(nn.Sequential(nn.GELU()), when="never")
+
+
+def _hf_vision_models():
+    transformers = pytest.importorskip("transformers")
+    resnet = transformers.ResNetModel(
+        transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="bottleneck")
+    )
+    mobilenet = transformers.MobileNetV2Model(transformers.MobileNetV2Config(depth_multiplier=0.35, image_size=32))
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    clip = transformers.CLIPModel(
+        transformers.CLIPConfig(
+            text_config={**small, "vocab_size": 100},
+            vision_config={**small, "image_size": 32, "patch_size": 8},
+            projection_dim=16,
+        )
+    )
+    pixels = {"pixel_values": torch.randn(2, 3, 32, 32)}
+    return {
+        "resnet": (resnet, pixels),
+        "mobilenet_v2": (mobilenet, pixels),
+        "clip": (clip, {**pixels, "input_ids": torch.randint(0, 100, (2, 7))}),
+    }
+
+
+@pytest.mark.parametrize("name", ["resnet", "mobilenet_v2", "clip"])
+def test_hugging_face_vision_models_never_lose_and_list_every_activation(name):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model, sample = _hf_vision_models()[name]
+    plain = saved_tensor_bytes(model, **sample).total
+    activation_classes = {c[0] if isinstance(c, tuple) else c for c in transformers.activations.ACT2CLS.values()}
+    activation_paths = {p for p, m in model.named_modules() if type(m) in activation_classes}
+    report = lnn.compress_activations(model, bits=3, sample_kwargs=sample)
+    measured = saved_tensor_bytes(model, **sample).total
+    assert report.bytes_before == plain and report.expected_bytes == measured
+    # Every activation module of the model is accounted for: replaced, or left alone with a reason.
+    assert activation_paths == {r.path for r in report.replaced} | {p for p, _ in report.skipped}
+    if name == "resnet":
+        # ReLU keeps its output, which the next convolution keeps: the few-bit form would free nothing there.
+        assert measured <= plain and all("no saving" in why for _, why in report.skipped)
+    else:
+        # ReLU6 keeps its input (the batch-norm output), quick_gelu's formula its input and sigmoid: both free memory.
+        assert measured < plain and report.skipped == []
