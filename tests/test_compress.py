@@ -255,15 +255,17 @@ def _hf_vision_models():
     }
 
 
-@pytest.mark.parametrize("name", ["resnet", "mobilenet_v2", "clip"])
-def test_hugging_face_vision_models_never_lose_and_list_every_activation(name):
+@pytest.mark.parametrize(
+    ("name", "method"), [("resnet", "fewbit"), ("mobilenet_v2", "fewbit"), ("clip", "fewbit"), ("clip", "invact")]
+)
+def test_hugging_face_vision_models_never_lose_and_list_every_activation(name, method):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model, sample = _hf_vision_models()[name]
     plain = saved_tensor_bytes(model, **sample).total
     activation_classes = {c[0] if isinstance(c, tuple) else c for c in transformers.activations.ACT2CLS.values()}
     activation_paths = {p for p, m in model.named_modules() if type(m) in activation_classes}
-    report = lnn.compress_activations(model, bits=3, sample_kwargs=sample)
+    report = lnn.compress_activations(model, method=method, bits=3, sample_kwargs=sample)
     measured = saved_tensor_bytes(model, **sample).total
     assert report.bytes_before == plain and report.expected_bytes == measured
     # Every activation module of the model is accounted for: replaced, or left alone with a reason.
@@ -272,5 +274,6 @@ def test_hugging_face_vision_models_never_lose_and_list_every_activation(name):
         # ReLU keeps its output, which the next convolution keeps: the few-bit form would free nothing there.
         assert measured <= plain and all("no saving" in why for _, why in report.skipped)
     else:
-        # ReLU6 keeps its input (the batch-norm output), quick_gelu's formula its input and sigmoid: both free memory.
+        # ReLU6 keeps its input (the batch-norm output), quick_gelu's formula its input and sigmoid: both free
+        # memory, few-bit or (quick_gelu) inverted.
         assert measured < plain and report.skipped == []

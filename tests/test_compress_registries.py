@@ -112,6 +112,33 @@ def test_every_hugging_face_activation_is_replaced_or_listed():
     assert outcomes["relu6"] == "exact" and outcomes["quick_gelu"] == "few-bit"
 
 
+def _quick_gelu() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.activations.QuickGELUActivation()
+
+
+def test_quick_gelu_inverted_as_a_scaled_silu():
+    act = _quick_gelu()
+    model = nn.Sequential(nn.Identity(), act)
+    report = lnn.compress_activations(model, method="invact", when="always")
+    assert [r.path for r in report.replaced] == ["1"] and model[1].name == "quick_gelu"
+    a = lnn.invact.SCALED["quick_gelu"][1]
+    # x over [-10/a, 10/a]: a x covers SiLU's table range [-10, 10], where its error is known.
+    x = torch.linspace(-10.0 / a, 10.0 / a, 2_000_001)
+    want_y, want_g = _grad(act, x)
+    got_y, got_g = _grad(model[1], x)
+    assert torch.equal(got_y, want_y)  # Hugging Face's expression, bit for bit
+    # quick_gelu'(x) = silu'(a x), read from SiLU's table at a y. y is the formula's own rounding of silu(a x) / a
+    # and a y one more rounding: at SiLU's minimum, where the inversion amplifies an error in y, that at most
+    # doubles the error SiLU's table shows for its own fp32 output (its linf over [-10, 10]).
+    bound = 2 * lnn.invact.gradient_error("silu")["linf"]
+    assert float((got_g - want_g).abs().max()) <= bound
+    # Direction as well as size: the slope is negative left of the minimum and positive right of it.
+    minimum = lnn.invact.table("silu").threshold / a
+    far = (x - minimum).abs() > 0.1
+    assert torch.equal(torch.sign(got_g[far]), torch.sign(want_g[far]))
+
+
 def test_exact_one_bit_forms():
     got = {repr(a): _check(a, repr(a)) for a in (nn.ReLU6(), nn.Hardtanh(), nn.Threshold(0.5, -1.0), nn.LeakyReLU(0.2))}
     assert set(got.values()) == {"exact"}
@@ -128,12 +155,20 @@ def test_register_activation_checks_its_arguments():
         lnn.register_activation("test_bad_breakpoint", torch.relu, breakpoints=(math.inf,))
 
 
-@pytest.mark.parametrize("act", [nn.ReLU6(), nn.LogSigmoid()], ids=repr)
-def test_registered_forms_compile(act):
+_COMPILED = {
+    "relu6": (nn.ReLU6, "fewbit"),
+    "logsigmoid": (nn.LogSigmoid, "fewbit"),
+    "quick_gelu": (_quick_gelu, "invact"),
+}
+
+
+@pytest.mark.parametrize("name", list(_COMPILED))
+def test_registered_forms_compile(name):
+    make, method = _COMPILED[name]
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 64), act, nn.Linear(64, 4))
-    lnn.compress_activations(model, when="always")
-    assert isinstance(model[1], lnn.FewBitActivation)
+    model = nn.Sequential(nn.Linear(16, 64), make(), nn.Linear(64, 4))
+    lnn.compress_activations(model, method=method, when="always")
+    assert isinstance(model[1], lnn.FewBitActivation if method == "fewbit" else lnn.InvActivation)
     x = torch.randn(8, 16) * 4
     eager = model(x).square().sum()
     eager.backward()

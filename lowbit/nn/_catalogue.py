@@ -152,14 +152,15 @@ def torch_module(m: nn.Module) -> Result:
     return None, UNSUPPORTED.get(type(m))
 
 
-# Hugging Face's activations (transformers.activations) that call the torch function, directly or through
-# ``self.act``, by class name.
+# Hugging Face's activations (transformers.activations) that compute exactly a lowbit activation (torch's
+# function directly or through ``self.act``; quick_gelu's own expression), by class name.
 HF_EXACT = {
     "GELUActivation": "gelu",
     "GELUTanh": "gelu_tanh",
     "PytorchGELUTanh": "gelu_tanh",
     "SiLUActivation": "silu",
     "MishActivation": "mish",
+    "QuickGELUActivation": "quick_gelu",
 }
 # Python formulas of a torch function: an inverted layer of that function changes the output by rounding.
 HF_FORMULA = {"NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh"}
@@ -167,7 +168,6 @@ HF_FORMULA = {"NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh
 _HF_POINTWISE = {
     *HF_EXACT,
     *HF_FORMULA,
-    "QuickGELUActivation",
     "ClippedGELUActivation",
     "AccurateGELUActivation",
     "LaplaceActivation",

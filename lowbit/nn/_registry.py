@@ -140,6 +140,11 @@ def register_activation(
     return name
 
 
+def _quick_gelu(x: Tensor) -> Tensor:
+    # Hugging Face's QuickGELUActivation (CLIP), the same expression, so outputs are bit-identical.
+    return x * torch.sigmoid(1.702 * x)
+
+
 def _finite(value: object, arg: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"lowbit: {arg} must hold finite numbers, got {value!r}")
@@ -204,3 +209,7 @@ def activation_breakpoints(name: str) -> tuple[float, ...]:
     if check_activation(name) in _REGISTERED:
         return _REGISTERED[name].breakpoints
     return _ACTIVATION_FNS[name][1]
+
+
+# No shipped few-bit tables (derived on first use); its inverted form is SiLU's, scaled (lowbit.nn.invact.SCALED).
+register_activation("quick_gelu", _quick_gelu)

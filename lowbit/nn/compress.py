@@ -169,7 +169,7 @@ def _module_name(m: nn.Module, strict: bool, method: str) -> tuple[Optional[str]
         return HF_EXACT[cls], None
     if cls in HF_FORMULA:
         return (None, formula) if strict else (HF_FORMULA[cls], None)
-    return None, f"{cls} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish)"
+    return None, f"{cls} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
 
 
 class _FunctionCall(nn.Module):
@@ -274,8 +274,8 @@ def _make(
     name: str, method: str, bits: int, weight: str, device: torch.device
 ) -> tuple[Optional[nn.Module], Optional[str]]:
     if method == "invact":
-        if name not in invact.ACTIVATIONS:
-            return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish)"
+        if name not in invact.INVERTIBLE:
+            return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
         return InvActivation(name).to(device), None
     return FewBitActivation(name, _fewbit_bits(name, bits), weight).to(device), None
 
@@ -285,8 +285,8 @@ def _make_call(
 ) -> tuple[Optional[nn.Module], Optional[str]]:
     """The layer for function attribute ``fn``; for GELU also the other approximation, which a call may ask
     for with ``approximate=``."""
-    if method == "invact" and name not in invact.ACTIVATIONS:
-        return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish)"
+    if method == "invact" and name not in invact.INVERTIBLE:
+        return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
     alternates = {}
     if name in _GELU_APPROXIMATE.values():
         other = "gelu_tanh" if name == "gelu" else "gelu"

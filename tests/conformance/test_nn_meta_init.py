@@ -52,7 +52,7 @@ _SPECIAL: dict[type, tuple[list[tuple[tuple, dict]], Factory]] = {
         [((name,), {"bits": fewbit.table_bits(name)[-1]}) for name in (*fewbit.ACTIVATIONS, *_REGISTERED)],
         _float_input,
     ),
-    lnn.InvActivation: ([((name,), {}) for name in invact.ACTIVATIONS], _float_input),
+    lnn.InvActivation: ([((name,), {}) for name in invact.INVERTIBLE], _float_input),
     lnn.ApproxBNReLULinear: (
         [((9, 5), {}), ((9, 5), {"bias": False, "bits": 4})],
         lambda g, a: torch.randn(8, a[0], generator=g),
