@@ -130,6 +130,13 @@ def test_hugging_face_models():
     # 0.017 of rtol = atol = 1e-5; 1e-6 leaves 6x (was 1e-5).
     torch.testing.assert_close(gpt2(ids).last_hidden_state, before, rtol=1e-6, atol=1e-6)
 
+    # GELUActivation running its Python formula: the inverted GELU computes torch's kernel instead.
+    python_gelu = nn.Sequential(transformers.activations.ACT2FN["gelu_python"])
+    report = lnn.compress_activations(python_gelu, method="invact")
+    assert report.replaced == [] and "Python formula" in dict(report.skipped)["0"]
+    report = lnn.compress_activations(python_gelu, method="invact", strict=False)
+    assert [r.path for r in report.replaced] == ["0"] and python_gelu[0].name == "gelu"
+
 
 class BasicBlock(nn.Module):
     """A ResNet basic block: one activation module called twice, as torchvision's and Hugging Face's do."""

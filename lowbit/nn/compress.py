@@ -7,9 +7,10 @@ two values: ReLU6, Hardtanh, LeakyReLU with any slope, Threshold, Hardsigmoid, H
 activation functions stored as module attributes (``self.act_fn = F.silu``), and Hugging Face
 ``transformers.activations`` modules. The forward pass of the model is unchanged bit for bit: a
 Hugging Face Python formula (``QuickGELUActivation``, ``NewGELUActivation``, ...) keeps its own formula
-in a few-bit layer. The inverted layers exist for torch's GELU, SiLU and Mish only, whose kernels round
-differently from those formulas; they replace ``NewGELUActivation`` and ``FastGELUActivation`` only with
-``strict=False``. Classes that cannot be replaced (PReLU, RReLU, softmax, ...) are listed with the reason.
+in a few-bit layer. The inverted layers exist for torch's GELU, SiLU and Mish and for quick_gelu; torch's
+kernels round differently from the GELU formulas, so they replace ``NewGELUActivation`` and
+``FastGELUActivation`` only with ``strict=False``. Classes that cannot be replaced (PReLU, RReLU,
+softmax, ...) are listed with the reason.
 
 A function attribute keeps the function's calling convention: a call with extra arguments
 (``self.act(x, negative_slope=0.01)``, ``approximate="tanh"``, ``inplace=True``) runs a lowbit layer when
@@ -164,12 +165,13 @@ def _module_name(m: nn.Module, strict: bool, method: str) -> tuple[Optional[str]
         return HF_EXACT[cls], None
     if method == "fewbit":
         return hf_formula(m), None  # the module's own formula: the forward stays bit-identical
-    formula = f"{cls} computes a Python formula that rounds differently from torch's kernel (strict=False)"
-    if not strict and cls in HF_EXACT:
-        return HF_EXACT[cls], None
-    if cls in HF_FORMULA:
-        return (None, formula) if strict else (HF_FORMULA[cls], None)
-    return None, f"{cls} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
+    # An inverted layer computes torch's function, which rounds differently from the module's formula.
+    torch_name = HF_EXACT.get(cls) or HF_FORMULA.get(cls)
+    if torch_name is None:
+        return None, f"{cls} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
+    if strict:
+        return None, f"{cls} computes a Python formula that rounds differently from torch's kernel (strict=False)"
+    return torch_name, None
 
 
 class _FunctionCall(nn.Module):
@@ -356,7 +358,7 @@ def _check_sample(sample_args: Any, sample_kwargs: Any) -> Optional[tuple[tuple,
     return tuple(sample_args or ()), dict(sample_kwargs or {})
 
 
-def _exclusive_bytes(model: nn.Module, sample: tuple[tuple, dict[str, Any]]) -> SavedBytes:
+def _saved_on(model: nn.Module, sample: tuple[tuple, dict[str, Any]]) -> SavedBytes:
     args, kwargs = sample
     with torch.enable_grad():
         return saved_tensor_bytes(model, *args, **kwargs)
@@ -387,7 +389,7 @@ def compress_activations(
         model: any ``nn.Module``; its submodules are replaced, the model object itself is kept.
         method: ``"fewbit"`` (:class:`~lowbit.nn.FewBitActivation`, ``bits`` bits per element; ReLU and
             LeakyReLU take their exact 1-bit form) or ``"invact"`` (:class:`~lowbit.nn.InvActivation`, the
-            output plus 1 bit per element; GELU, SiLU and Mish only).
+            output plus 1 bit per element; GELU, SiLU, Mish and quick_gelu only).
         bits: bits per element for ``"fewbit"``, 1..8.
         weight: the few-bit tables' weight, ``"normal"`` or ``"uniform"``.
         strict: replace only activations whose forward stays bit-identical (default); with False
@@ -448,10 +450,10 @@ def _measured_swaps(
         for swap in swaps:
             if not swap.is_module:
                 swap.install(_Probe(swap.old))
-        before = _exclusive_bytes(model, sample)
+        before = _saved_on(model, sample)
         for swap in swaps:
             swap.install(swap.new)
-        after = _exclusive_bytes(model, sample)
+        after = _saved_on(model, sample)
     except BaseException:
         for swap in swaps:
             swap.install(swap.old)
