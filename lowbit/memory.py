@@ -7,8 +7,7 @@ and its optimizer hold, counted from their storage, converted (:mod:`lowbit.lpmm
 ``torch.autograd.graph.saved_tensors_hooks``, so the numbers are what autograd really saves, whatever
 the layers do internally. A storage saved several times (an output that the next layer saves as its
 input too) counts once, and parameter storages are left out: they are there with or without a
-backward pass. The measuring pass leaves the model as it was: buffers that the forward pass updates
-(batch-norm running statistics) and the random number generators are restored afterwards.
+backward pass.
 """
 
 from __future__ import annotations
@@ -46,10 +45,6 @@ class SavedBytes:
 
 def _storage_key(t: Tensor) -> tuple[torch.device, int]:
     return (t.device, t.untyped_storage().data_ptr())
-
-
-def _cuda_index(t: Tensor) -> int:
-    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def saved_tensor_bytes(model_or_fn: Union[nn.Module, Callable[..., Any]], *inputs: Any, **kwargs: Any) -> SavedBytes:
@@ -95,18 +90,12 @@ def saved_tensor_bytes(model_or_fn: Union[nn.Module, Callable[..., Any]], *input
     for module in names:
         handles.append(module.register_forward_pre_hook(enter))
         handles.append(module.register_forward_hook(leave))
-    buffers = [(b, b.clone()) for m in names for b in m.buffers(recurse=False)]
-    tensors = [*(b for b, _ in buffers), *(p for m in names for p in m.parameters(recurse=False)), *inputs]
-    devices = sorted({_cuda_index(t) for t in tensors if isinstance(t, Tensor) and t.device.type == "cuda"})
     try:
-        with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model_or_fn(*inputs, **kwargs)
     finally:
         for h in handles:
             h.remove()
-        with torch.no_grad():
-            for b, value in buffers:
-                b.copy_(value)
     for nbytes, who in savers.values():
         if len(who) == 1:
             (only,) = who

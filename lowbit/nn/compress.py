@@ -358,10 +358,24 @@ def _check_sample(sample_args: Any, sample_kwargs: Any) -> Optional[tuple[tuple,
     return tuple(sample_args or ()), dict(sample_kwargs or {})
 
 
+def _cuda_index(t: Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
 def _saved_on(model: nn.Module, sample: tuple[tuple, dict[str, Any]]) -> SavedBytes:
+    """What ``model`` saves for backward on ``sample``, leaving its buffers (batch-norm running statistics)
+    and the random generators (dropout) as they were: measuring must not change the model's training."""
     args, kwargs = sample
-    with torch.enable_grad():
-        return saved_tensor_bytes(model, *args, **kwargs)
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    tensors = [*(b for b, _ in buffers), *model.parameters(), *args, *kwargs.values()]
+    devices = sorted({_cuda_index(t) for t in tensors if isinstance(t, Tensor) and t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            return saved_tensor_bytes(model, *args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
 
 
 def compress_activations(
