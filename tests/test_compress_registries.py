@@ -90,15 +90,17 @@ def _check(act: nn.Module, label: str) -> str:
     # ... and that table is as close to torch's own derivative as its recorded error says: the normal-weighted
     # squared error on [-10, 10] as a Riemann sum over a 2**20-cell grid. The sum misses the integral by at most
     # one cell (dx) per boundary, times the square of the largest difference there (levels and f' alike are
-    # within [min, max] of the levels and f'), times the density's maximum 1/sqrt(2 pi) < 0.4.
+    # within [min, max] of the levels and f'), times the density's maximum 1/sqrt(2 pi) < 0.4. torch's fp32 f'
+    # differs from the float64 one the error was computed with by 2**-24 of |f'| <= span at most, which moves
+    # each squared difference by at most 2 * 2**-24 * span**2; the density integrates to 1.
     grid = torch.linspace(-10.0, 10.0, (1 << 20) + 1, dtype=torch.float32)
     dx = 20.0 / (1 << 20)
     _, fprime = _grad(act, grid)
     density = torch.exp(-(grid.double() ** 2) / 2) / math.sqrt(2 * math.pi)
     err = float((((table(grid) - fprime).double() ** 2) * density).sum() * dx)
     span = float(torch.cat([table.levels, fprime]).max() - torch.cat([table.levels, fprime]).min())
-    slack = table.boundaries.numel() * dx * span**2 * 0.4
-    assert abs(err - table.error) <= 0.02 * table.error + slack, (label, err, table.error)
+    slack = table.boundaries.numel() * dx * span**2 * 0.4 + 2 * 2**-24 * span**2
+    assert abs(err - table.error) <= slack, (label, err, table.error)
     return "few-bit"
 
 
