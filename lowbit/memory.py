@@ -33,10 +33,14 @@ class SavedBytes:
         total: bytes of all distinct storages saved, parameters excluded.
         by_module: the same bytes by the qualified name of the innermost module running when each
             storage was first saved (``""``: the top-level module, or outside any module).
+        exclusive: by module name, the bytes of the storages that only that module saved: what autograd
+            would no longer keep if that module saved nothing. An activation's output that the next
+            layer saves as its input counts for neither.
     """
 
     total: int = 0
     by_module: dict[str, int] = field(default_factory=dict)
+    exclusive: dict[str, int] = field(default_factory=dict)
 
 
 def _storage_key(t: Tensor) -> tuple[torch.device, int]:
@@ -60,16 +64,20 @@ def saved_tensor_bytes(model_or_fn: Union[nn.Module, Callable[..., Any]], *input
         excluded = {_storage_key(p) for p in model_or_fn.parameters()}
         names = {m: name for name, m in model_or_fn.named_modules()}
     stack: list[str] = [""]
-    seen: set[tuple[torch.device, int]] = set()
+    # Each distinct saved storage: its bytes and the modules that saved it.
+    savers: dict[tuple[torch.device, int], tuple[int, set[str]]] = {}
     result = SavedBytes()
 
     def pack(t: Tensor) -> Tensor:
         key = _storage_key(t)
-        if key not in seen and key not in excluded:
-            seen.add(key)
+        if key in excluded:
+            return t
+        if key not in savers:
             nbytes = t.untyped_storage().nbytes()
+            savers[key] = (nbytes, set())
             result.total += nbytes
             result.by_module[stack[-1]] = result.by_module.get(stack[-1], 0) + nbytes
+        savers[key][1].add(stack[-1])
         return t
 
     def enter(module: nn.Module, args: Any) -> None:
@@ -88,6 +96,10 @@ def saved_tensor_bytes(model_or_fn: Union[nn.Module, Callable[..., Any]], *input
     finally:
         for h in handles:
             h.remove()
+    for nbytes, who in savers.values():
+        if len(who) == 1:
+            (only,) = who
+            result.exclusive[only] = result.exclusive.get(only, 0) + nbytes
     return result
 
 

@@ -1,6 +1,7 @@
 """Layers for memory-efficient training: embeddings for 8-bit optimizers, activations that save less."""
 
 from lowbit.nn import activations, fewbit, invact
+from lowbit.nn._registry import register_activation
 
 # The activation layers and functions: activations.__all__ is the one list of their names (added to __all__ below).
 from lowbit.nn.activations import *  # noqa: F403
@@ -20,5 +21,6 @@ __all__ = [
     "fewbit",
     "invact",
     "optimal_levels",
+    "register_activation",
 ]
 __all__ += activations.__all__

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from lowbit import _ops
 from lowbit.nn import fewbit, invact
-from lowbit.nn._registry import activation_fn
+from lowbit.nn._registry import activation_fn, derivative, two_values
 
 __all__ = [
     "FewBitActivation",
@@ -48,12 +48,17 @@ __all__ = [
 
 
 class _FewBitFunction(torch.autograd.Function):
-    """y = f(x) by torch; saves the packed interval codes of x and the level table for backward."""
+    """y = f(x) by torch; saves the packed interval codes of x and the level table for backward.
+
+    For a two-valued derivative the code is that of f'(x) itself: one boundary between the two values
+    separates them exactly, however many intervals of x each value covers (ReLU6: 0, 1, 0).
+    """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, name: str, boundaries: Tensor, levels: Tensor, bits: int) -> Tensor:
         y = activation_fn(name)(x)
-        packed = _ops.fewbit_encode(x.contiguous(), boundaries, bits)
+        coded = derivative(name)(x) if two_values(name) is not None else x
+        packed = _ops.fewbit_encode(coded.contiguous(), boundaries, bits)
         ctx.save_for_backward(packed, levels)
         ctx.bits = bits
         return y
@@ -248,20 +253,24 @@ class _InvActFunction(torch.autograd.Function):
     """y = f(x) by torch; saves y and the packed branch bits (x > T) for backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, name: str, threshold: Tensor, coeffs: Tensor, params: Tensor) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, name: str, threshold: Tensor, coeffs: Tensor, params: Tensor, scale: float
+    ) -> Tensor:
         y = activation_fn(name)(x)
         bits = _ops.fewbit_encode(x.contiguous(), threshold, 1)
         ctx.save_for_backward(y, bits)
         # The tables are constants shared by every call, kept by reference rather than saved: what the
         # layer saves is exactly y and ceil(N / 8) bytes of bits.
-        ctx.coeffs, ctx.params = coeffs, params
+        ctx.coeffs, ctx.params, ctx.scale = coeffs, params, scale
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         y, bits = ctx.saved_tensors
-        dx = _ops.invact_grad(grad.contiguous(), y.contiguous(), bits, ctx.coeffs, ctx.params)
-        return dx, None, None, None, None
+        # f(x) = g(a x) / a (invact.SCALED): g's table reads g's output, a y.
+        g_of_ax = y.contiguous() if ctx.scale == 1.0 else y * ctx.scale
+        dx = _ops.invact_grad(grad.contiguous(), g_of_ax, bits, ctx.coeffs, ctx.params)
+        return dx, None, None, None, None, None
 
 
 class _InvActInPlaceFunction(torch.autograd.Function):
@@ -269,20 +278,24 @@ class _InvActInPlaceFunction(torch.autograd.Function):
     the output, so a next layer that saves its input shares the storage, as with the out-of-place form."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, name: str, threshold: Tensor, coeffs: Tensor, params: Tensor) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, name: str, threshold: Tensor, coeffs: Tensor, params: Tensor, scale: float
+    ) -> Tensor:
         bits = _ops.fewbit_encode(x.contiguous(), threshold, 1)
         x.copy_(activation_fn(name)(x))
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, bits)
-        ctx.coeffs, ctx.params = coeffs, params
+        ctx.coeffs, ctx.params, ctx.scale = coeffs, params, scale
         return x
 
     backward = _InvActFunction.backward
 
 
 def _invact_tensors(name: str, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    t = invact.table(name)
-    return t.threshold_tensor.to(device), t.coeffs.to(device), t.params.to(device)
+    base, scale = invact.inverted(name)
+    t = invact.table(base)
+    # The branch of f(x) = g(a x) / a is that of g at a x: x > T_g / a.
+    return (t.threshold_tensor / scale).to(device), t.coeffs.to(device), t.params.to(device)
 
 
 def inv_act(x: Tensor, name: str) -> Tensor:
@@ -292,11 +305,12 @@ def inv_act(x: Tensor, name: str) -> Tensor:
 
     Args:
         x: fp32, fp16 or bf16 input of any shape, on CPU or CUDA.
-        name: one of :data:`lowbit.nn.invact.ACTIVATIONS` (``gelu``, ``gelu_tanh``, ``silu``, ``mish``).
+        name: one of :data:`lowbit.nn.invact.INVERTIBLE` (``gelu``, ``gelu_tanh``, ``silu``, ``mish``,
+            ``quick_gelu``).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
-    return _InvActFunction.apply(x, name, *_invact_tensors(name, x.device))
+    return _InvActFunction.apply(x, name, *_invact_tensors(name, x.device), invact.inverted(name)[1])
 
 
 class InvActivation(_TableLayer):
@@ -306,7 +320,8 @@ class InvActivation(_TableLayer):
     ``.to(device)``, keep fp32 under ``.half()``/``.double()``, and are rebuilt by ``to_empty``.
 
     Args:
-        name: one of :data:`lowbit.nn.invact.ACTIVATIONS` (``gelu``, ``gelu_tanh``, ``silu``, ``mish``).
+        name: one of :data:`lowbit.nn.invact.INVERTIBLE` (``gelu``, ``gelu_tanh``, ``silu``, ``mish``,
+            ``quick_gelu``).
     """
 
     threshold: Tensor
@@ -316,6 +331,7 @@ class InvActivation(_TableLayer):
     def __init__(self, name: str) -> None:
         super().__init__()
         self.name = name
+        self.scale = invact.inverted(name)[1]
         self._fill_tables(torch.get_default_device())
 
     def _table_values(self) -> dict[str, Tensor]:
@@ -329,7 +345,7 @@ class InvActivation(_TableLayer):
     def _activation(self, x: Tensor, inplace: bool) -> Tensor:
         _check_layer_input(self, x, self.coeffs)
         fn = _InvActInPlaceFunction if inplace else _InvActFunction
-        return fn.apply(x, self.name, self.threshold, self.coeffs, self.params)
+        return fn.apply(x, self.name, self.threshold, self.coeffs, self.params, self.scale)
 
     def extra_repr(self) -> str:
         """The activation's name."""

@@ -1,13 +1,16 @@
 """Swap a model's activations for ones that save less for backward, in place, keeping every weight.
 
-:func:`compress_activations` walks a model and replaces each activation that computes exactly a torch
-function lowbit has a compressed form of: ``torch.nn`` activation modules (``nn.GELU``, ``nn.SiLU``, ...,
-with torch's default parameters), activation functions stored as module attributes (``self.act_fn =
-F.silu``), and Hugging Face ``transformers.activations`` modules that call the torch function
-(``GELUActivation``, ``GELUTanh``, ``SiLUActivation``, ``MishActivation``). The forward pass of the
-model is unchanged bit for bit. Activations written as Python formulas (``NewGELUActivation``,
-``FastGELUActivation``, ...) round differently from torch's kernels; they are replaced only with
-``strict=False``.
+:func:`compress_activations` walks a model and replaces the activations it recognises
+(:mod:`lowbit.nn._catalogue`): every pointwise ``torch.nn`` activation module with its parameters
+(few-bit tables derived for parameters without shipped ones; exact 1-bit forms where the derivative takes
+two values: ReLU6, Hardtanh, LeakyReLU with any slope, Threshold, Hardsigmoid, Hardshrink, Softshrink),
+activation functions stored as module attributes (``self.act_fn = F.silu``), and Hugging Face
+``transformers.activations`` modules. The forward pass of the model is unchanged bit for bit: a
+Hugging Face Python formula (``QuickGELUActivation``, ``NewGELUActivation``, ...) keeps its own formula
+in a few-bit layer. The inverted layers exist for torch's GELU, SiLU and Mish and for quick_gelu; torch's
+kernels round differently from the GELU formulas, so they replace ``NewGELUActivation`` and
+``FastGELUActivation`` only with ``strict=False``. Classes that cannot be replaced (PReLU, RReLU,
+softmax, ...) are listed with the reason.
 
 A function attribute keeps the function's calling convention: a call with extra arguments
 (``self.act(x, negative_slope=0.01)``, ``approximate="tanh"``, ``inplace=True``) runs a lowbit layer when
@@ -28,28 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lowbit.memory import SavedBytes, saved_tensor_bytes
 from lowbit.nn import invact
+from lowbit.nn._catalogue import HF_EXACT, HF_FORMULA, hf_formula, hf_pointwise, torch_module
 from lowbit.nn.activations import FewBitActivation, InvActivation
 from lowbit.nn.fewbit.tables import WEIGHTS, _check_bits, table_bits
 
 __all__ = ["CompressionReport", "Replacement", "compress_activations"]
 
 METHODS = ("fewbit", "invact")
-
-# torch.nn modules whose forward is the named function when their parameters are torch's defaults.
-_MODULES: dict[type, Callable[[nn.Module], Optional[str]]] = {
-    nn.GELU: lambda m: {"none": "gelu", "tanh": "gelu_tanh"}.get(m.approximate),
-    nn.SiLU: lambda m: "silu",
-    nn.Mish: lambda m: "mish",
-    nn.Sigmoid: lambda m: "sigmoid",
-    nn.Tanh: lambda m: "tanh",
-    nn.SELU: lambda m: "selu",
-    nn.ELU: lambda m: "elu" if m.alpha == 1.0 else None,
-    nn.Softplus: lambda m: "softplus" if (m.beta, m.threshold) == (1.0, 20.0) else None,
-    nn.Hardswish: lambda m: "hardswish",
-    nn.LeakyReLU: lambda m: "leaky_relu" if m.negative_slope == 0.01 else None,
-    nn.ReLU: lambda m: "relu",
-}
+WHEN = ("smaller", "always")
 
 _FUNCTIONS: dict[Any, str] = {
     F.gelu: "gelu",
@@ -68,17 +59,6 @@ _FUNCTIONS: dict[Any, str] = {
     F.relu: "relu",
     torch.relu: "relu",
 }
-
-# Hugging Face activations (transformers.activations) by class name: exact ones call the torch function
-# through ``self.act`` or directly; the others are Python formulas of the same function.
-_HF_EXACT = {
-    "GELUActivation": "gelu",
-    "GELUTanh": "gelu_tanh",
-    "PytorchGELUTanh": "gelu_tanh",
-    "SiLUActivation": "silu",
-    "MishActivation": "mish",
-}
-_HF_FORMULA = {"NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh"}
 
 # The calling convention of each function in _FUNCTIONS after ``input``: (positional-or-keyword names,
 # keyword-only names, defaults), one entry per key of _FUNCTIONS. A call is bound against it the way
@@ -105,11 +85,22 @@ _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 
 @dataclass(frozen=True)
 class Replacement:
-    """One swapped activation: where (module path, ``.attr`` for a function attribute), what, by what."""
+    """One swapped activation: where (module path, ``.attr`` for a function attribute), what, by what.
+
+    Attributes:
+        path: the module path, ``parent.attr`` for a function attribute.
+        before: the original activation.
+        after: the lowbit layer now in its place.
+        saved_before: bytes that only the original activation kept for backward on the sample
+            (see :attr:`lowbit.memory.SavedBytes.exclusive`); None without a sample.
+        saved_after: the same for the lowbit layer; None without a sample.
+    """
 
     path: str
     before: str
     after: str
+    saved_before: Optional[int] = None
+    saved_after: Optional[int] = None
 
 
 @dataclass
@@ -122,14 +113,23 @@ class CompressionReport:
         fallbacks: ``(path, reason)`` of each replaced function attribute that was later called with
             arguments no lowbit layer implements, so that it ran the original function; filled in while
             the model runs, once per attribute and set of such arguments (a warning says the same).
+        bytes_before: bytes the model saved for backward on the sample before the call, measured by
+            :func:`lowbit.memory.saved_tensor_bytes`; None without a sample.
+        expected_bytes: bytes it is expected to save on the sample now: ``bytes_before`` less what each
+            replacement frees (``saved_before - saved_after``); None without a sample. Measure it with
+            ``lowbit.memory.saved_tensor_bytes(model, *sample_args, **sample_kwargs).total``.
     """
 
     replaced: list[Replacement] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     fallbacks: list[tuple[str, str]] = field(default_factory=list)
+    bytes_before: Optional[int] = None
+    expected_bytes: Optional[int] = None
 
     def __str__(self) -> str:
         lines = [f"replaced {len(self.replaced)} activation(s)"]
+        if self.bytes_before is not None and self.expected_bytes is not None:
+            lines[0] += f"; saved for backward on the sample: {self.bytes_before:,} -> {self.expected_bytes:,} bytes"
         lines += [f"  {r.path}: {r.before} -> {r.after}" for r in self.replaced]
         if self.skipped:
             lines.append(f"left {len(self.skipped)} alone")
@@ -153,26 +153,25 @@ def _function_name(fn: Any) -> Optional[str]:
         return None
 
 
-def _module_name(m: nn.Module, strict: bool) -> tuple[Optional[str], Optional[str]]:
+def _module_name(m: nn.Module, strict: bool, method: str) -> tuple[Optional[str], Optional[str]]:
     """(activation name, None) for a replaceable module, (None, reason) for a recognised one that is
     not, (None, None) for anything else."""
-    rule = _MODULES.get(type(m))
-    if rule is not None:
-        name = rule(m)
-        return (name, None) if name else (None, f"{type(m).__name__} with non-default parameters")
-    cls = type(m).__name__
-    if not type(m).__module__.startswith("transformers."):
-        return None, None
-    formula = f"{cls} computes a Python formula that rounds differently from torch's kernel (strict=False)"
-    if cls in _HF_EXACT:
-        # Exact when it calls the torch function: directly (no ``act``) or through ``self.act``.
-        act = getattr(m, "act", None)
-        if act is None or _function_name(act) == _HF_EXACT[cls] or not strict:
-            return _HF_EXACT[cls], None
-        return None, formula
-    if cls in _HF_FORMULA:
-        return (None, formula) if strict else (_HF_FORMULA[cls], None)
-    return None, None
+    cls, reason = hf_pointwise(m)
+    if cls is None:
+        return (None, reason) if reason is not None else torch_module(m)
+    # Exact when it calls the torch function: directly (no ``act``) or through ``self.act``.
+    act = getattr(m, "act", None)
+    if cls in HF_EXACT and (act is None or _function_name(act) == HF_EXACT[cls]):
+        return HF_EXACT[cls], None
+    if method == "fewbit":
+        return hf_formula(m), None  # the module's own formula: the forward stays bit-identical
+    # An inverted layer computes torch's function, which rounds differently from the module's formula.
+    torch_name = HF_EXACT.get(cls) or HF_FORMULA.get(cls)
+    if torch_name is None:
+        return None, f"{cls} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
+    if strict:
+        return None, f"{cls} computes a Python formula that rounds differently from torch's kernel (strict=False)"
+    return torch_name, None
 
 
 class _FunctionCall(nn.Module):
@@ -277,8 +276,8 @@ def _make(
     name: str, method: str, bits: int, weight: str, device: torch.device
 ) -> tuple[Optional[nn.Module], Optional[str]]:
     if method == "invact":
-        if name not in invact.ACTIVATIONS:
-            return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish)"
+        if name not in invact.INVERTIBLE:
+            return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
         return InvActivation(name).to(device), None
     return FewBitActivation(name, _fewbit_bits(name, bits), weight).to(device), None
 
@@ -288,8 +287,8 @@ def _make_call(
 ) -> tuple[Optional[nn.Module], Optional[str]]:
     """The layer for function attribute ``fn``; for GELU also the other approximation, which a call may ask
     for with ``approximate=``."""
-    if method == "invact" and name not in invact.ACTIVATIONS:
-        return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish)"
+    if method == "invact" and name not in invact.INVERTIBLE:
+        return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
     alternates = {}
     if name in _GELU_APPROXIMATE.values():
         other = "gelu_tanh" if name == "gelu" else "gelu"
@@ -302,25 +301,122 @@ def _make_call(
     return new.to(device), None
 
 
+@dataclass
+class _Swap:
+    """One recognised activation and the lowbit layer that may take its place."""
+
+    owner: nn.Module
+    key: str
+    is_module: bool
+    path: str
+    old: Any
+    new: nn.Module
+    before: str
+    after: str
+
+    def install(self, value: Any) -> None:
+        if isinstance(value, nn.Module):
+            setattr(self.owner, self.key, value)
+        else:
+            # A function attribute back in place of a module registered under its name.
+            self.owner._modules.pop(self.key, None)
+            setattr(self.owner, self.key, value)
+
+
+class _Probe(nn.Module):
+    """Runs a function attribute unchanged as a module, so that what it saves is counted under its path."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``."""
+        return self.fn(*args, **kwargs)
+
+
+def _saves_output(activation: Any) -> bool:
+    """Whether torch's backward of ``activation`` (a module, or a function called with its defaults) keeps
+    the output: then the next layer, which saves its input, usually keeps the same storage."""
+    saved: list[Tensor] = []
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        # A non-leaf input, so that in-place activations run as they do inside a model.
+        x = torch.linspace(-3.0, 3.0, 8, requires_grad=True) * 1.0
+        y = activation(x)
+    return any(t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for t in saved)
+
+
+def _check_sample(sample_args: Any, sample_kwargs: Any) -> Optional[tuple[tuple, dict[str, Any]]]:
+    if sample_args is None and sample_kwargs is None:
+        return None
+    if sample_args is not None and not isinstance(sample_args, tuple):
+        raise TypeError(f"lowbit: sample_args must be a tuple of arguments, got {type(sample_args).__name__}")
+    if sample_kwargs is not None and not (
+        isinstance(sample_kwargs, dict) and all(isinstance(k, str) for k in sample_kwargs)
+    ):
+        raise TypeError(f"lowbit: sample_kwargs must be a dict of keywords, got {type(sample_kwargs).__name__}")
+    return tuple(sample_args or ()), dict(sample_kwargs or {})
+
+
+def _cuda_index(t: Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _saved_on(model: nn.Module, sample: tuple[tuple, dict[str, Any]]) -> SavedBytes:
+    """What ``model`` saves for backward on ``sample``, leaving its buffers (batch-norm running statistics)
+    and the random generators (dropout) as they were: measuring must not change the model's training."""
+    args, kwargs = sample
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    tensors = [*(b for b, _ in buffers), *model.parameters(), *args, *kwargs.values()]
+    devices = sorted({_cuda_index(t) for t in tensors if isinstance(t, Tensor) and t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            return saved_tensor_bytes(model, *args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for b, value in buffers:
+                b.copy_(value)
+
+
 def compress_activations(
-    model: nn.Module, method: str = "fewbit", bits: int = 3, weight: str = "normal", strict: bool = True
+    model: nn.Module,
+    method: str = "fewbit",
+    bits: int = 3,
+    weight: str = "normal",
+    strict: bool = True,
+    when: str = "smaller",
+    sample_args: Optional[tuple] = None,
+    sample_kwargs: Optional[dict[str, Any]] = None,
 ) -> CompressionReport:
     """Replace the activations of ``model`` in place by ones that save less for backward.
+
+    An activation is replaced only where that lowers the bytes autograd keeps (``when="smaller"``),
+    counting storage that another layer saves anyway: torch's ReLU saves its output, which the next
+    convolution saves as its input, so a few-bit ReLU there would add its codes and free nothing. With a
+    sample input the model runs twice on it (as it is, and with every replacement) and each activation is
+    judged by the bytes that only it keeps (:attr:`lowbit.memory.SavedBytes.exclusive`); the report then
+    states the bytes expected after the call. Without a sample, activations whose torch backward keeps the
+    output (ReLU, Sigmoid, Tanh, in-place forms) are left alone, and the others, which keep their input,
+    are replaced. The sample runs leave the model's buffers and the random generators as they were.
 
     Args:
         model: any ``nn.Module``; its submodules are replaced, the model object itself is kept.
         method: ``"fewbit"`` (:class:`~lowbit.nn.FewBitActivation`, ``bits`` bits per element; ReLU and
             LeakyReLU take their exact 1-bit form) or ``"invact"`` (:class:`~lowbit.nn.InvActivation`, the
-            output plus 1 bit per element; GELU, SiLU and Mish only).
+            output plus 1 bit per element; GELU, SiLU, Mish and quick_gelu only).
         bits: bits per element for ``"fewbit"``, 1..8.
         weight: the few-bit tables' weight, ``"normal"`` or ``"uniform"``.
-        strict: replace only activations whose forward stays bit-identical (default); with False also
-            Python-formula activations such as Hugging Face's ``NewGELUActivation``, whose outputs then
-            change by rounding.
+        strict: replace only activations whose forward stays bit-identical (default); with False
+            ``"invact"`` also replaces Python-formula activations such as Hugging Face's
+            ``NewGELUActivation`` by torch's function, whose outputs then differ by rounding.
+        when: ``"smaller"`` (default): only where the replacement saves fewer bytes, as above;
+            ``"always"``: every recognised activation.
+        sample_args: positional arguments of one forward call of ``model`` (a tuple), to measure on.
+        sample_kwargs: keyword arguments of that call (a dict).
 
     Returns:
         A :class:`CompressionReport` listing every replacement and every recognised activation left
-        alone, with the reason.
+        alone, with the reason, and with a sample the bytes saved for backward before and expected after.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"lowbit: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -330,17 +426,73 @@ def compress_activations(
         _check_bits(bits)
         if weight not in WEIGHTS:
             raise ValueError(f"lowbit: weight must be one of {WEIGHTS}, got {weight!r}")
+    if when not in WHEN:
+        raise ValueError(f"lowbit: when must be one of {WHEN}, got {when!r}")
+    sample = _check_sample(sample_args, sample_kwargs)
     # The new layers' tables go where the model lives (activations themselves hold no tensors).
     device = next(iter(model.parameters()), torch.empty(0)).device
     report = CompressionReport()
-    root_name, root_reason = _module_name(model, strict)
+    root_name, root_reason = _module_name(model, strict, method)
     if root_name is not None or root_reason is not None:
         report.skipped.append(("", "the root module cannot be replaced in place; wrap it or convert its parent"))
-    _walk(model, "", (method, bits, weight, device), strict, report)
+    swaps: list[_Swap] = []
+    _walk(model, "", (method, bits, weight, device), strict, report, swaps)
+    if sample is None:
+        for swap in swaps:
+            if when == "smaller" and _saves_output(swap.old):
+                report.skipped.append((swap.path, _keeps_output_reason(swap)))
+            else:
+                swap.install(swap.new)
+                report.replaced.append(Replacement(swap.path, swap.before, swap.after))
+        return report
+    _measured_swaps(model, swaps, sample, when, report)
     return report
 
 
-def _walk(module: nn.Module, prefix: str, how: tuple, strict: bool, report: CompressionReport) -> None:
+def _keeps_output_reason(swap: _Swap) -> str:
+    return (
+        f"torch's backward of {swap.before} keeps its output, which the next layer usually saves as its input: "
+        f"{swap.after} would add its codes and free nothing (pass sample_args to measure, or when='always')"
+    )
+
+
+def _measured_swaps(
+    model: nn.Module, swaps: list[_Swap], sample: tuple[tuple, dict[str, Any]], when: str, report: CompressionReport
+) -> None:
+    """Install the swaps that lower the bytes saved on ``sample`` (all of them for ``when="always"``)."""
+    try:
+        for swap in swaps:
+            if not swap.is_module:
+                swap.install(_Probe(swap.old))
+        before = _saved_on(model, sample)
+        for swap in swaps:
+            swap.install(swap.new)
+        after = _saved_on(model, sample)
+    except BaseException:
+        for swap in swaps:
+            swap.install(swap.old)
+        raise
+    report.bytes_before = report.expected_bytes = before.total
+    for swap in swaps:
+        kept_before, kept_after = before.exclusive.get(swap.path, 0), after.exclusive.get(swap.path, 0)
+        if when == "smaller" and kept_after >= kept_before:
+            swap.install(swap.old)
+            report.skipped.append(
+                (
+                    swap.path,
+                    f"on the sample, {swap.before} keeps {kept_before:,} bytes for backward that no other layer "
+                    f"keeps, {swap.after} would keep {kept_after:,}: no saving",
+                )
+            )
+            continue
+        report.expected_bytes -= kept_before - kept_after
+        report.replaced.append(Replacement(swap.path, swap.before, swap.after, kept_before, kept_after))
+
+
+def _walk(
+    module: nn.Module, prefix: str, how: tuple, strict: bool, report: CompressionReport, swaps: list[_Swap]
+) -> None:
+    """Collect a swap for each recognised activation under ``module``; record the ones lowbit cannot take."""
     for attr, value in list(vars(module).items()):
         if attr.startswith("_") or isinstance(value, (nn.Module, torch.Tensor)):
             continue
@@ -352,23 +504,21 @@ def _walk(module: nn.Module, prefix: str, how: tuple, strict: bool, report: Comp
         if new is None:
             report.skipped.append((path, reason or ""))
             continue
-        setattr(module, attr, new)
         after = new._describe() if isinstance(new, _FunctionCall) else repr(new)
-        report.replaced.append(Replacement(path, getattr(value, "__name__", repr(value)), after))
+        swaps.append(_Swap(module, attr, False, path, value, new, getattr(value, "__name__", repr(value)), after))
     for child_name, child in list(module._modules.items()):
         if child is None:
             continue
         path = f"{prefix}.{child_name}" if prefix else child_name
-        name, reason = _module_name(child, strict)
+        name, reason = _module_name(child, strict, how[0])
         if name is None:
             if reason is not None:
                 report.skipped.append((path, reason))
             else:
-                _walk(child, path, how, strict, report)
+                _walk(child, path, how, strict, report, swaps)
             continue
         new, why = _make(name, *how)
         if new is None:
             report.skipped.append((path, why or ""))
             continue
-        module._modules[child_name] = new
-        report.replaced.append(Replacement(path, repr(child), repr(new)))
+        swaps.append(_Swap(module, child_name, True, path, child, new, repr(child), repr(new)))

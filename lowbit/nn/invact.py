@@ -36,9 +36,26 @@ from torch import Tensor
 
 from lowbit.nn._registry import activation_fn, derivative
 
-__all__ = ["ACTIVATIONS", "DEGREE", "PIECES", "InvActTable", "fit", "gradient_error", "paper_slope", "table"]
+__all__ = [
+    "ACTIVATIONS",
+    "DEGREE",
+    "INVERTIBLE",
+    "PIECES",
+    "SCALED",
+    "InvActTable",
+    "fit",
+    "gradient_error",
+    "inverted",
+    "paper_slope",
+    "table",
+]
 
 ACTIVATIONS: tuple[str, ...] = ("gelu", "gelu_tanh", "silu", "mish")
+# Activations f(x) = g(a x) / a of a tabled g, by name: (g, a). Then f'(x) = g'(a x) = g'(g^-1(a y)): g's
+# table evaluated at a y, with the branch bit x > T_g / a. quick_gelu(x) = x sigmoid(1.702 x) = silu(1.702 x) / 1.702.
+SCALED: dict[str, tuple[str, float]] = {"quick_gelu": ("silu", 1.702)}
+# Every activation with an inverted form.
+INVERTIBLE: tuple[str, ...] = (*ACTIVATIONS, *SCALED)
 PIECES = 16  # include/lowbit/invact.h: kInvactPieces
 DEGREE = 5  # kInvactDegree
 TABLE_FILE = "invact_tables.json"
@@ -173,6 +190,20 @@ def _load() -> dict[str, InvActTable]:
 
 # Loaded at import (four small tables): a plain dict lookup is something torch.compile can trace.
 _TABLES = _load()
+
+
+def inverted(name: str) -> tuple[str, float]:
+    """``(g, a)``: activation ``name`` is ``g(a x) / a`` for the tabled ``g`` (``a = 1`` for ``g`` itself).
+
+    Args:
+        name: one of :data:`INVERTIBLE`.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"lowbit: name must be a str, got {type(name).__name__}")
+    if name not in INVERTIBLE:
+        names = ", ".join(INVERTIBLE)
+        raise ValueError(f"lowbit: name must be an invertible activation with one minimum ({names}), got {name!r}")
+    return SCALED.get(name, (name, 1.0))
 
 
 def table(name: str) -> InvActTable:

@@ -32,15 +32,27 @@ def _ids(gen: torch.Generator, args: tuple) -> Tensor:
     return torch.randint(0, 11, (5, 7), generator=gen)
 
 
+# Registered activations: an exact two-valued form (1 bit, the code of f'(x)) and a derived few-bit table.
+_REGISTERED = (
+    lnn.register_activation(
+        "conformance_relu6",
+        torch.nn.functional.relu6,
+        lambda x: torch.ops.aten.hardtanh_backward(torch.ones_like(x), x, 0.0, 6.0),
+        two_values=(0.0, 1.0),
+    ),
+    lnn.register_activation("conformance_logsigmoid", torch.nn.functional.logsigmoid),
+)
+
+
 # class -> (constructor variants as (args, kwargs), input factory of (generator, args)). Anything else in
 # __all__ that is an nn.Module is built with no arguments and fed ``_float_input``.
 Factory = Callable[[torch.Generator, tuple], Tensor]
 _SPECIAL: dict[type, tuple[list[tuple[tuple, dict]], Factory]] = {
     lnn.FewBitActivation: (
-        [((name,), {"bits": fewbit.table_bits(name)[-1]}) for name in fewbit.ACTIVATIONS],
+        [((name,), {"bits": fewbit.table_bits(name)[-1]}) for name in (*fewbit.ACTIVATIONS, *_REGISTERED)],
         _float_input,
     ),
-    lnn.InvActivation: ([((name,), {}) for name in invact.ACTIVATIONS], _float_input),
+    lnn.InvActivation: ([((name,), {}) for name in invact.INVERTIBLE], _float_input),
     lnn.ApproxBNReLULinear: (
         [((9, 5), {}), ((9, 5), {"bias": False, "bits": 4})],
         lambda g, a: torch.randn(8, a[0], generator=g),

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lowbit.nn._registry import TWO_VALUED, check_activation
+from lowbit.nn._registry import TWO_VALUED, check_activation, registered, two_values
 
 __all__ = [
     "MAX_BITS",
@@ -131,12 +131,14 @@ def _make_table(
 
 
 def table_bits(name: str) -> tuple[int, ...]:
-    """The bit widths shipped for activation ``name``: (1,) for ``relu`` and ``leaky_relu``, else 1..8.
+    """The bit widths of activation ``name``'s tables: (1,) where its derivative takes two values (``relu``,
+    ``leaky_relu``, registered ``two_values``), else 1..8.
 
     Args:
-        name: one of :data:`~lowbit.nn.fewbit.ACTIVATIONS`.
+        name: one of :data:`~lowbit.nn.fewbit.ACTIVATIONS`, or a registered name.
     """
-    return (1,) if check_activation(name) in TWO_VALUED else tuple(range(1, MAX_BITS + 1))
+    exact = check_activation(name) in TWO_VALUED or two_values(name) is not None
+    return (1,) if exact else tuple(range(1, MAX_BITS + 1))
 
 
 @functools.cache
@@ -146,10 +148,11 @@ def _shipped() -> dict[str, Any]:
 
 
 def table(name: str, bits: int, weight: str = "normal") -> FewBitTable:
-    """The shipped optimal table for activation ``name`` (interval [-10, 10]).
+    """The optimal table for activation ``name`` (interval [-10, 10]): shipped for a built-in activation,
+    derived once for one added by :func:`~lowbit.nn.register_activation`.
 
     Args:
-        name: one of :data:`~lowbit.nn.fewbit.ACTIVATIONS`.
+        name: one of :data:`~lowbit.nn.fewbit.ACTIVATIONS`, or a registered name.
         bits: bits per element; one of :func:`table_bits` ``(name)``.
         weight: ``"normal"`` or ``"uniform"``.
     """
@@ -161,6 +164,21 @@ def table(name: str, bits: int, weight: str = "normal") -> FewBitTable:
         raise TypeError(f"lowbit: weight must be a str, got {type(weight).__name__}")
     if weight not in WEIGHTS:
         raise ValueError(f"lowbit: weight must be one of {WEIGHTS}, got {weight!r}")
+    if registered(name):
+        return _derived(name, bits, weight)
     data = _shipped()
     entry = data["tables"][name][weight][str(bits)]
     return _make_table(entry["boundaries"], entry["levels"], bits, entry["error"], weight, tuple(data["interval"]))
+
+
+@functools.cache
+def _derived(name: str, bits: int, weight: str) -> FewBitTable:
+    """The table of a registered activation, solved once (a registered name never changes its function)."""
+    values = two_values(name)
+    if values is not None:
+        # The layer encodes f'(x) itself, so one boundary between the two values separates them exactly.
+        lo, hi = values
+        return _make_table([(lo + hi) / 2], [lo, hi], 1, 0.0, weight, TABLE_INTERVAL)
+    from lowbit.nn.fewbit.solver import optimal_levels  # the solver imports this module
+
+    return optimal_levels(name, bits, weight, TABLE_INTERVAL)
