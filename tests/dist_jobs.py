@@ -125,11 +125,25 @@ def _lpmm_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return digest.hexdigest()
 
 
+def _digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    """A hash of the parameters and the optimizer states (every rank must call it)."""
+    digest = hashlib.sha256()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    # In param-group order: opt.state's order is the order in which states were created.
+    tensors = list(model.parameters()) + [v for p in params for _, v in sorted(opt.state[p].items())]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
+            digest.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """Train job["steps"] steps (from job["start"], default 0) with job["optimizer"] on the model of
     _model(job) under job["parallel"] ("fsdp", "ddp" or "none": plain data parallelism). Loads a DCP
     checkpoint from job["load"] first (the model only with job["load_optimizer"] False) and saves one
-    to job["save"] after job["save_after"] steps, if given."""
+    to job["save"] after job["save_after"] steps, if given. job["release"] steps in backward
+    (lowbit.optim.step_in_backward); a refusal is the result, as {"refused": message}."""
     model = _model(job)
     opt = OPTIMIZERS[job["optimizer"]](model.parameters())
     start = job.get("start", 0)
@@ -141,6 +155,12 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         set_model_state_dict(model, state["model"])
         if "optim" in state:
             set_optimizer_state_dict(model, opt, state["optim"])
+    if job.get("release"):  # gradient release (lowbit.optim.gradient_release); DDP is refused
+        try:
+            lowbit.optim.step_in_backward(opt, model)
+        except ValueError as exc:
+            return {"refused": str(exc)}
+    grads_left = 0
     digests = {}
     if job.get("lpmm") and job.get("load"):
         digests["loaded"] = _lpmm_digest(model, opt)
@@ -150,6 +170,7 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
+        grads_left = max(grads_left, sum(p.grad is not None for p in model.parameters()))
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -171,6 +192,9 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         norms = [float(n) for n in opt._norms([p.to_local() for p in sharded], sharded)] if sharded else []
         full_norms = [float(p.full_tensor().norm()) for p in sharded]
     return {
+        # Parameters (gathered) and optimizer states (codes gathered, rank 0's absmaxes), hashed.
+        "digest": _digest(model, opt),
+        "grads_left": grads_left,
         "norms": norms,
         "full_norms": full_norms,
         "losses": losses,

@@ -22,6 +22,7 @@ from lowbit.optim.fixed_bits import (
     SGD8bit,
     SGD32bit,
 )
+from lowbit.optim.gradient_release import GradientRelease, step_in_backward
 from lowbit.optim.lpmm import LPMMSGD, LPMMAdamW, LPMMOptimizer
 from lowbit.optim.optimizer import LowbitOptimizer
 from lowbit.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
@@ -59,7 +60,9 @@ __all__ = [
     "SGD4bit",
     "SGD8bit",
     "SGD32bit",
+    "GradientRelease",
     "clear_override",
     "get_override",
     "override",
+    "step_in_backward",
 ]
