@@ -143,7 +143,8 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     _model(job) under job["parallel"] ("fsdp", "ddp" or "none": plain data parallelism). Loads a DCP
     checkpoint from job["load"] first (the model only with job["load_optimizer"] False) and saves one
     to job["save"] after job["save_after"] steps, if given. job["release"] steps in backward
-    (lowbit.optim.step_in_backward); a refusal is the result, as {"refused": message}."""
+    (lowbit.optim.step_in_backward, given the model unless it is "no-model"); a refusal is the result,
+    as {"refused": message}."""
     model = _model(job)
     opt = OPTIMIZERS[job["optimizer"]](model.parameters())
     start = job.get("start", 0)
@@ -157,7 +158,7 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             set_optimizer_state_dict(model, opt, state["optim"])
     if job.get("release"):  # gradient release (lowbit.optim.gradient_release); DDP is refused
         try:
-            lowbit.optim.step_in_backward(opt, model)
+            lowbit.optim.step_in_backward(opt, None if job["release"] == "no-model" else model)
         except ValueError as exc:
             return {"refused": str(exc)}
     grads_left = 0

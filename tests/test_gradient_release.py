@@ -300,3 +300,6 @@ if dist.is_available() and dist.is_gloo_available():
     def test_refuses_ddp(tmp_path):
         result = launch(2, {"parallel": "ddp", "optimizer": "Adam8bit", "steps": 1, "release": True}, tmp_path)
         assert "cannot release gradients under DistributedDataParallel" in result["refused"]
+        # Without the model, plain parameters in a distributed run could be DDP's: refused, asking for it.
+        job = {"parallel": "ddp", "optimizer": "Adam8bit", "steps": 1, "release": "no-model"}
+        assert "needs model=" in launch(2, job, tmp_path)["refused"]

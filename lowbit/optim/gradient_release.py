@@ -134,6 +134,7 @@ def _refuse_grad_scaler(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
 
 
 def _check_distributed(optimizer: LowbitOptimizer, model: Optional[nn.Module]) -> None:
+    """Refuse the distributed setups whose gradients are not final when their hooks run."""
     if model is not None:
         for name, module in model.named_modules():
             if isinstance(module, DistributedDataParallel):
@@ -143,10 +144,15 @@ def _check_distributed(optimizer: LowbitOptimizer, model: Optional[nn.Module]) -
                     "would step on its own gradient. Use FSDP2 (fully_shard), whose reduce-scatter comes "
                     "before the step, or the ordinary loop"
                 )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(isinstance(p, DTensor) for p in params) and torch.torch_version.TorchVersion(torch.__version__) < (2, 5):
+        # pytorch#129450 (torch 2.5): FSDP2 sets the sharded gradients outside autograd and only since then
+        # runs their post-accumulate-grad hooks; before, the parameters would silently never step.
+        raise NotImplementedError("lowbit: step_in_backward under FSDP2 needs torch >= 2.5")
+    if model is not None:
         return
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
-    params = [p for g in optimizer.param_groups for p in g["params"]]
     if any(not isinstance(p, DTensor) for p in params):
         raise ValueError(
             "lowbit: step_in_backward in a distributed run with plain (not FSDP2-sharded) parameters needs "
@@ -173,7 +179,8 @@ def step_in_backward(optimizer: LowbitOptimizer, model: Optional[nn.Module] = No
             ``step()`` and one per accumulated gradient, so stepping one parameter at a time would draw
             different seeds and could not equal the ordinary loop bit for bit; their accumulator is a
             persistent buffer, so there is no ``.grad`` to free; and under FSDP2 their handles get no
-            gradient, so no hook would fire.
+            gradient, so no hook would fire. Also FSDP2 parameters on torch < 2.5, whose FSDP2 does not
+            run the sharded parameters' hooks.
         TypeError: ``optimizer`` is not a lowbit optimizer.
         ValueError: DDP, or a distributed run with plain parameters and no ``model``.
         RuntimeError: release is already on for ``optimizer``, or a gradient already exists (it would
