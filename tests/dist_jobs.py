@@ -8,6 +8,7 @@ world sizes are comparable. Rank 0 writes the result as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -144,7 +145,8 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     checkpoint from job["load"] first (the model only with job["load_optimizer"] False) and saves one
     to job["save"] after job["save_after"] steps, if given. job["release"] steps in backward
     (lowbit.optim.step_in_backward, given the model unless it is "no-model"); a refusal is the result,
-    as {"refused": message}."""
+    as {"refused": message}. job["micro"] splits each rank's batch into that many micro-batches whose
+    gradients are summed before the step."""
     model = _model(job)
     opt = OPTIMIZERS[job["optimizer"]](model.parameters())
     start = job.get("start", 0)
@@ -156,11 +158,13 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         set_model_state_dict(model, state["model"])
         if "optim" in state:
             set_optimizer_state_dict(model, opt, state["optim"])
+    release = None
     if job.get("release"):  # gradient release (lowbit.optim.gradient_release); DDP is refused
         try:
-            lowbit.optim.step_in_backward(opt, None if job["release"] == "no-model" else model)
+            release = lowbit.optim.step_in_backward(opt, None if job["release"] == "no-model" else model)
         except ValueError as exc:
             return {"refused": str(exc)}
+    micro = job.get("micro", 1)
     grads_left = 0
     digests = {}
     if job.get("lpmm") and job.get("load"):
@@ -169,8 +173,13 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     per_rank = CFG.batch // world
     for step, (x, y) in enumerate(_batches(start + job["steps"])[start:], start=start):
         x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        loss = torch.zeros(())
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            part = F.cross_entropy(model(xm).flatten(0, 1), ym.flatten()) / micro
+            # Under release, the micro-batches before the last accumulate without stepping.
+            with release.accumulate() if release is not None and i < micro - 1 else contextlib.nullcontext():
+                part.backward()
+            loss += part.detach()
         grads_left = max(grads_left, sum(p.grad is not None for p in model.parameters()))
         opt.step()
         opt.zero_grad()

@@ -297,6 +297,16 @@ if dist.is_available() and dist.is_gloo_available():
         assert released["digest"] == ordinary["digest"]
         assert released["grads_left"] == 0 and ordinary["grads_left"] > 0
 
+    def test_fsdp2_release_accumulates_micro_batches(tmp_path):
+        # FSDP2 reduce-scatters every micro-batch and adds the shards to .grad, running the hooks each
+        # time: inside release.accumulate() they do not step, and the last micro-batch steps on the sum.
+        job = {"parallel": "fsdp", "optimizer": "AdamW8bit", "steps": 2, "micro": 2}
+        ordinary = launch(2, job, tmp_path)
+        released = launch(2, {**job, "release": True}, tmp_path)
+        assert released["losses"] == ordinary["losses"]
+        assert released["digest"] == ordinary["digest"]
+        assert released["grads_left"] == 0
+
     def test_refuses_ddp(tmp_path):
         result = launch(2, {"parallel": "ddp", "optimizer": "Adam8bit", "steps": 1, "release": True}, tmp_path)
         assert "cannot release gradients under DistributedDataParallel" in result["refused"]
