@@ -146,6 +146,23 @@ def test_schedulers_and_param_groups_match(name, tensor_lr):
     release.remove()
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_model_matches(backend):
+    # torch.compile compiles forward (and, with aot_eager, backward) graphs; parameters stay leaves whose
+    # gradients autograd's engine accumulates, so the hooks run as in eager mode.
+    ref, ref_opt, model, opt = _pair(OPTIMIZERS["Adam8bit"])
+    ref_c, model_c = torch.compile(ref, backend=backend), torch.compile(model, backend=backend)
+    release = step_in_backward(opt, model)
+    for batch in _batches(STEPS):
+        _loss(ref_c, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _loss(model_c, batch).backward()
+        assert _no_grads(model)
+    _assert_same(ref, ref_opt, model, opt)
+    release.remove()
+
+
 def test_step_and_zero_grad_are_no_ops_under_release():
     _, _, model, opt = _pair(OPTIMIZERS["Adam8bit"])
     release = step_in_backward(opt, model)
@@ -238,6 +255,7 @@ def test_refuses_grad_scaler_at_its_step():
     scaler.scale(_loss(model, _batches(1)[0])).backward()
     with pytest.raises(RuntimeError, match="GradScaler cannot work with step_in_backward"):
         scaler.step(opt)
+    opt.step()  # without the scaler, step() is the no-op again
 
 
 def test_global_clipping_finds_no_gradient():

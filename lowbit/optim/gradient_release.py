@@ -17,8 +17,9 @@ not warn. A gradient put on a parameter by other means (assigned by hand) is sti
 
 Gradient accumulation: backward passes inside ``with release.accumulate():`` add to ``.grad`` without
 stepping; the next backward outside it steps every parameter on the total and frees it, as the
-ordinary loop steps after its last micro-batch. The gradients then exist during the micro-batches
-(release saves their bytes only in the last backward and between iterations).
+ordinary loop steps after its last micro-batch (also under FSDP2, which runs the hooks at every
+micro-batch's reduce-scatter). The gradients then exist until the last micro-batch's backward, so the
+peak of model bytes is the ordinary loop's; release saves the gradient bytes only without accumulation.
 
 What cannot work is refused:
 
@@ -33,11 +34,13 @@ What cannot work is refused:
   model lets :func:`step_in_backward` refuse a ``DistributedDataParallel`` module; in a distributed run
   without it, plain (non-DTensor) parameters are refused, since lowbit cannot tell whether DDP wraps
   them. FSDP2 works: it calls the sharded parameters' post-accumulate-grad hooks after its
-  reduce-scatter, so each rank steps its shard on the reduced gradient.
+  reduce-scatter, so each rank steps its shard on the reduced gradient. Its sharded gradients are views
+  of one reduce-scatter output per ``fully_shard`` module, which is freed once all of them are.
 - LPMM optimizers (:class:`~lowbit.optim.LPMMOptimizer`): see :func:`step_in_backward`.
 
-Parameters added to the optimizer after :func:`step_in_backward` are not released (they step in
-``opt.step()`` as usual); call ``remove()`` and :func:`step_in_backward` again to include them.
+Parameters added to the optimizer after :func:`step_in_backward`, or that did not require gradients
+then, are not released (they step in ``opt.step()`` as usual); call ``remove()`` and
+:func:`step_in_backward` again to include them.
 """
 
 from __future__ import annotations
@@ -126,6 +129,9 @@ class GradientRelease:
 def _refuse_grad_scaler(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Step pre-hook of a released optimizer: GradScaler.step leaves ``found_inf`` on it."""
     if getattr(optimizer, "found_inf", None) is not None:
+        # GradScaler sets them again at each of its steps: a later step() without it must not raise.
+        optimizer.__dict__.pop("found_inf")
+        optimizer.__dict__.pop("grad_scale", None)
         raise RuntimeError(
             "lowbit: GradScaler cannot work with step_in_backward: backward has already stepped each parameter "
             "on its scaled gradient, before unscale_ could run (reload the parameters from a checkpoint). "
