@@ -11,7 +11,8 @@ whenever a gradient becomes final (before release's hook, so the gradient being 
 backward and after ``opt.step()``; the peak over the run is reported per parameter. Times come from
 separate runs without the sampling hooks (the faster of two runs' median per iteration, the two ways
 alternating, as a ratio to the ordinary loop). Each way's final parameters are compared with the
-ordinary loop's bit for bit.
+ordinary loop's bit for bit. Last, the optimizer step alone: one fused call over all tensors against
+one call per tensor, as release steps them (``--step-only`` prints this line alone).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--step-only", action="store_true", help="only the optimizer-step line")
     args = parser.parse_args()
     cfg = ModelConfig(layers=args.layers, d_model=args.d_model, heads=4, context=64, batch=32)
     data = load_text(max_bytes=400_000)
@@ -80,8 +82,9 @@ def main() -> None:
     print(
         f"{n:,} parameters, AdamW8bit, {args.steps} iterations of batch {cfg.batch}, {torch.get_num_threads()} threads"
     )
-    print(f"{'way':<26}{'peak MiB':>10}{'peak B/param':>14}{'time/ordinary':>15}{'bit-identical':>15}")
-    for micro in (1, args.micro):
+    if not args.step_only:
+        print(f"{'way':<26}{'peak MiB':>10}{'peak B/param':>14}{'time/ordinary':>15}{'bit-identical':>15}")
+    for micro in () if args.step_only else (1, args.micro):
         # Alternating rounds, the fastest median of each way: the machine is shared and noisy.
         runs: dict[bool, list] = {False: [], True: []}
         for _ in range(2):
@@ -95,6 +98,32 @@ def main() -> None:
             way = f"{'release' if release else 'ordinary'}, {micro} micro-batch{'es' if micro > 1 else ''}"
             ratio = best[release] / best[False]
             print(f"{way:<26}{peak / 2**20:>10.2f}{peak / n:>14.3f}{ratio:>15.2f}{str(same):>15}")
+    fused, single = step_cost(cfg)
+    ratio = single / fused
+    print(
+        f"optimizer step alone: fused {fused * 1e3:.1f} ms, one tensor at a time {single * 1e3:.1f} ms ({ratio:.1f}x)"
+    )
+
+
+def step_cost(cfg: ModelConfig, repeats: int = 15) -> tuple[float, float]:
+    """Fastest seconds of one ``opt.step()`` over all tensors, and of stepping them one at a time as
+    release does (``_step_params``, one fused call per tensor), on fixed gradients."""
+    model = build_model(cfg, 0, lambda: nn.Embedding(256, cfg.d_model), torch.device("cpu"))
+    opt = lowbit.optim.AdamW8bit(model.parameters(), lr=1e-4)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    opt.step()  # creates the states
+    where = [(gi, j) for gi, g in enumerate(opt.param_groups) for j in range(len(g["params"]))]
+    fused, single = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        opt.step()
+        fused.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for gi, j in where:
+            opt._step_params({gi: [j]})
+        single.append(time.perf_counter() - start)
+    return min(fused), min(single)
 
 
 if __name__ == "__main__":
