@@ -8,6 +8,7 @@ world sizes are comparable. Rank 0 writes the result as JSON.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -125,11 +126,27 @@ def _lpmm_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return digest.hexdigest()
 
 
+def _digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
+    """A hash of the parameters and the optimizer states (every rank must call it)."""
+    digest = hashlib.sha256()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    # In param-group order: opt.state's order is the order in which states were created.
+    tensors = list(model.parameters()) + [v for p in params for _, v in sorted(opt.state[p].items())]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
+            digest.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """Train job["steps"] steps (from job["start"], default 0) with job["optimizer"] on the model of
     _model(job) under job["parallel"] ("fsdp", "ddp" or "none": plain data parallelism). Loads a DCP
     checkpoint from job["load"] first (the model only with job["load_optimizer"] False) and saves one
-    to job["save"] after job["save_after"] steps, if given."""
+    to job["save"] after job["save_after"] steps, if given. job["release"] steps in backward
+    (lowbit.optim.step_in_backward, given the model unless it is "no-model"); a refusal is the result,
+    as {"refused": message}. job["micro"] splits each rank's batch into that many micro-batches whose
+    gradients are summed before the step."""
     model = _model(job)
     opt = OPTIMIZERS[job["optimizer"]](model.parameters())
     start = job.get("start", 0)
@@ -141,6 +158,14 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         set_model_state_dict(model, state["model"])
         if "optim" in state:
             set_optimizer_state_dict(model, opt, state["optim"])
+    release = None
+    if job.get("release"):  # gradient release (lowbit.optim.gradient_release); DDP is refused
+        try:
+            release = lowbit.optim.step_in_backward(opt, None if job["release"] == "no-model" else model)
+        except ValueError as exc:
+            return {"refused": str(exc)}
+    micro = job.get("micro", 1)
+    grads_left = 0
     digests = {}
     if job.get("lpmm") and job.get("load"):
         digests["loaded"] = _lpmm_digest(model, opt)
@@ -148,8 +173,14 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     per_rank = CFG.batch // world
     for step, (x, y) in enumerate(_batches(start + job["steps"])[start:], start=start):
         x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        loss = torch.zeros(())
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+            part = F.cross_entropy(model(xm).flatten(0, 1), ym.flatten()) / micro
+            # Under release, the micro-batches before the last accumulate without stepping.
+            with release.accumulate() if release is not None and i < micro - 1 else contextlib.nullcontext():
+                part.backward()
+            loss += part.detach()
+        grads_left = max(grads_left, sum(p.grad is not None for p in model.parameters()))
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
@@ -171,6 +202,9 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         norms = [float(n) for n in opt._norms([p.to_local() for p in sharded], sharded)] if sharded else []
         full_norms = [float(p.full_tensor().norm()) for p in sharded]
     return {
+        # Parameters (gathered) and optimizer states (codes gathered, rank 0's absmaxes), hashed.
+        "digest": _digest(model, opt),
+        "grads_left": grads_left,
         "norms": norms,
         "full_norms": full_norms,
         "losses": losses,

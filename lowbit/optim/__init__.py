@@ -24,6 +24,7 @@ from lowbit.optim.fixed_bits import (
     SGD8bit,
     SGD32bit,
 )
+from lowbit.optim.gradient_release import GradientRelease, step_in_backward
 from lowbit.optim.lpmm import LPMMSGD, LPMMAdamW, LPMMOptimizer
 from lowbit.optim.muon import Muon, muon_with_adamw
 from lowbit.optim.optimizer import LowbitOptimizer
@@ -65,8 +66,10 @@ __all__ = [
     "SGD4bit",
     "SGD8bit",
     "SGD32bit",
+    "GradientRelease",
     "clear_override",
     "get_override",
     "muon_with_adamw",
     "override",
+    "step_in_backward",
 ]

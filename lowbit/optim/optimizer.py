@@ -223,27 +223,38 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step_params(dict.fromkeys(range(len(self.param_groups))))
+        return loss
+
+    @torch.no_grad()
+    def _step_params(self, where: dict[int, Optional[list[int]]]) -> None:
+        """Step the parameters ``where`` names (group index -> indexes into its ``params``, None for all)
+        that have a gradient, exactly as :meth:`step` steps them; :mod:`lowbit.optim.gradient_release`
+        steps one parameter at a time through it. All fused calls are checked before any writes."""
         runs: list[Callable[[], None]] = []
         created: list[Tensor] = []
         try:
-            for gi, group in enumerate(self.param_groups):
-                runs += self._prepare_group(gi, group, created)
+            for gi, indices in where.items():
+                runs += self._prepare_group(gi, self.param_groups[gi], created, indices)
         except BaseException:
             for p in created:
                 del self.state[p]
             raise
         for run in runs:
             run()
-        return loss
 
-    def _prepare_group(self, gi: int, group: dict[str, Any], created: list[Tensor]) -> list[Callable[[], None]]:
-        """The fused calls of ``param_groups[gi]``, prepared and checked; parameters whose state this
-        creates are appended to ``created``."""
+    def _prepare_group(
+        self, gi: int, group: dict[str, Any], created: list[Tensor], indices: Optional[list[int]] = None
+    ) -> list[Callable[[], None]]:
+        """The fused calls of ``param_groups[gi]`` (of its params at ``indices``, or all of them), prepared
+        and checked; parameters whose state this creates are appended to ``created``."""
         base = self._group_config(group, gi)
         name = type(self).__name__
+        params = group["params"]
         # Parameters with the same overrides (usually none) share one fused call.
         batches: dict[tuple[Any, ...], tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any]]], list[str]]] = {}
-        for j, p in enumerate(group["params"]):
+        for j in range(len(params)) if indices is None else indices:
+            p = params[j]
             if p.grad is None:
                 continue
             where = f"param_groups[{gi}] params[{j}]"

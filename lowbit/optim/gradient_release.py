@@ -1,0 +1,214 @@
+"""Gradient release: each parameter steps inside backward as soon as its gradient is final, and that
+gradient is freed at once, so a model's gradients never all exist together.
+
+``release = lowbit.optim.step_in_backward(opt, model)`` registers a post-accumulate-grad hook on every
+parameter of ``opt``. When autograd has finished accumulating a parameter's gradient (once per backward,
+whatever the number of uses of the parameter), the hook steps that parameter alone through the
+optimizer's own fused step and sets its ``.grad`` to None. Every lowbit step is per parameter (its
+states, its whole-tensor norms: LAMB's and LARS's trust ratios, ``max_unorm``, ``percentile_clipping``'s
+history), so the result is bit for bit that of ``loss.backward(); opt.step(); opt.zero_grad()``, LR
+schedulers and a tensor ``lr`` included (the group's lr is read at each parameter's step, and
+``scheduler.step()`` runs after the backward as it runs after ``opt.step()``).
+
+While release is on, ``opt.step()`` and ``opt.zero_grad()`` are no-ops, because backward left no
+gradient for them: an existing loop runs unchanged, and ``scheduler.step()`` after ``opt.step()`` does
+not warn. A gradient put on a parameter by other means (assigned by hand) is still stepped by
+``opt.step()``, as always. ``release.remove()`` restores the ordinary loop.
+
+Gradient accumulation: backward passes inside ``with release.accumulate():`` add to ``.grad`` without
+stepping; the next backward outside it steps every parameter on the total and frees it, as the
+ordinary loop steps after its last micro-batch (also under FSDP2, which runs the hooks at every
+micro-batch's reduce-scatter). The gradients then exist until the last micro-batch's backward, so the
+peak of model bytes is the ordinary loop's; release saves the gradient bytes only without accumulation.
+
+What cannot work is refused:
+
+- ``GradScaler``: backward would step on the scaled gradient before ``scaler.unscale_`` can run. The
+  scaler is not visible before then: ``scaler.step(opt)`` raises (the first backward has already
+  stepped with the scaled gradient; reload the parameters). Use bf16 autocast, which needs no scaler.
+- Global gradient clipping (``torch.nn.utils.clip_grad_norm_`` over the model): it needs every
+  gradient at once, after backward, and they are freed during it; called after backward it finds no
+  gradient and returns 0. It is a torch function that lowbit cannot intercept, so this is documented
+  only. Use the optimizer's per-tensor ``max_unorm`` or ``percentile_clipping``, which are exact here.
+- DDP: its all-reduce runs after the hooks, so each rank would step on its own gradient. Passing the
+  model lets :func:`step_in_backward` refuse a ``DistributedDataParallel`` module; in a distributed run
+  without it, plain (non-DTensor) parameters are refused, since lowbit cannot tell whether DDP wraps
+  them. FSDP2 works: it calls the sharded parameters' post-accumulate-grad hooks after its
+  reduce-scatter, so each rank steps its shard on the reduced gradient. Its sharded gradients are views
+  of one reduce-scatter output per ``fully_shard`` module, which is freed once all of them are.
+- LPMM optimizers (:class:`~lowbit.optim.LPMMOptimizer`): see :func:`step_in_backward`.
+
+Parameters added to the optimizer after :func:`step_in_backward`, or that did not require gradients
+then, are not released (they step in ``opt.step()`` as usual); call ``remove()`` and
+:func:`step_in_backward` again to include them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
+
+from lowbit.optim.lpmm import LPMMOptimizer
+from lowbit.optim.optimizer import LowbitOptimizer
+
+__all__ = ["GradientRelease", "step_in_backward"]
+
+
+class GradientRelease:
+    """The handle :func:`step_in_backward` returns: :meth:`remove` ends release, :meth:`accumulate`
+    defers stepping over micro-batches."""
+
+    def __init__(self, optimizer: LowbitOptimizer) -> None:
+        self.optimizer = optimizer
+        self._accumulating = False
+        self._hooks: list[RemovableHandle] = []
+        # Where each parameter is (group index, index in the group), read by its hook.
+        for gi, group in enumerate(optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(gi, j)))
+        self._hooks.append(optimizer.register_step_pre_hook(_refuse_grad_scaler))
+        # GradScaler.step then sets the optimizer's grad_scale and found_inf and calls step(), where the
+        # pre-hook sees them; without it, it fails on an assertion about missing inf checks.
+        optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+        optimizer._lowbit_release = self  # type: ignore[attr-defined]
+
+    def _hook(self, gi: int, j: int) -> Callable[[Tensor], None]:
+        def step_and_free(param: Tensor) -> None:
+            if self._accumulating:
+                return
+            group = self.optimizer.param_groups[gi]["params"]
+            if j >= len(group) or group[j] is not param:
+                raise RuntimeError(
+                    "lowbit: the optimizer's param groups changed after step_in_backward; call remove() on "
+                    "its handle and step_in_backward again"
+                )
+            # The step reads param.grad; it is freed only once the step has succeeded, as a failed
+            # ordinary step keeps the gradients.
+            self.optimizer._step_params({gi: [j]})
+            param.grad = None
+
+        return step_and_free
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Backward passes inside this block add to ``.grad`` without stepping (micro-batches); the next
+        backward outside it steps on the accumulated gradient and frees it."""
+        if self._accumulating:
+            raise RuntimeError("lowbit: release.accumulate() is already active")
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+    @property
+    def active(self) -> bool:
+        """Whether release is on (until :meth:`remove`)."""
+        return bool(self._hooks)
+
+    def remove(self) -> None:
+        """Restore the ordinary ``backward(); step(); zero_grad()`` loop. Idempotent."""
+        if not self._hooks:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        del self.optimizer._step_supports_amp_scaling  # type: ignore[attr-defined]
+        del self.optimizer._lowbit_release  # type: ignore[attr-defined]
+
+
+def _refuse_grad_scaler(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step pre-hook of a released optimizer: GradScaler.step leaves ``found_inf`` on it."""
+    if getattr(optimizer, "found_inf", None) is not None:
+        # GradScaler sets them again at each of its steps: a later step() without it must not raise.
+        optimizer.__dict__.pop("found_inf")
+        optimizer.__dict__.pop("grad_scale", None)
+        raise RuntimeError(
+            "lowbit: GradScaler cannot work with step_in_backward: backward has already stepped each parameter "
+            "on its scaled gradient, before unscale_ could run (reload the parameters from a checkpoint). "
+            "Train with bf16 autocast, which needs no GradScaler, or remove() the release"
+        )
+
+
+def _check_distributed(optimizer: LowbitOptimizer, model: Optional[nn.Module]) -> None:
+    """Refuse the distributed setups whose gradients are not final when their hooks run."""
+    if model is not None:
+        for name, module in model.named_modules():
+            if isinstance(module, DistributedDataParallel):
+                raise ValueError(
+                    f"lowbit: step_in_backward cannot release gradients under DistributedDataParallel "
+                    f"({name or 'the model'}): DDP all-reduces gradients after the hooks run, so each rank "
+                    "would step on its own gradient. Use FSDP2 (fully_shard), whose reduce-scatter comes "
+                    "before the step, or the ordinary loop"
+                )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(isinstance(p, DTensor) for p in params) and torch.torch_version.TorchVersion(torch.__version__) < (2, 5):
+        # pytorch#129450 (torch 2.5): FSDP2 sets the sharded gradients outside autograd and only since then
+        # runs their post-accumulate-grad hooks; before, the parameters would silently never step.
+        raise NotImplementedError("lowbit: step_in_backward under FSDP2 needs torch >= 2.5")
+    if model is not None:
+        return
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if any(not isinstance(p, DTensor) for p in params):
+        raise ValueError(
+            "lowbit: step_in_backward in a distributed run with plain (not FSDP2-sharded) parameters needs "
+            "model=: lowbit must check that DistributedDataParallel does not wrap it, since DDP's all-reduce "
+            "runs after the hooks"
+        )
+
+
+def step_in_backward(optimizer: LowbitOptimizer, model: Optional[nn.Module] = None) -> GradientRelease:
+    """Step each parameter of ``optimizer`` inside backward, as soon as its gradient is final, and free
+    the gradient (see :mod:`lowbit.optim.gradient_release`).
+
+    Args:
+        optimizer: a lowbit block-wise or fp32 optimizer (8-bit, 4-bit, 32-bit, LAMB/LARS, ...).
+        model: the module being trained. Optional, used only to refuse DDP, whose all-reduce would come
+            after the step; in a distributed run with plain parameters it is required, because without it
+            lowbit cannot tell a DDP-wrapped model from independent per-rank training.
+
+    Returns:
+        A :class:`GradientRelease`; its ``remove()`` restores the ordinary loop.
+
+    Raises:
+        NotImplementedError: for the LPMM optimizers. Their stochastic rounding draws one seed per
+            ``step()`` and one per accumulated gradient, so stepping one parameter at a time would draw
+            different seeds and could not equal the ordinary loop bit for bit; their accumulator is a
+            persistent buffer, so there is no ``.grad`` to free; and under FSDP2 their handles get no
+            gradient, so no hook would fire. Also FSDP2 parameters on torch < 2.5, whose FSDP2 does not
+            run the sharded parameters' hooks.
+        TypeError: ``optimizer`` is not a lowbit optimizer.
+        ValueError: DDP, or a distributed run with plain parameters and no ``model``.
+        RuntimeError: release is already on for ``optimizer``, or a gradient already exists (it would
+            be stepped together with the next backward's, unlike the ordinary loop).
+    """
+    if isinstance(optimizer, LPMMOptimizer):
+        raise NotImplementedError(
+            f"lowbit: step_in_backward does not support {type(optimizer).__name__}: LPMM's stochastic rounding "
+            "draws one seed per step() and per accumulated gradient, so stepping one parameter at a time would "
+            "not equal the ordinary loop, and its gradient accumulator is a persistent low-precision buffer "
+            "(already 1 byte per parameter at grad_bits=8). Use the ordinary backward(); step(); zero_grad() loop"
+        )
+    if not isinstance(optimizer, LowbitOptimizer):
+        raise TypeError(
+            f"lowbit: step_in_backward releases gradients of lowbit optimizers, got {type(optimizer).__name__}"
+        )
+    if getattr(optimizer, "_lowbit_release", None) is not None:
+        raise RuntimeError("lowbit: step_in_backward is already on for this optimizer; remove() its handle first")
+    if any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+        raise RuntimeError(
+            "lowbit: step_in_backward needs the gradients cleared first (optimizer.zero_grad()): a gradient "
+            "left now would be added to the next backward's and stepped with it"
+        )
+    _check_distributed(optimizer, model)
+    return GradientRelease(optimizer)

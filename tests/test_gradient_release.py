@@ -1,0 +1,333 @@
+"""Gradient release (lowbit.optim.step_in_backward): training with each parameter stepped inside backward
+equals the ordinary ``backward(); step(); zero_grad()`` loop bit for bit, for every lowbit block-wise
+optimizer, with schedulers and a tensor lr, micro-batch accumulation and FSDP2; no gradient survives
+backward; what cannot work (GradScaler, DDP, LPMM) is refused. The ordinary loop is the reference."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import lowbit.lpmm
+import lowbit.optim
+from lowbit.optim import step_in_backward
+
+STEPS = 4
+
+# Every block-wise state form and every per-tensor norm: 8-bit, 4-bit, fp32, AMSGrad, LAMB's and
+# LARS's trust ratios, max_unorm, percentile clipping (clipping at the 50th percentile, so it scales).
+SMALL = dict(min_8bit_size=64, min_4bit_size=64)
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "Adam8bit": lambda p: lowbit.optim.Adam8bit(p, lr=1e-2, **SMALL),
+    "AdamW8bit-amsgrad": lambda p: lowbit.optim.AdamW8bit(p, lr=1e-2, amsgrad=True, **SMALL),
+    "Adam4bit": lambda p: lowbit.optim.Adam4bit(p, lr=1e-2, **SMALL),
+    "AdamW-optim_bits=4-amsgrad": lambda p: lowbit.optim.AdamW(p, lr=1e-2, optim_bits=4, amsgrad=True, **SMALL),
+    "SGD4bit": lambda p: lowbit.optim.SGD4bit(p, lr=5e-2, momentum=0.9, **SMALL),
+    "SGD8bit-nesterov": lambda p: lowbit.optim.SGD8bit(p, lr=5e-2, momentum=0.9, nesterov=True, **SMALL),
+    "AdamW32bit": lambda p: lowbit.optim.AdamW32bit(p, lr=1e-2),
+    "Lion8bit": lambda p: lowbit.optim.Lion8bit(p, lr=1e-3, **SMALL),
+    "RMSprop8bit": lambda p: lowbit.optim.RMSprop8bit(p, lr=1e-3, **SMALL),
+    "Adagrad8bit": lambda p: lowbit.optim.Adagrad8bit(p, lr=1e-2, **SMALL),
+    "LAMB8bit": lambda p: lowbit.optim.LAMB8bit(p, lr=1e-2, **SMALL),
+    "LAMB32bit": lambda p: lowbit.optim.LAMB32bit(p, lr=1e-2),
+    "LARS8bit": lambda p: lowbit.optim.LARS8bit(p, lr=1.0, weight_decay=1e-4, **SMALL),
+    "Adam8bit-max_unorm": lambda p: lowbit.optim.Adam8bit(p, lr=1e-2, max_unorm=0.01, **SMALL),
+    "Adam8bit-percentile_clipping": lambda p: lowbit.optim.Adam8bit(p, lr=1e-2, percentile_clipping=50, **SMALL),
+    "Adam4bit-percentile_clipping": lambda p: lowbit.optim.Adam4bit(p, lr=1e-2, percentile_clipping=50, **SMALL),
+}
+
+
+class Net(nn.Module):
+    """Shapes around the block sizes, a layer used twice (its gradient has two contributions, final only
+    after both), a parameter that forward never uses (no gradient, never stepped) and a bias below
+    ``min_8bit_size`` (fp32 states beside 8-bit ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(24, 40)
+        self.mid = nn.Linear(40, 40)
+        self.out = nn.Linear(40, 7, bias=False)
+        self.unused = nn.Parameter(torch.ones(300))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.mid(h))
+        return self.out(torch.tanh(self.mid(h)))
+
+
+def _batches(n: int, seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 24, generator=g), torch.randint(0, 7, (16,), generator=g)) for _ in range(n)]
+
+
+def _loss(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def _pair(make: Callable[[Any], torch.optim.Optimizer]) -> tuple[nn.Module, Any, nn.Module, Any]:
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    return ref, make(ref.parameters()), model, make(model.parameters())
+
+
+def _assert_same(ref: nn.Module, ref_opt: torch.optim.Optimizer, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Parameters and every optimizer state tensor (codes, absmaxes, step, gnorm_vec) equal bit for bit."""
+    for (name, a), b in zip(ref.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        sa, sb = ref_opt.state.get(a, {}), opt.state.get(b, {})
+        assert sa.keys() == sb.keys(), name
+        for key in sa:
+            if isinstance(sa[key], Tensor):
+                assert torch.equal(sa[key], sb[key]), (name, key)
+            else:
+                assert sa[key] == sb[key], (name, key)
+
+
+def _no_grads(model: nn.Module) -> bool:
+    return all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_release_equals_the_ordinary_loop(name):
+    ref, ref_opt, model, opt = _pair(OPTIMIZERS[name])
+    release = step_in_backward(opt, model)
+    for batch in _batches(STEPS):
+        _loss(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _loss(model, batch).backward()
+        assert _no_grads(model)
+    _assert_same(ref, ref_opt, model, opt)
+    assert not opt.state.get(model.unused)  # no gradient, never stepped
+    assert any(s["state1"].dtype == torch.uint8 for s in opt.state.values() if "state1" in s) != name.endswith("32bit")
+    release.remove()
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True], ids=["float-lr", "tensor-lr"])
+@pytest.mark.parametrize("name", ["Adam8bit", "LAMB8bit", "Adam4bit-percentile_clipping"])
+def test_schedulers_and_param_groups_match(name, tensor_lr):
+    # Two groups with their own lr and a per-parameter override; a scheduler stepping after each
+    # iteration (after opt.step(), which is a no-op under release) and a tensor lr it fills in place.
+    def make(params: Any) -> torch.optim.Optimizer:
+        params = list(params)
+        lr = torch.tensor(1e-2) if tensor_lr else 1e-2
+        groups = [{"params": params[:3]}, {"params": params[3:], "lr": torch.tensor(3e-3) if tensor_lr else 3e-3}]
+        opt = OPTIMIZERS[name](groups)
+        opt.param_groups[0]["lr"] = lr
+        lowbit.optim.override(params[2], optim_bits=32)
+        return opt
+
+    ref, ref_opt, model, opt = _pair(make)
+    ref_sched = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=[2e-2, 5e-3], total_steps=STEPS + 1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[2e-2, 5e-3], total_steps=STEPS + 1)
+    release = step_in_backward(opt, model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        for batch in _batches(STEPS):
+            _loss(ref, batch).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+            _loss(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+    _assert_same(ref, ref_opt, model, opt)
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+    release.remove()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_model_matches(backend):
+    # torch.compile compiles forward (and, with aot_eager, backward) graphs; parameters stay leaves whose
+    # gradients autograd's engine accumulates, so the hooks run as in eager mode.
+    ref, ref_opt, model, opt = _pair(OPTIMIZERS["Adam8bit"])
+    ref_c, model_c = torch.compile(ref, backend=backend), torch.compile(model, backend=backend)
+    release = step_in_backward(opt, model)
+    for batch in _batches(STEPS):
+        _loss(ref_c, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _loss(model_c, batch).backward()
+        assert _no_grads(model)
+    _assert_same(ref, ref_opt, model, opt)
+    release.remove()
+
+
+def test_step_and_zero_grad_are_no_ops_under_release():
+    _, _, model, opt = _pair(OPTIMIZERS["Adam8bit"])
+    release = step_in_backward(opt, model)
+    for batch in _batches(2):
+        _loss(model, batch).backward()
+    after = copy.deepcopy((list(model.parameters()), opt.state_dict()))
+    calls = []
+    opt.register_step_post_hook(lambda *_: calls.append(1))
+    assert opt.step(lambda: 1.5) == 1.5  # a closure is still evaluated and its loss returned
+    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)
+    assert calls == [1]  # step hooks run once per step() call, not per released parameter
+    for a, b in zip(after[0], model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert str(after[1]) == str(opt.state_dict())
+    release.remove()
+
+
+def test_remove_restores_the_ordinary_loop_and_state_dict_round_trips():
+    ref, ref_opt, model, opt = _pair(OPTIMIZERS["AdamW8bit-amsgrad"])
+    release = step_in_backward(opt, model)
+    batches = _batches(4)
+    for i, batch in enumerate(batches):
+        if i == 2:
+            release.remove()
+            release.remove()  # idempotent
+            assert not release.active
+            # A checkpoint taken under release loads into a fresh optimizer that continues identically.
+            fresh = OPTIMIZERS["AdamW8bit-amsgrad"](model.parameters())
+            fresh.load_state_dict(opt.state_dict())
+            opt = fresh
+        _loss(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _loss(model, batch).backward()
+        assert _no_grads(model) == (i < 2)
+        if i >= 2:
+            opt.step()
+            opt.zero_grad()
+    _assert_same(ref, ref_opt, model, opt)
+    assert not hasattr(opt, "_step_supports_amp_scaling")
+
+
+def test_accumulation_over_micro_batches_matches():
+    ref, ref_opt, model, opt = _pair(OPTIMIZERS["Adam8bit-percentile_clipping"])
+    release = step_in_backward(opt, model)
+    batches = _batches(3 * STEPS)
+    for i in range(0, len(batches), 3):
+        for batch in batches[i : i + 3]:
+            _loss(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with release.accumulate():
+            for batch in batches[i : i + 2]:
+                _loss(model, batch).backward()
+        assert not _no_grads(model)  # accumulated, not stepped
+        _loss(model, batches[i + 2]).backward()
+        assert _no_grads(model)
+    _assert_same(ref, ref_opt, model, opt)
+    release.remove()
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["ordinary", "released"])
+def test_gradient_bytes_are_gone_during_backward(release):
+    # The live .grad bytes, counted whenever a gradient becomes final: the ordinary loop ends backward
+    # holding every gradient at once; under release each is freed right after its step, before the next
+    # becomes final (release's hook, registered first, runs before the counting one).
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS["Adam8bit"](model.parameters())
+    handle = step_in_backward(opt, model) if release else None
+    params = list(model.parameters())
+    live: list[int] = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(
+            lambda _: live.append(sum(q.grad.numel() * q.element_size() for q in params if q.grad is not None))
+        )
+    _loss(model, _batches(1)[0]).backward()
+    # The model's used parameters: 24*40 + 40 + 40*40 + 40 + 40*7 = 2,920 fp32 values, 11,680 bytes.
+    assert max(live) == (0 if release else 11680)
+    assert len(live) == 5
+    if handle is not None:
+        handle.remove()
+
+
+def test_refuses_grad_scaler_at_its_step():
+    _, _, model, opt = _pair(OPTIMIZERS["Adam8bit"])
+    step_in_backward(opt, model)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(_loss(model, _batches(1)[0])).backward()
+    with pytest.raises(RuntimeError, match="GradScaler cannot work with step_in_backward"):
+        scaler.step(opt)
+    opt.step()  # without the scaler, step() is the no-op again
+
+
+def test_global_clipping_finds_no_gradient():
+    # clip_grad_norm_ is torch's and cannot be intercepted: after a released backward it sees no
+    # gradient and returns 0 (documented); per-tensor max_unorm/percentile_clipping are the way.
+    _, _, model, opt = _pair(OPTIMIZERS["Adam8bit"])
+    step_in_backward(opt, model)
+    _loss(model, _batches(1)[0]).backward()
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
+
+
+def test_refuses_lpmm_other_optimizers_and_leftover_gradients():
+    model = lowbit.lpmm.convert(nn.Sequential(nn.Linear(8, 8)), param_bits=12, grad_bits=8, group_size=64)
+    with pytest.raises(NotImplementedError, match="does not support LPMMAdamW: LPMM's stochastic rounding"):
+        step_in_backward(lowbit.optim.LPMMAdamW(model.parameters()))
+    plain = nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="lowbit optimizers, got AdamW"):
+        step_in_backward(torch.optim.AdamW(plain.parameters()))
+    opt = lowbit.optim.Adam8bit(plain.parameters())
+    plain(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="needs the gradients cleared first"):
+        step_in_backward(opt, plain)
+    opt.zero_grad()
+    release = step_in_backward(opt, plain)
+    with pytest.raises(RuntimeError, match="already on"):
+        step_in_backward(opt, plain)
+    release.remove()
+
+
+def test_a_failed_step_keeps_the_gradient():
+    # An invalid lr edited in after release: the step inside backward raises, like opt.step() would,
+    # and leaves the parameter, its state and its gradient as they were.
+    model = nn.Linear(4, 4)
+    opt = lowbit.optim.Adam8bit(model.parameters())
+    step_in_backward(opt, model)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr"):
+        model(torch.ones(1, 4)).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert not opt.state
+    assert sum(p.grad is not None for p in model.parameters()) >= 1
+
+
+if dist.is_available() and dist.is_gloo_available():
+    from tests.dist_jobs import launch
+
+    @pytest.mark.parametrize("optimizer", ["AdamW8bit", "AdamW4bit", "LAMB8bit", "Adam8bit-clip"])
+    def test_fsdp2_release_equals_the_ordinary_loop(tmp_path, optimizer):
+        # FSDP2 calls the sharded parameters' post-accumulate-grad hooks after its reduce-scatter: each
+        # rank steps its shard on the reduced gradient, in the same order on every rank (LAMB's norms and
+        # percentile clipping all-reduce inside the step).
+        job = {"parallel": "fsdp", "optimizer": optimizer, "steps": 3}
+        ordinary = launch(2, job, tmp_path)
+        released = launch(2, {**job, "release": True}, tmp_path)
+        assert released["losses"] == ordinary["losses"]
+        assert released["digest"] == ordinary["digest"]
+        assert released["grads_left"] == 0 and ordinary["grads_left"] > 0
+
+    def test_fsdp2_release_accumulates_micro_batches(tmp_path):
+        # FSDP2 reduce-scatters every micro-batch and adds the shards to .grad, running the hooks each
+        # time: inside release.accumulate() they do not step, and the last micro-batch steps on the sum.
+        job = {"parallel": "fsdp", "optimizer": "AdamW8bit", "steps": 2, "micro": 2}
+        ordinary = launch(2, job, tmp_path)
+        released = launch(2, {**job, "release": True}, tmp_path)
+        assert released["losses"] == ordinary["losses"]
+        assert released["digest"] == ordinary["digest"]
+        assert released["grads_left"] == 0
+
+    def test_refuses_ddp(tmp_path):
+        result = launch(2, {"parallel": "ddp", "optimizer": "Adam8bit", "steps": 1, "release": True}, tmp_path)
+        assert "cannot release gradients under DistributedDataParallel" in result["refused"]
+        # Without the model, plain parameters in a distributed run could be DDP's: refused, asking for it.
+        job = {"parallel": "ddp", "optimizer": "Adam8bit", "steps": 1, "release": "no-model"}
+        assert "needs model=" in launch(2, job, tmp_path)["refused"]
