@@ -1,7 +1,7 @@
 """GPU benchmarks for a lent device: the optimizer step per 1B parameters against its memory floor (LAMB8bit
-for the norm pre-pass), LPMM's gradient accumulation and step per group size, quantize/dequantize
-throughput, the activation layers and a BLPA conv stack against torch's. Prints Markdown for
-benchmarks/RESULTS.md.
+for the norm pre-pass), the 4-bit step against the 8-bit one and fused AdamW, LPMM's gradient accumulation
+and step per group size, quantize/dequantize throughput, the activation layers and a BLPA conv stack against
+torch's. Prints Markdown for benchmarks/RESULTS.md.
 
 Run from the repository root (benchmarks/gpu_session.sh runs it)::
 
@@ -17,7 +17,9 @@ Every time is the median of ``--repeats`` calls after ``--warmup`` untimed ones,
 CUDA events with the device idle before it. The memory floor of an optimizer step is the bytes it must
 move (parameters and states read and written, gradients read: each storage once) over the device-to-device
 copy bandwidth measured in the same process (bytes read plus bytes written); a step can not be faster.
-bitsandbytes and torchao rows appear when those packages are importable.
+bitsandbytes and torchao rows appear when those packages are importable. The 4-bit section repeats the
+4-bit rows of the step table (lowbit AdamW4bit, blocks of 128; torchao AdamW4bit) with their ratio to
+lowbit AdamW8bit's step from the same run and their state bytes per parameter.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from lowbit.nn.activations import FewBitGELU, FewBitSiLU, InvGELU, InvSiLU
 
 LR = 1e-3
 BASELINE = "torch AdamW fused"
+EIGHT_BIT = "lowbit AdamW8bit"
+FOUR_BIT = ("lowbit AdamW4bit", "torchao AdamW4bit")
 # One step's tensors: square matrices of a transformer's width, so per-tensor launch costs are realistic.
 MATRIX_SIDE = 4096
 TINY_SIDE = 64
@@ -64,6 +68,7 @@ class StepRow:
     dtype: str
     median_s: float
     floor_bytes: int
+    state_bytes: int
 
     def per_billion_ms(self, numel: int) -> float:
         """Step time scaled to 1B parameters, in milliseconds."""
@@ -102,9 +107,10 @@ def optimizer_factories() -> tuple[dict[str, Factory], list[str]]:
     """The optimizers to time by row name (fused torch AdamW first), and those skipped as not installed."""
     factories: dict[str, Factory] = {
         BASELINE: lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),
-        "lowbit AdamW8bit": lambda ps: lowbit.optim.AdamW8bit(ps, lr=LR),
+        EIGHT_BIT: lambda ps: lowbit.optim.AdamW8bit(ps, lr=LR),
         "lowbit Adam8bit": lambda ps: lowbit.optim.Adam8bit(ps, lr=LR),
         "lowbit LAMB8bit": lambda ps: lowbit.optim.LAMB8bit(ps, lr=LR),  # the norm pre-pass kernels too
+        FOUR_BIT[0]: lambda ps: lowbit.optim.AdamW4bit(ps, lr=LR),
     }
     skipped = []
     bnb = import_optional("bitsandbytes")
@@ -115,6 +121,7 @@ def optimizer_factories() -> tuple[dict[str, Factory], list[str]]:
     torchao_optim = import_optional("torchao.optim")
     if torchao_optim is not None:
         factories["torchao AdamW8bit"] = lambda ps: torchao_optim.AdamW8bit(ps, lr=LR)
+        factories[FOUR_BIT[1]] = lambda ps: torchao_optim.AdamW4bit(ps, lr=LR)
     else:
         skipped.append("torchao")
     return factories, skipped
@@ -153,7 +160,8 @@ def time_steps(
         opt = factory(params)
         opt.step()
         seconds = time_median(opt.step, device, args.warmup, args.repeats)
-        rows.append(StepRow(name, str(dtype).removeprefix("torch."), seconds, step_floor_bytes(params, opt)))
+        dtype_name = str(dtype).removeprefix("torch.")
+        rows.append(StepRow(name, dtype_name, seconds, step_floor_bytes(params, opt), state_bytes(opt)))
         del opt, params
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -264,6 +272,25 @@ def step_table(rows: list[StepRow], numel: int, bandwidth: float) -> str:
     return "\n".join(lines)
 
 
+def four_bit_table(rows: list[StepRow], numel: int) -> str:
+    """Markdown: the 4-bit rows' ms per 1B parameters, x fused AdamW and x lowbit AdamW8bit (same run), and
+    their state bytes per parameter next to AdamW8bit's."""
+    medians = {(r.optimizer, r.dtype): r.median_s for r in rows}
+    lines = [
+        f"| optimizer | params | ms / 1B params | x {BASELINE} | x {EIGHT_BIT} | state bytes / param |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r.optimizer not in (EIGHT_BIT, *FOUR_BIT):
+            continue
+        lines.append(
+            f"| {r.optimizer} | {r.dtype} | {r.per_billion_ms(numel):.2f} | "
+            f"{r.median_s / medians[(BASELINE, r.dtype)]:.2f} | {r.median_s / medians[(EIGHT_BIT, r.dtype)]:.2f} | "
+            f"{r.state_bytes / numel:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def lpmm_table(rows: list[LpmmRow], numel: int) -> str:
     """Markdown: ms per 1B parameters of accumulating, of accumulating plus the step, and their difference."""
     lines = [
@@ -331,6 +358,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     missing = f"not importable, so no rows: {', '.join(skipped)}\n\n" if skipped else ""
     title = f"### Optimizer step ({numel_step} parameters, scaled to 1B)\n"
     section(title, missing + step_table(steps, numel_step, bandwidth))
+    section(
+        f"### 4-bit optimizer states: AdamW4bit (blocks of 128) against AdamW8bit ({numel_step} parameters)\n",
+        four_bit_table(steps, numel_step),
+    )
     lpmm_rows = time_lpmm(args, device)
     section(
         f"### LPMM: 12-bit parameters, 8-bit gradients, LPMMAdamW 8-bit states ({numel_step} parameters)\n",

@@ -1,4 +1,4 @@
-"""How far each 8-bit optimizer's trajectory ends from its fp32 reference, on the patterns of an audit.
+"""How far each 8- and 4-bit optimizer's trajectory ends from its fp32 reference, on the patterns of an audit.
 
 Run from the repository root::
 
@@ -8,19 +8,25 @@ Run from the repository root::
 Options: ``--seeds`` (seeds 0..N-1 per scenario, default 3), ``--block-size`` (lowbit's 8-bit state
 block size, default 256; bitsandbytes always uses 256), ``--min-8bit-size`` (tensors with fewer elements
 keep fp32 states, default 4096 as in lowbit and bitsandbytes; 0 forces 8-bit states everywhere),
-``--threads`` (``torch.set_num_threads``), ``--json PATH`` (also write the numbers as JSON). At the
-defaults it takes about 6 s on two idle CPU cores (progress goes to stderr); the results are deterministic.
+``--block-size-4bit`` and ``--min-4bit-size`` (the same for lowbit's 4-bit columns, defaults 128 and 4096;
+torchao always uses blocks of 128 and quantizes only tensors of at least 4096 elements whose size its
+block divides), ``--threads`` (``torch.set_num_threads``), ``--json PATH`` (also write the numbers as
+JSON). At the defaults it takes about 6 s on two idle CPU cores without torchao (progress goes to
+stderr); torchao compiles its step for every parameter shape, which adds minutes on a first run (torch's
+compile cache shortens later ones). The results are deterministic.
 
-Every column is an 8-bit optimizer and its reference, both started from the same fp32 parameters (one
-model per seed, built after ``torch.manual_seed(seed)`` or from a generator seeded with it, deep-copied
-for each run) and fed the same batches:
+Every column is an 8- or 4-bit optimizer and its reference, both started from the same fp32 parameters
+(one model per seed, built after ``torch.manual_seed(seed)`` or from a generator seeded with it,
+deep-copied for each run) and fed the same batches:
 
 - lowbit Adam8bit, AdamW8bit, SGD8bit, RMSprop8bit, Adagrad8bit against ``torch.optim``'s optimizer of
   the same name with the same arguments (``foreach=False``);
 - lowbit Lion8bit, LAMB8bit, LARS8bit against lowbit's Lion32bit, LAMB32bit, LARS32bit (fp32 states;
   torch has no such optimizers);
 - bitsandbytes' Adam8bit, AdamW8bit, SGD8bit, RMSprop8bit, Adagrad8bit and Lion8bit against the same
-  references, when ``import bitsandbytes`` works (the columns are skipped with a note otherwise).
+  references, when ``import bitsandbytes`` works (the columns are skipped with a note otherwise);
+- lowbit Adam4bit, AdamW4bit, SGD4bit, and torchao's ``torchao.optim.Adam4bit`` and ``AdamW4bit`` when
+  ``import torchao.optim`` works, against the same ``torch.optim`` references (a table of their own).
 
 Hyperparameters: Adam/AdamW lr 1e-3 (AdamW weight_decay 1e-2), SGD lr 1e-2 momentum 0.9, RMSprop lr
 1e-3, Adagrad lr 1e-2, Lion lr 1e-4, LAMB lr 1e-3, LARS lr 1e-2 momentum 0.9; everything else default.
@@ -52,8 +58,9 @@ A cell is ``max / mean``: the largest |tested - reference| over every element of
 (the max over seeds), then the mean |tested - reference| over all elements (the mean over seeds). As
 optimizers move parameters by different amounts, a second table gives the max difference divided by
 the largest distance the reference moved any element from its initial value (also in the JSON file).
-Which tensors hold 8-bit states is read from the optimizers' states after the run and listed under the
-tables; a column that differs from the rest is flagged. An optimizer that raises gets "error" in its
+Which tensors hold quantized (8- or 4-bit) states is read from the optimizers' states after the run (uint8
+tensors, also inside torchao's state subclasses) and listed under the tables; a column that differs from
+the rest is flagged. An optimizer that raises gets "error" in its
 cell and the message below the tables.
 """
 
@@ -76,6 +83,7 @@ import torch
 import torch.nn.functional as F
 from common import cpu_model, parse, write_json
 from torch import Tensor, nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import lowbit
 import lowbit.lpmm as lpmm
@@ -90,20 +98,25 @@ OptFactory = Callable[..., torch.optim.Optimizer]
 
 @dataclasses.dataclass
 class Column:
-    """One 8-bit optimizer under test, its fp32 reference and their shared arguments."""
+    """One 8- or 4-bit optimizer under test, its fp32 reference and their shared arguments."""
 
     name: str
     tested: OptFactory
     reference: OptFactory
     reference_name: str
     hyper: dict[str, float]
-    library: str  # "lowbit" or "bitsandbytes": which options the tested optimizer takes
+    library: str  # "lowbit", "bitsandbytes" or "torchao": which options the tested optimizer takes
     adam: bool = False  # Adam without decoupled decay: not run on the dense scenario
+    bits: int = 8
 
     def make_tested(self, params: list[Tensor], hyper: dict[str, float], args: argparse.Namespace) -> Any:
-        options: dict[str, Any] = {"min_8bit_size": args.min_8bit_size}
-        if self.library == "lowbit":
-            options["block_size"] = args.block_size
+        options: dict[str, Any] = {}
+        if self.library == "lowbit" and self.bits == 4:
+            options = {"min_4bit_size": args.min_4bit_size, "block_size": args.block_size_4bit}
+        elif self.library == "lowbit":
+            options = {"min_8bit_size": args.min_8bit_size, "block_size": args.block_size}
+        elif self.library == "bitsandbytes":
+            options = {"min_8bit_size": args.min_8bit_size}
         return self.tested(params, **hyper, **options)
 
     def make_reference(self, params: list[Tensor], hyper: dict[str, float]) -> torch.optim.Optimizer:
@@ -112,8 +125,9 @@ class Column:
         return self.reference(params, **hyper)
 
 
-def make_columns(bnb: Optional[ModuleType]) -> list[Column]:
-    """The columns, bitsandbytes' last when it is importable."""
+def make_columns(bnb: Optional[ModuleType], torchao_optim: Optional[ModuleType] = None) -> list[Column]:
+    """The columns: lowbit's 8-bit, bitsandbytes' when it is importable, lowbit's 4-bit, torchao's 4-bit when
+    ``torchao_optim`` is given."""
     adam = {"lr": 1e-3}
     adamw = {"lr": 1e-3, "weight_decay": 1e-2}
     sgdm = {"lr": 1e-2, "momentum": 0.9}
@@ -136,6 +150,17 @@ def make_columns(bnb: Optional[ModuleType]) -> list[Column]:
             Column("bnb RMSprop8bit", bnb.optim.RMSprop8bit, torch.optim.RMSprop, "torch RMSprop", rms, "bitsandbytes"),
             Column("bnb Adagrad8bit", bnb.optim.Adagrad8bit, torch.optim.Adagrad, "torch Adagrad", ada, "bitsandbytes"),
             Column("bnb Lion8bit", bnb.optim.Lion8bit, O.Lion32bit, "lowbit Lion32bit", lion, "bitsandbytes"),
+        ]
+    cols += [
+        Column("Adam4bit", O.Adam4bit, torch.optim.Adam, "torch Adam", adam, "lowbit", adam=True, bits=4),
+        Column("AdamW4bit", O.AdamW4bit, torch.optim.AdamW, "torch AdamW", adamw, "lowbit", bits=4),
+        Column("SGD4bit", O.SGD4bit, torch.optim.SGD, "torch SGD", sgdm, "lowbit", bits=4),
+    ]
+    if torchao_optim is not None:
+        ao_adam, ao_adamw = torchao_optim.Adam4bit, torchao_optim.AdamW4bit
+        cols += [
+            Column("ao Adam4bit", ao_adam, torch.optim.Adam, "torch Adam", adam, "torchao", adam=True, bits=4),
+            Column("ao AdamW4bit", ao_adamw, torch.optim.AdamW, "torch AdamW", adamw, "torchao", bits=4),
         ]
     return cols
 
@@ -243,14 +268,18 @@ def movement(final: dict[str, Tensor], initial: dict[str, Tensor]) -> float:
     return max(float((final[k].double() - initial[k].double()).abs().max()) for k in initial)
 
 
+def holds_codes(t: Any) -> bool:
+    """Whether ``t`` is a uint8 tensor or a wrapper subclass holding one (torchao's quantized states)."""
+    if not isinstance(t, Tensor):
+        return False
+    if is_traceable_wrapper_subclass(t):
+        return any(holds_codes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.dtype == torch.uint8
+
+
 def eight_bit_tensors(opt: torch.optim.Optimizer, model: nn.Module) -> list[str]:
-    """Names of the parameters whose optimizer state holds a uint8 tensor."""
-    names = []
-    for name, p in model.named_parameters():
-        state = opt.state.get(p, {})
-        if any(isinstance(v, Tensor) and v.dtype == torch.uint8 for v in state.values()):
-            names.append(name)
-    return names
+    """Names of the parameters whose optimizer state holds quantized (8- or 4-bit) codes."""
+    return [name for name, p in model.named_parameters() if any(map(holds_codes, opt.state.get(p, {}).values()))]
 
 
 @dataclasses.dataclass
@@ -381,8 +410,9 @@ def shapes(model: nn.Module) -> dict[str, str]:
     return {name: "x".join(map(str, p.shape)) for name, p in model.named_parameters()}
 
 
-def eight_bit_notes(scenario: Scenario, cells: dict[str, Optional[Cell]]) -> list[str]:
-    """One line naming the tensors with 8-bit states (the most common answer), and the columns that differ."""
+def eight_bit_notes(scenario: Scenario, cells: dict[str, Optional[Cell]], label: str = "8-bit") -> list[str]:
+    """One line naming the tensors with ``label`` states (the most common answer), and the columns that
+    differ."""
     model, _ = scenario.build(0)
     dims = shapes(model)
     answers: dict[tuple[str, ...], list[str]] = {}
@@ -396,7 +426,7 @@ def eight_bit_notes(scenario: Scenario, cells: dict[str, Optional[Cell]]) -> lis
     def describe(names: tuple[str, ...]) -> str:
         eight = ", ".join(f"{n} [{dims[n]}]" for n in names) or "none"
         fp32 = ", ".join(f"{n} [{dims[n]}]" for n in dims if n not in names) or "none"
-        return f"8-bit states: {eight}; fp32 states: {fp32}"
+        return f"{label} states: {eight}; fp32 states: {fp32}"
 
     lines = [f"- {scenario.name}: {describe(common)}"]
     for names, cols in answers.items():
@@ -405,12 +435,17 @@ def eight_bit_notes(scenario: Scenario, cells: dict[str, Optional[Cell]]) -> lis
     return lines
 
 
-def import_bnb() -> tuple[Optional[ModuleType], Optional[str]]:
-    """bitsandbytes, or None and why not."""
+def import_peer(name: str) -> tuple[Optional[ModuleType], Optional[str]]:
+    """The module ``name`` (bitsandbytes, torchao.optim), or None and why not."""
     try:
-        return importlib.import_module("bitsandbytes"), None
+        return importlib.import_module(name), None
     except Exception as e:  # not installed, or a broken install
         return None, f"{type(e).__name__}: {e}"
+
+
+def import_bnb() -> tuple[Optional[ModuleType], Optional[str]]:
+    """bitsandbytes, or None and why not."""
+    return import_peer("bitsandbytes")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -421,13 +456,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--min-8bit-size", type=int, default=4096, help="fewer elements keep fp32 states (default 4096; 0: all 8-bit)"
     )
+    p.add_argument("--block-size-4bit", type=int, default=128, help="lowbit 4-bit state block size (default 128)")
+    p.add_argument(
+        "--min-4bit-size", type=int, default=4096, help="fewer elements keep fp32 states in lowbit's 4-bit columns"
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(THREADS)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write results as JSON")
     args = parse(p, argv)
     if args.seeds < 1:
         p.error("--seeds must be positive")
-    if args.min_8bit_size < 0:
-        p.error("--min-8bit-size must be non-negative")
+    if args.min_8bit_size < 0 or args.min_4bit_size < 0:
+        p.error("--min-8bit-size and --min-4bit-size must be non-negative")
     return args
 
 
@@ -436,7 +475,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     t_start = time.perf_counter()
     bnb, bnb_error = import_bnb()
-    columns = make_columns(bnb)
+    torchao_optim, torchao_error = import_peer("torchao.optim")
+    columns = make_columns(bnb, torchao_optim)
 
     results: dict[str, dict[str, Optional[Cell]]] = {}
     timings: dict[str, float] = {}
@@ -457,38 +497,53 @@ def main(argv: Optional[list[str]] = None) -> None:
         "torch": torch.__version__,
         "lowbit": lowbit.__version__,
         "bitsandbytes": None if bnb is None else bnb.__version__,
+        "torchao": None if torchao_optim is None else importlib.import_module("torchao").__version__,
         "cpu": cpu_model(),
         "threads": torch.get_num_threads(),
         "seeds": args.seeds,
         "block_size": args.block_size,
         "min_8bit_size": args.min_8bit_size,
+        "block_size_4bit": args.block_size_4bit,
+        "min_4bit_size": args.min_4bit_size,
     }
     print(f"command: {env['command']}")
     print(
         f"torch {env['torch']}, lowbit {env['lowbit']}, bitsandbytes {env['bitsandbytes'] or 'not available'}, "
-        f"python {env['python']}, cpu: {env['cpu']}, threads {env['threads']}"
+        f"torchao {env['torchao'] or 'not available'}, python {env['python']}, cpu: {env['cpu']}, "
+        f"threads {env['threads']}"
     )
     print(
         f"seeds 0..{args.seeds - 1}, lowbit block_size {args.block_size} (bitsandbytes: 256, fixed), "
-        f"min_8bit_size {args.min_8bit_size}"
+        f"min_8bit_size {args.min_8bit_size}; 4-bit: lowbit block_size {args.block_size_4bit}, min_4bit_size "
+        f"{args.min_4bit_size} (torchao: 128, fixed; quantizes tensors of >= 4096 elements that 128 divides)"
     )
     if bnb is None:
         print(f"note: bitsandbytes columns skipped: import bitsandbytes failed ({bnb_error})")
+    if torchao_optim is None:
+        print(f"note: torchao columns skipped: import torchao.optim failed ({torchao_error})")
     print()
     print(
         "Cell: max |tested - reference| over all parameter elements (max over seeds) / mean |tested - reference| "
         "(mean over seeds), after the scenario's last step. '-': not run in that scenario."
     )
-    print()
-    header = ["scenario"] + [c.name for c in columns]
-    print(markdown(header, [[s.name] + [fmt(results[s.name][c.name]) for c in columns] for s in SCENARIOS]))
+    widths = {bits: [c for c in columns if c.bits == bits] for bits in (8, 4)}
+    for bits, cols in widths.items():
+        print()
+        print(f"{bits}-bit states:")
+        print()
+        header = ["scenario"] + [c.name for c in cols]
+        print(markdown(header, [[s.name] + [fmt(results[s.name][c.name]) for c in cols] for s in SCENARIOS]))
     print()
     print(
         "The same max difference as a fraction of the largest distance the reference moved any element from its "
         "initial value (optimizers move parameters by different amounts, so compare columns here):"
     )
-    print()
-    print(markdown(header, [[s.name] + [fmt_relative(results[s.name][c.name]) for c in columns] for s in SCENARIOS]))
+    for bits, cols in widths.items():
+        print()
+        print(f"{bits}-bit states:")
+        print()
+        header = ["scenario"] + [c.name for c in cols]
+        print(markdown(header, [[s.name] + [fmt_relative(results[s.name][c.name]) for c in cols] for s in SCENARIOS]))
     print()
     print("References: " + ", ".join(f"{c.name} vs {c.reference_name}" for c in columns) + ".")
     print(
@@ -496,10 +551,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         + ", ".join(f"{c.name} " + " ".join(f"{k}={v:g}" for k, v in c.hyper.items()) for c in columns)
         + "; two-gradient block: lr=1e-3 for all; dense: the Adam family as AdamW only."
     )
-    print("Tensors with 8-bit states (read from the optimizer states after the run):")
-    for s in SCENARIOS:
-        for line in eight_bit_notes(s, results[s.name]):
-            print(line)
+    for bits, cols in widths.items():
+        print(f"Tensors with {bits}-bit states (read from the optimizer states after the run):")
+        for s in SCENARIOS:
+            cells = {c.name: results[s.name][c.name] for c in cols}
+            for line in eight_bit_notes(s, cells, f"{bits}-bit"):
+                print(line)
     first = results[SCENARIOS[0].name]
     p1 = [f"{n} {c.extra['p1']:.4g} (ref {c.extra['reference_p1']:.4g})" for n, c in first.items() if c and c.extra]
     if p1:
@@ -531,8 +588,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.json is not None:
         out = {
             "environment": env,
-            "columns": {c.name: {"reference": c.reference_name, "arguments": c.hyper} for c in columns},
+            "columns": {
+                c.name: {"reference": c.reference_name, "arguments": c.hyper, "library": c.library, "bits": c.bits}
+                for c in columns
+            },
             "bitsandbytes_skipped": bnb_error,
+            "torchao_skipped": torchao_error,
             "scenarios": {
                 s: {n: (None if c is None else c.summary()) for n, c in row.items()} for s, row in results.items()
             },

@@ -26,7 +26,8 @@ the median and fastest step, the median per parameter, and the ratio of each med
 ``torch.optim.AdamW(fused=True)`` from the same run: this machine is noisy, so that ratio is the number
 to read, and absolute times mean something only on a GPU. State bytes per parameter are counted after
 the first step: the storage bytes of every tensor in ``optimizer.state`` except the ``step`` counters,
-shared storages counted once, divided by the number of parameters.
+shared storages counted once, divided by the number of parameters. The 4-bit rows (blocks of 128,
+``min_4bit_size`` 4096) also give their median over that of their 8-bit twin from the same run (``x 8-bit``).
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ MUON_BASELINE = "torch Muon"
 MUON_LR = 0.02
 MUON_SHAPES = [(1024, 1024), (4096, 1024), (1024, 4096)]
 HEADLINE = "lowbit Adam8bit"
+# Each 4-bit row and the 8-bit row it is compared with.
+FOUR_BIT_TWINS = {
+    "lowbit Adam4bit": HEADLINE,
+    "lowbit AdamW4bit": "lowbit AdamW8bit",
+    "lowbit SGD4bit (momentum 0.9)": "lowbit SGD8bit (momentum 0.9)",
+}
+FOUR_BIT_HEADLINE = "lowbit AdamW4bit"
 LAYERS = 24
 # Hidden sizes are multiples of 16, as in real models, so the shapes stay realistic at any --numel.
 HIDDEN_STEP = 16
@@ -164,6 +172,9 @@ def make_factories(
         HEADLINE: lambda ps: lowbit.optim.Adam8bit(ps, lr=LR),
         "lowbit AdamW8bit": lambda ps: lowbit.optim.AdamW8bit(ps, lr=LR),
         "lowbit SGD8bit (momentum 0.9)": lambda ps: lowbit.optim.SGD8bit(ps, lr=LR, momentum=MOMENTUM),
+        "lowbit Adam4bit": lambda ps: lowbit.optim.Adam4bit(ps, lr=LR),
+        FOUR_BIT_HEADLINE: lambda ps: lowbit.optim.AdamW4bit(ps, lr=LR),
+        "lowbit SGD4bit (momentum 0.9)": lambda ps: lowbit.optim.SGD4bit(ps, lr=LR, momentum=MOMENTUM),
         "lowbit AdamW32bit": lambda ps: lowbit.optim.AdamW32bit(ps, lr=LR),
         BASELINE: lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),
         "torch AdamW foreach": lambda ps: torch.optim.AdamW(ps, lr=LR, foreach=True),
@@ -177,13 +188,14 @@ def make_factories(
         skipped.append("bitsandbytes AdamW8bit")
     if torchao_optim is not None:
         factories["torchao AdamW8bit"] = lambda ps: torchao_optim.AdamW8bit(ps, lr=LR)
+        factories["torchao AdamW4bit"] = lambda ps: torchao_optim.AdamW4bit(ps, lr=LR)
     else:
-        skipped.append("torchao AdamW8bit")
+        skipped += ["torchao AdamW8bit", "torchao AdamW4bit"]
     return factories, skipped
 
 
 def plain_tensors(t: Tensor) -> Iterator[Tensor]:
-    """``t``, or the plain tensors inside it when it is a wrapper subclass (torchao's 8-bit state)."""
+    """``t``, or the plain tensors inside it when it is a wrapper subclass (torchao's 8- and 4-bit states)."""
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()
         for name in names:
@@ -246,12 +258,22 @@ def ratio_to_baseline(rows: list[Row], optimizer: str, baseline: str = BASELINE)
     return medians[optimizer] / medians[baseline]
 
 
+def ratio_to_8bit(rows: list[Row], optimizer: str) -> Optional[float]:
+    """Median step time of a 4-bit ``optimizer`` over that of its 8-bit twin, both from ``rows``; None for
+    the other rows."""
+    if optimizer not in FOUR_BIT_TWINS:
+        return None
+    medians = {r.optimizer: r.median_s for r in rows}
+    return medians[optimizer] / medians[FOUR_BIT_TWINS[optimizer]]
+
+
 def format_table(rows: list[Row], numel: int, baseline: str = BASELINE) -> str:
     """Plain-text table; ms and ns/param from the median step, "best" the fastest, ratio of medians."""
     ratio = "x fused AdamW" if baseline == BASELINE else f"x {baseline}"
-    header = ["optimizer", "median ms", "best ms", "ns/param", ratio, "state bytes/param"]
+    header = ["optimizer", "median ms", "best ms", "ns/param", ratio, "x 8-bit", "state bytes/param"]
     lines = [header]
     for r in rows:
+        vs_8bit = ratio_to_8bit(rows, r.optimizer)
         lines.append(
             [
                 r.optimizer,
@@ -259,6 +281,7 @@ def format_table(rows: list[Row], numel: int, baseline: str = BASELINE) -> str:
                 f"{r.min_s * 1e3:.2f}",
                 f"{r.median_s * 1e9 / numel:.3f}",
                 f"{ratio_to_baseline(rows, r.optimizer, baseline):.2f}x",
+                "" if vs_8bit is None else f"{vs_8bit:.2f}x",
                 f"{r.state_bytes / numel:.3f}",
             ]
         )
@@ -361,6 +384,11 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"{HEADLINE} median / {BASELINE} median (target <= 1.5x on CPU, 2 threads, 16M fp32 params): "
             + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in headline.items())
         )
+        headline_4bit = {name: ratio_to_8bit(results[name], FOUR_BIT_HEADLINE) for name in headline}
+        print(
+            f"{FOUR_BIT_HEADLINE} median / {FOUR_BIT_TWINS[FOUR_BIT_HEADLINE]} median (target <= 1.1x on CPU): "
+            + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in headline_4bit.items())
+        )
 
     if args.json is not None:
         result = {
@@ -378,6 +406,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                             **dataclasses.asdict(r),
                             "ns_per_param": r.median_s * 1e9 / w.numel,
                             "x_baseline": ratio_to_baseline(results[w.name], r.optimizer, w.baseline),
+                            "x_8bit": ratio_to_8bit(results[w.name], r.optimizer),
                             "state_bytes_per_param": r.state_bytes / w.numel,
                         }
                         for r in results[w.name]
@@ -386,6 +415,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 for w in workloads
             },
             "headline": headline,
+            "headline_4bit": headline_4bit,
         }
         write_json(args.json, result)
 

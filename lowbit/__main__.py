@@ -222,9 +222,9 @@ def _build_parser() -> argparse.ArgumentParser:
     info.set_defaults(handler=_info)
     demo = commands.add_parser(
         "demo",
-        help="train a small language model four ways and measure the memory (see lowbit.demo)",
-        description="Train a byte-level GPT with fp32 AdamW, 8-bit AdamW, compressed activations and LPMM, "
-        "and report measured memory, speed and losses.",
+        help="train a small language model five ways and measure the memory (see lowbit.demo)",
+        description="Train a byte-level GPT with fp32 AdamW, 8-bit AdamW, compressed activations, LPMM and "
+        "4-bit AdamW, and report measured memory, speed and losses.",
     )
     _demo.add_arguments(demo)
     demo.set_defaults(handler=_demo.run)

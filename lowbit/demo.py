@@ -1,4 +1,4 @@
-"""``python -m lowbit demo``: the same language model trained four ways, with the memory measured.
+"""``python -m lowbit demo``: the same language model trained five ways, with the memory measured.
 
 A byte-level GPT-style model learns the CPython standard library sources (found through
 ``sysconfig``, nothing is downloaded; ``--data`` takes any text file or folder) from the same initial
@@ -10,7 +10,9 @@ weights, batches and schedule in each configuration:
 - ``act``: the same plus :func:`lowbit.nn.compress_activations` (inverted GELU: the output, which the
   next Linear saves anyway, plus one bit; inverted-activations.txt);
 - ``lpmm``: the same plus :func:`lowbit.lpmm.convert` (12-bit parameters, 8-bit gradient
-  accumulators, groups of 256) and :class:`lowbit.optim.LPMMAdamW` with 8-bit moments (lpmm.txt).
+  accumulators, groups of 256) and :class:`lowbit.optim.LPMMAdamW` with 8-bit moments (lpmm.txt);
+- ``adamw4bit``: ``adamw8bit`` with :class:`lowbit.optim.AdamW4bit` (4-bit states, blocks of 128) in place
+  of AdamW8bit.
 
 For each it measures the bytes of parameters, gradients and optimizer state from their storage
 (:func:`lowbit.lpmm.memory_report`), the bytes saved for backward by one training batch
@@ -57,6 +59,7 @@ CONFIGS: dict[str, str] = {
     "adamw8bit": "lowbit AdamW8bit + StableEmbedding",
     "act": "+ compressed activations (InvGELU)",
     "lpmm": "+ LPMM 12-bit params / 8-bit grads (groups of 256), LPMMAdamW 8-bit moments",
+    "adamw4bit": "lowbit AdamW4bit + StableEmbedding",
 }
 
 
@@ -192,7 +195,8 @@ def make_config(
             model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, momentum_bits=8
         )
         return model, opt
-    return model, lowbit.optim.AdamW8bit(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    cls = lowbit.optim.AdamW4bit if name == "adamw4bit" else lowbit.optim.AdamW8bit
+    return model, cls(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 # -- measurement ------------------------------------------------------------------------------------------
