@@ -31,13 +31,19 @@ def draw_seed(generator: Optional[torch.Generator] = None) -> int:
     return int(torch.randint(0, 2**62, (), generator=generator).item())
 
 
-# Every live storage, so that checks that only matter once a model is converted cost nothing before.
-_LIVE: weakref.WeakSet[LowPrecisionParameter] = weakref.WeakSet()
+# How many storages are alive, so that checks that only matter once a model is converted cost nothing
+# before. A count, not a WeakSet of them: torch.compile traces the global optimizer step pre-hook that reads
+# it, and guards on a WeakSet's members, which fails when one dies while a graph is being built.
+_LIVE = [0]
+
+
+def _one_less() -> None:
+    _LIVE[0] -= 1
 
 
 def any_alive() -> bool:
     """Whether any :class:`LowPrecisionParameter` exists in this process."""
-    return len(_LIVE) > 0
+    return _LIVE[0] > 0
 
 
 class LowPrecisionParameter(nn.Module):
@@ -78,7 +84,8 @@ class LowPrecisionParameter(nn.Module):
         if not isinstance(value, Tensor) or value.dtype not in _ops.FLOAT_DTYPES:
             got = value.dtype if isinstance(value, Tensor) else type(value).__name__
             raise TypeError(f"lowbit.lpmm: value must be a float32, float16 or bfloat16 tensor, got {got}")
-        _LIVE.add(self)
+        _LIVE[0] += 1
+        weakref.finalize(self, _one_less)
         if isinstance(value, DTensor):
             raise TypeError("lowbit.lpmm: value is a DTensor; convert the model before fully_shard")
         self.bits = check_bits("bits", bits)
