@@ -474,3 +474,18 @@ def test_digits_8bit_parameters_stochastic_rounding_and_micro_batching_close_the
     assert nearest_8 < nearest_1 - 0.5 * (nearest_1 - fp32)  # micro-batching closes most of the gap
     assert abs(stochastic_1 - fp32) < 0.02 * fp32
     assert abs(stochastic_8 - fp32_8) < 0.02 * fp32_8
+
+
+def test_live_storage_count_follows_converted_models():
+    # lowbit.lpmm.parameter counts live storages (an int that torch.compile can guard on, where it guarded on
+    # each member of a WeakSet and failed when one died mid-compilation): the count rises with a conversion and
+    # falls back once the model is collected.
+    from lowbit.lpmm import parameter
+
+    gc.collect()
+    before = parameter._LIVE[0]
+    model = lpmm.convert(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
+    assert parameter._LIVE[0] == before + 4 and parameter.any_alive()
+    del model
+    gc.collect()
+    assert parameter._LIVE[0] == before
