@@ -46,7 +46,7 @@ def _train(
     return p.detach(), opt
 
 
-@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("bits", [8, 4, 32])
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced"])
 def test_strided_parameters_step_like_contiguous_ones(layout, name, bits):
@@ -55,8 +55,8 @@ def test_strided_parameters_step_like_contiguous_ones(layout, name, bits):
     value = _layouts()[layout]
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(value.shape, generator=gen) for _ in range(3)]
-    cls = getattr(O, f"{name.split('-')[0]}{bits}bit")
-    kw = dict(KW.get(name, {}), min_8bit_size=0)
+    cls = getattr(O, name.split("-")[0])
+    kw = dict(KW.get(name, {}), optim_bits=bits, min_8bit_size=0, min_4bit_size=0)
     got, opt = _train(cls, value, grads, **kw)
     want, _ = _train(cls, value.contiguous(), grads, **kw)
     assert got.stride() == value.stride()
