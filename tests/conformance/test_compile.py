@@ -31,6 +31,9 @@ OPTIMIZERS = {
     "Lion8bit": lambda p, lr: O.Lion8bit(p, lr=lr, min_8bit_size=0),
     "AdamW8bit-amsgrad": lambda p, lr: O.AdamW8bit(p, lr=lr, amsgrad=True, min_8bit_size=0),
     "RMSprop8bit-centered": lambda p, lr: O.RMSprop8bit(p, lr=lr, centered=True, momentum=0.9, min_8bit_size=0),
+    # Muon takes matrices only: the head's weight (the model's other parameters do not move).
+    "Muon8bit": lambda p, lr: O.Muon8bit([q for q in p if q.dim() == 2], lr=lr, min_8bit_size=0),
+    "Muon32bit": lambda p, lr: O.Muon32bit([q for q in p if q.dim() == 2], lr=lr),
 }
 
 
@@ -182,7 +185,7 @@ def test_grad_scaler_unscales_and_skips_non_finite_steps(name):
         for i, x in enumerate(batches):
             scaler.scale(model(x).square().mean()).backward()
             if i == 2:
-                model.conv.weight.grad[0, 0, 0, 0] = float("inf")
+                opt.param_groups[0]["params"][0].grad.view(-1)[0] = float("inf")
                 if not scaled:  # the reference skips the poisoned step by hand
                     opt.zero_grad()
                     continue

@@ -88,3 +88,22 @@ def test_failed_step_leaves_the_optimizer_as_it_was():
     assert opt.state[a].keys() == before.keys()
     assert all(torch.equal(opt.state[a][k], v) for k, v in before.items())
     assert torch.equal(a.detach(), value_a) and torch.equal(b.detach(), value_b)
+
+
+@pytest.mark.parametrize("cls", [O.Muon8bit, O.Muon32bit], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+def test_strided_matrices_step_like_contiguous_ones_with_muon(layout, cls):
+    # Muon takes matrices only, so the two matrix layouts; its orthogonalization reads the whole matrix.
+    value = _layouts()[layout]
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(value.shape, generator=gen) for _ in range(3)]
+    kw = dict(lr=0.02, weight_decay=0.1) | (dict(min_8bit_size=0) if cls is O.Muon8bit else {})
+    got, opt = _train(cls, value, grads, **kw)
+    want, _ = _train(cls, value.contiguous(), grads, **kw)
+    assert got.stride() == value.stride()
+    assert torch.equal(got, want)
+    assert float(opt.state[opt.param_groups[0]["params"][0]]["step"]) == 3
+    if cls is O.Muon32bit:
+        ref, _ = _train(torch.optim.Muon, value, grads, lr=0.02, weight_decay=0.1)
+        # Bit for bit, as tests/test_muon.py::test_muon32bit_is_torch_muon_bit_for_bit on contiguous ones.
+        assert torch.equal(got, ref)

@@ -6,9 +6,9 @@ through ``torch.save``) into fresh optimizers, and loading the reference's state
 Each run keeps three optimizers on three copies of the parameters: ``main`` takes every operation,
 ``plain`` the same ones except the round trips of its own state and the refused edits, and ``ref`` is
 torch.optim. ``main`` must stay bit-identical to ``plain`` (a round trip or a refused step changes
-nothing), and both must follow ``ref``: fp32 states to rounding; 8-bit parameters within the measured
-drift bound and 8-bit states, decoded, element by element within the bound their map's code gaps give
-(``Run._advance_bounds``), with the same step counters and state names.
+nothing), and both must follow ``ref``: fp32 states to rounding; quantized (8- and 4-bit) parameters within
+the measured drift bound of their width, and quantized states, decoded, element by element within the bound
+their map's code gaps give (``Run._advance_bounds``), with the same step counters and state names.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 import lowbit.optim as O
 from tests.blocks import half_code_gap
-from tests.test_optim import DEFAULT_BOUNDS, _grad, _relative
+from tests.test_optim import DEFAULT_BOUNDS, FOUR_BIT_BOUNDS, _grad, _relative
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,7 @@ class Case:
     tcls: type
     kw: dict[str, Any]
     edits: tuple[str, ...]
+    bits: int = 8  # the width of the quantized states (unused by the fp32 twins)
 
 
 TWINS = [
@@ -50,16 +51,19 @@ TWINS = [
         ("lr", "weight_decay"),
     ),
 ]
-EIGHT_BIT = [
+QUANTIZED = [
     Case(O.Adam8bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas")),
     Case(O.AdamW8bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), ("lr", "weight_decay", "betas")),
     Case(O.SGD8bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), ("lr", "weight_decay")),
+    Case(O.Adam4bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas"), bits=4),
+    Case(O.AdamW4bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), ("lr", "weight_decay", "betas"), bits=4),
+    Case(O.SGD4bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), ("lr", "weight_decay"), bits=4),
 ]
 
-# 8-bit parameters' drift from torch, relative to how far torch moved them: tests/test_optim.py's
-# 100-step bound (DEFAULT_BOUNDS[1], twice the worst measured drift of Adam, SGD and the others). These
-# sequences are at most 14 steps long, and loading torch's state only re-syncs the states.
-DRIFT_BOUND = DEFAULT_BOUNDS[1]
+# Quantized parameters' drift from torch, relative to how far torch moved them: tests/test_optim.py's
+# 100-step bounds (DEFAULT_BOUNDS[1] at 8 bits, FOUR_BIT_BOUNDS[1] at 4: twice the worst measured drift).
+# These sequences are at most 14 steps long, and loading torch's state only re-syncs the states.
+DRIFT_BOUNDS = {8: DEFAULT_BOUNDS[1], 4: FOUR_BIT_BOUNDS[1]}
 
 # fp32 rounding around one encode: the normalisation x / absmax and the decode code * absmax each round
 # by at most 2^-24 relative, and the update that feeds the encoder by a few more ulps; 2^-20 of the block
@@ -81,10 +85,10 @@ BAD_EDITS = [("lr", -1e-3), ("lr", float("nan")), ("weight_decay", -0.1), ("beta
 GRAD_KINDS = ("dense", "dense", "rows", "nonfinite", "keep")
 
 
-def _ops(case: Case, eight_bit: bool) -> st.SearchStrategy[list[tuple]]:
+def _ops(case: Case, quantized: bool) -> st.SearchStrategy[list[tuple]]:
     # A gradient element of 1e21 overflows its square: torch then freezes the element (v = inf), while an
     # 8-bit state element restarts from zero (optimizer.py's policy), so 1e21 is only fed to fp32 twins.
-    nonfinite = (float("nan"), float("inf"), float("-inf")) + (() if eight_bit else (1e21,))
+    nonfinite = (float("nan"), float("inf"), float("-inf")) + (() if quantized else (1e21,))
     kinds = st.sampled_from(GRAD_KINDS)
     edits = [("lr", f) for f in LR_FACTORS] + [(k, v) for k in case.edits if k != "lr" for v in EDIT_VALUES[k]]
     bad = [(k, v) for k, v in BAD_EDITS if k in case.edits]
@@ -103,7 +107,7 @@ def _ops(case: Case, eight_bit: bool) -> st.SearchStrategy[list[tuple]]:
 
 
 @st.composite
-def scenarios(draw: st.DrawFn, case: Case, eight_bit: bool) -> dict[str, Any]:
+def scenarios(draw: st.DrawFn, case: Case, quantized: bool) -> dict[str, Any]:
     return dict(
         shapes=[
             (draw(st.integers(5, 30)), draw(st.sampled_from([61, 128]))),
@@ -112,7 +116,7 @@ def scenarios(draw: st.DrawFn, case: Case, eight_bit: bool) -> dict[str, Any]:
         seed=draw(st.integers(0, 2**31 - 1)),
         tensor_lr=draw(st.booleans()),
         block_size=draw(st.sampled_from([64, 256, 2048])),
-        ops=draw(_ops(case, eight_bit)),
+        ops=draw(_ops(case, quantized)),
     )
 
 
@@ -138,10 +142,10 @@ def _same(a: Any, b: Any) -> bool:
 class Run:
     """The three optimizers of one scenario and the step counts torch.optim would keep."""
 
-    def __init__(self, case: Case, eight_bit: bool, scenario: dict[str, Any]) -> None:
-        self.case, self.eight_bit = case, eight_bit
+    def __init__(self, case: Case, quantized: bool, scenario: dict[str, Any]) -> None:
+        self.case, self.quantized = case, quantized
         self.block_size = scenario["block_size"]
-        self.options = dict(min_8bit_size=0, block_size=self.block_size) if eight_bit else {}
+        self.options = dict(min_8bit_size=0, min_4bit_size=0, block_size=self.block_size) if quantized else {}
         gen = torch.Generator().manual_seed(scenario["seed"])
         self.p0 = [torch.randn(s, generator=gen) * 0.1 for s in scenario["shapes"]]
         self.tensor_lr = scenario["tensor_lr"]
@@ -152,7 +156,7 @@ class Run:
         self.plain = self._make(case.cls, self.plain_params, self.options)
         self.ref = self._make(case.tcls, self.ref_params, dict(foreach=False))
         self.steps = [0] * len(self.p0)
-        # Per parameter and torch state name: the bound on |decoded 8-bit state - torch's| per element.
+        # Per parameter and torch state name: the bound on |decoded quantized state - torch's| per element.
         self.bounds: list[dict[str, Tensor]] = [{} for _ in self.p0]
 
     def _lr(self, value: float) -> Any:
@@ -204,7 +208,7 @@ class Run:
         ]
         for opt, _ in self._all():
             opt.step()
-        if self.eight_bit:
+        if self.quantized:
             for j, p in enumerate(self.main_params):
                 if p.grad is not None:
                     self._advance_bounds(j, *before[j], p.grad)
@@ -214,11 +218,11 @@ class Run:
             if not math.isfinite(bad_value):  # torch.optim makes the element non-finite, and so does lowbit
                 assert not bool(self.ref_params[j].view(-1)[i].isfinite())
                 assert not bool(self.main_params[j].view(-1)[i].isfinite())
-            if self.eight_bit:
+            if self.quantized:
                 self._check_restart(self.main_params[j], i)
 
     def _check_restart(self, p: nn.Parameter, i: int) -> None:
-        # optimizer.py: an 8-bit state element that becomes non-finite restarts from zero (a second moment,
+        # optimizer.py: a quantized state element that becomes non-finite restarts from zero (a second moment,
         # on the zero-free map, at its block's smallest value); the rest of the block keeps finite values.
         state = self.main.dequantized_state(p)
         block = slice(i - i % self.block_size, i - i % self.block_size + self.block_size)
@@ -274,11 +278,11 @@ class Run:
             state = self.ref.state[p]
             # torch.optim.SGD keeps no step count: lowbit counts a loaded momentum buffer as one step.
             self.steps[j] = int(state["step"]) if "step" in state else int(bool(state))
-            if self.eight_bit:
+            if self.quantized:
                 # Torch's fp32 state, encoded once: only this encode's error is left.
                 self.bounds[j] = {name: self._encode_error(j, name) for name in self._stored(j)}
 
-    # -- bounds of the 8-bit states --------------------------------------------------------------
+    # -- bounds of the quantized states--------------------------------------------------------------
 
     def _stored(self, j: int) -> list[str]:
         state = self.main.state.get(self.main_params[j], {})
@@ -293,7 +297,7 @@ class Run:
         k = self.main._state_names.index(name)
         signed = self.main._state_signed[k]
         absmax = self.main.state[p][f"absmax{k + 1}"].repeat_interleave(self.block_size)[: p.numel()]
-        d = ((half_code_gap(signed) + ENCODE_ROUNDING) * absmax).view(p.shape)
+        d = ((half_code_gap(signed, self.case.bits) + ENCODE_ROUNDING) * absmax).view(p.shape)
         if signed:
             return d
         root = self.main.dequantized_state(p)[name].sqrt()
@@ -381,7 +385,7 @@ class Run:
         deq = self.main.dequantized_state(a)
         assert set(deq) - {"step"} == set(theirs) - {"step"}
         assert "step" in deq
-        if self.eight_bit:
+        if self.quantized:
             assert all(ours[f"state{k + 1}"].dtype == torch.uint8 for k in range(len(deq) - 1))
             for name in set(theirs) - {"step"}:
                 # Decoded, each element is torch's within the bound carried through the steps (which also
@@ -404,7 +408,7 @@ class Run:
     def _check_param(self, j: int, a: Tensor, b: Tensor) -> None:
         finite = b.isfinite()
         assert torch.equal(a.isfinite(), finite)
-        if not self.eight_bit:
+        if not self.quantized:
             # tests/test_optim.py::test_fp32_states_match_torch's bound.
             torch.testing.assert_close(a[finite], b[finite], rtol=1e-5, atol=1e-5)
             return
@@ -412,11 +416,11 @@ class Run:
         if float(ref_moved.norm()) == 0.0:
             assert torch.equal(moved, ref_moved)
         else:
-            assert _relative(moved, ref_moved) < DRIFT_BOUND, _relative(moved, ref_moved)
+            assert _relative(moved, ref_moved) < DRIFT_BOUNDS[self.case.bits], _relative(moved, ref_moved)
 
 
-def _run(case: Case, eight_bit: bool, scenario: dict[str, Any]) -> None:
-    run = Run(case, eight_bit, scenario)
+def _run(case: Case, quantized: bool, scenario: dict[str, Any]) -> None:
+    run = Run(case, quantized, scenario)
     for op in scenario["ops"]:
         run.apply(op)
 
@@ -432,14 +436,14 @@ def test_32bit_twins_follow_torch_through_operation_sequences(case, data):
     _run(case, False, data.draw(scenarios(case, False)))
 
 
-@pytest.mark.parametrize("case", EIGHT_BIT, ids=_name)
+@pytest.mark.parametrize("case", QUANTIZED, ids=_name)
 @settings(max_examples=50, deadline=None)
 @given(data=st.data())
-def test_8bit_optimizers_follow_torch_through_operation_sequences(case, data):
+def test_quantized_optimizers_follow_torch_through_operation_sequences(case, data):
     _run(case, True, data.draw(scenarios(case, True)))
 
 
-@pytest.mark.parametrize("case", EIGHT_BIT, ids=_name)
+@pytest.mark.parametrize("case", QUANTIZED, ids=_name)
 def test_loading_a_torch_state_with_a_nonfinite_element_keeps_the_rest_of_its_block(case):
     # The smallest sequence the property test above finds: one step of torch.optim with a NaN gradient
     # element, then its state dict loaded into the 8-bit optimizer. torch's state holds a NaN at that
@@ -450,12 +454,12 @@ def test_loading_a_torch_state_with_a_nonfinite_element_keeps_the_rest_of_its_bl
     q.grad = torch.ones(256)
     q.grad[0] = float("nan")
     ref.step()
-    opt = case.cls([p], min_8bit_size=0, **case.kw)
+    opt = case.cls([p], min_8bit_size=0, min_4bit_size=0, **case.kw)
     opt.load_state_dict(ref.state_dict())
     absmaxes = [v for key, v in opt.state[p].items() if key.startswith("absmax")]
     assert absmaxes and all(bool(v.isfinite().all()) for v in absmaxes)
     # Its own state dict loads back, and the next step leaves the other 255 parameters finite, as torch's.
-    case.cls([nn.Parameter(torch.zeros(256))], min_8bit_size=0).load_state_dict(opt.state_dict())
+    case.cls([nn.Parameter(torch.zeros(256))], min_8bit_size=0, min_4bit_size=0).load_state_dict(opt.state_dict())
     with torch.no_grad():
         p.copy_(q)
     p.grad, q.grad = torch.ones(256), torch.ones(256)
