@@ -23,13 +23,16 @@ deep-copied for each run) and fed the same batches:
   the same name with the same arguments (``foreach=False``);
 - lowbit Lion8bit, LAMB8bit, LARS8bit against lowbit's Lion32bit, LAMB32bit, LARS32bit (fp32 states;
   torch has no such optimizers);
+- lowbit Muon8bit against ``torch.optim.Muon``, both stepping the scenario's 2-D parameters only (the
+  others keep their initial values on both sides; not run where a scenario has no matrix);
 - bitsandbytes' Adam8bit, AdamW8bit, SGD8bit, RMSprop8bit, Adagrad8bit and Lion8bit against the same
   references, when ``import bitsandbytes`` works (the columns are skipped with a note otherwise);
 - lowbit Adam4bit, AdamW4bit, SGD4bit, and torchao's ``torchao.optim.Adam4bit`` and ``AdamW4bit`` when
   ``import torchao.optim`` works, against the same ``torch.optim`` references (a table of their own).
 
 Hyperparameters: Adam/AdamW lr 1e-3 (AdamW weight_decay 1e-2), SGD lr 1e-2 momentum 0.9, RMSprop lr
-1e-3, Adagrad lr 1e-2, Lion lr 1e-4, LAMB lr 1e-3, LARS lr 1e-2 momentum 0.9; everything else default.
+1e-3, Adagrad lr 1e-2, Lion lr 1e-4, LAMB lr 1e-3, LARS lr 1e-2 momentum 0.9, Muon lr 2e-2; everything
+else default.
 
 Scenarios (fp32 parameters):
 
@@ -108,6 +111,7 @@ class Column:
     library: str  # "lowbit", "bitsandbytes" or "torchao": which options the tested optimizer takes
     adam: bool = False  # Adam without decoupled decay: not run on the dense scenario
     bits: int = 8
+    matrices: bool = False  # Muon: steps the 2-D parameters only (the others keep their values on both sides)
 
     def make_tested(self, params: list[Tensor], hyper: dict[str, float], args: argparse.Namespace) -> Any:
         options: dict[str, Any] = {}
@@ -117,9 +121,15 @@ class Column:
             options = {"min_8bit_size": args.min_8bit_size, "block_size": args.block_size}
         elif self.library == "bitsandbytes":
             options = {"min_8bit_size": args.min_8bit_size}
-        return self.tested(params, **hyper, **options)
+        return self.tested(self.stepped(params), **hyper, **options)
+
+    def stepped(self, params: list[Tensor]) -> list[Tensor]:
+        """The parameters this column's optimizers step."""
+        return [p for p in params if p.dim() == 2] if self.matrices else params
 
     def make_reference(self, params: list[Tensor], hyper: dict[str, float]) -> torch.optim.Optimizer:
+        if self.matrices:  # torch.optim.Muon has no foreach option
+            return self.reference(self.stepped(params), **hyper)
         if self.reference.__module__.startswith("torch."):
             return self.reference(params, **hyper, foreach=False)
         return self.reference(params, **hyper)
@@ -132,6 +142,7 @@ def make_columns(bnb: Optional[ModuleType], torchao_optim: Optional[ModuleType] 
     adamw = {"lr": 1e-3, "weight_decay": 1e-2}
     sgdm = {"lr": 1e-2, "momentum": 0.9}
     rms, ada, lion = {"lr": 1e-3}, {"lr": 1e-2}, {"lr": 1e-4}
+    muon = {"lr": 2e-2}
     cols = [
         Column("Adam8bit", O.Adam8bit, torch.optim.Adam, "torch Adam", adam, "lowbit", adam=True),
         Column("AdamW8bit", O.AdamW8bit, torch.optim.AdamW, "torch AdamW", adamw, "lowbit"),
@@ -141,6 +152,7 @@ def make_columns(bnb: Optional[ModuleType], torchao_optim: Optional[ModuleType] 
         Column("Lion8bit", O.Lion8bit, O.Lion32bit, "lowbit Lion32bit", lion, "lowbit"),
         Column("LAMB8bit", O.LAMB8bit, O.LAMB32bit, "lowbit LAMB32bit", {"lr": 1e-3}, "lowbit"),
         Column("LARS8bit", O.LARS8bit, O.LARS32bit, "lowbit LARS32bit", sgdm, "lowbit"),
+        Column("Muon8bit", O.Muon8bit, torch.optim.Muon, "torch Muon", muon, "lowbit", matrices=True),
     ]
     if bnb is not None:
         cols += [
@@ -309,7 +321,10 @@ class Cell:
 
 def run_scenario(scenario: Scenario, columns: list[Column], args: argparse.Namespace) -> dict[str, Optional[Cell]]:
     """Every column on every seed of ``scenario``; None for a column the scenario does not run."""
-    cells: dict[str, Optional[Cell]] = {c.name: (None if scenario.dense and c.adam else Cell()) for c in columns}
+    has_matrix = any(p.dim() == 2 for p in scenario.build(0)[0].parameters())
+    cells: dict[str, Optional[Cell]] = {
+        c.name: (None if (scenario.dense and c.adam) or (c.matrices and not has_matrix) else Cell()) for c in columns
+    }
     for seed in range(args.seeds):
         base, batches = scenario.build(seed)
         initial = params_of(base)
