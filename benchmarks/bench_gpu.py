@@ -1,7 +1,7 @@
 """GPU benchmarks for a lent device: the optimizer step per 1B parameters against its memory floor (LAMB8bit
-for the norm pre-pass), the 4-bit step against the 8-bit one and fused AdamW, LPMM's gradient accumulation
-and step per group size, quantize/dequantize throughput, the activation layers and a BLPA conv stack against
-torch's. Prints Markdown for benchmarks/RESULTS.md.
+for the norm pre-pass), the 4-bit step against the 8-bit one and fused AdamW, Muon8bit against
+torch.optim.Muon, LPMM's gradient accumulation and step per group size, quantize/dequantize throughput, the
+activation layers and a BLPA conv stack against torch's. Prints Markdown for benchmarks/RESULTS.md.
 
 Run from the repository root (benchmarks/gpu_session.sh runs it)::
 
@@ -125,6 +125,37 @@ def optimizer_factories() -> tuple[dict[str, Factory], list[str]]:
     else:
         skipped.append("torchao")
     return factories, skipped
+
+
+MUON_LR = 0.02
+MUON_MATRICES = 4  # Newton-Schulz's matmuls dominate Muon's step: four matrices time it within the budget
+
+
+def muon_factories() -> dict[str, Factory]:
+    """Muon's rows: lowbit's 8- and 32-bit buffers against torch.optim.Muon, also with ``ns_steps=0`` (the
+    momentum step and the update alone, without Newton-Schulz's matmuls)."""
+    return {
+        "torch Muon": lambda ps: torch.optim.Muon(ps, lr=MUON_LR),
+        "lowbit Muon8bit": lambda ps: lowbit.optim.Muon8bit(ps, lr=MUON_LR),
+        "lowbit Muon32bit": lambda ps: lowbit.optim.Muon32bit(ps, lr=MUON_LR),
+        "torch Muon, ns_steps=0": lambda ps: torch.optim.Muon(ps, lr=MUON_LR, ns_steps=0),
+        "lowbit Muon8bit, ns_steps=0": lambda ps: lowbit.optim.Muon8bit(ps, lr=MUON_LR, ns_steps=0),
+    }
+
+
+def muon_table(rows: list[StepRow], numel: int) -> str:
+    """Markdown: Muon's rows in ms per 1B parameters, x torch.optim.Muon with the same ``ns_steps``, and state
+    bytes per parameter."""
+    medians = {(r.optimizer, r.dtype): r.median_s for r in rows}
+    lines = ["| optimizer | params | ms / 1B params | x torch Muon (same ns_steps) | state bytes / param |"]
+    lines.append("|---|---|---:|---:|---:|")
+    for r in rows:
+        base = "torch Muon, ns_steps=0" if r.optimizer.endswith("ns_steps=0") else "torch Muon"
+        lines.append(
+            f"| {r.optimizer} | {r.dtype} | {r.per_billion_ms(numel):.2f} | "
+            f"{r.median_s / medians[(base, r.dtype)]:.2f} | {r.state_bytes / numel:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def step_tensors(numel: int, side: int) -> int:
@@ -362,6 +393,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         f"### 4-bit optimizer states: AdamW4bit (blocks of 128) against AdamW8bit ({numel_step} parameters)\n",
         four_bit_table(steps, numel_step),
     )
+    muon_args = argparse.Namespace(**{**vars(args), "numel": min(args.numel, MUON_MATRICES * args.side**2)})
+    muon_numel = step_tensors(muon_args.numel, args.side) * args.side * args.side
+    muon = [row for dtype in dtypes for row in time_steps(muon_factories(), dtype, muon_args, device)]
+    title = f"### Muon: 8-bit momentum against torch.optim.Muon ({muon_numel} parameters)\n"
+    section(title, muon_table(muon, muon_numel))
     lpmm_rows = time_lpmm(args, device)
     section(
         f"### LPMM: 12-bit parameters, 8-bit gradients, LPMMAdamW 8-bit states ({numel_step} parameters)\n",
@@ -388,6 +424,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 "copy_bandwidth_bytes_per_s": bandwidth,
                 "step_numel": numel_step,
                 "steps": [dataclasses.asdict(r) for r in steps],
+                "muon": [dataclasses.asdict(r) for r in muon],
                 "quantize": [dataclasses.asdict(r) for r in quantize],
                 "lpmm": [dataclasses.asdict(r) for r in lpmm_rows],
                 "activations": [dataclasses.asdict(r) for r in activations],
