@@ -1,14 +1,18 @@
 // Muon's momentum step on the CPU (lowbit/momentum_rule.h): OpenMP over quantization blocks for 8-bit
-// buffers, each decoded, updated and requantized while in L1; over fixed chunks for fp32 buffers.
+// buffers, each decoded, updated and requantized while in L1 (with the optimizers' table-driven nearest
+// encoder, encode.h); over fixed chunks for fp32 buffers.
 #include <algorithm>
 #include <cstdint>
 
+#include "avx512.h"
+#include "encode.h"
 #include "kernels.h"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/momentum_rule.h"
 #include "lowbit/qmap.h"
 #include "lowbit/state_form.h"
+#include "map_index.h"
 #include "parallel.h"
 
 namespace lowbit::cpu {
@@ -34,6 +38,10 @@ void muon_8bit(const MuonArgs& a, int threads) {
   const T* grad = static_cast<const T*>(a.grad);
   uint8_t* codes = static_cast<uint8_t*>(a.state);
   const MapCoder coder{a.map, 256};
+  // Decided (and on first use timed) here, outside the parallel region, as the optimizer step does.
+  const std::shared_ptr<const MapIndex> index = map_index(a.map, 256);
+  const bool direct = index->nearest_direct();
+  const bool gather = direct && gather_encode_active();
   const int64_t bs = a.block_size;
   const int64_t nblocks = (a.n + bs - 1) / bs;
 #pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, a.n))
@@ -53,10 +61,16 @@ void muon_8bit(const MuonArgs& a, int threads) {
       max_bits = std::max(max_bits, abs_bits(v));
     }
     const float amax = absmax_from_bits(max_bits);
-    const float inv = block_inverse(amax);
     a.absmax[b] = amax;
-    for (int j = 0; j < cnt; ++j) {
-      codes[lo + j] = static_cast<uint8_t>(map_encode_nearest(a.map, 256, normalise(m[j], amax, inv)));
+    if (gather) {
+      nearest_codes_u8_avx512(*index, m, cnt, amax, codes + lo);
+    } else if (direct) {
+      nearest_codes_u8(*index, m, cnt, amax, codes + lo);
+    } else {  // a map whose index needs refinement steps: the exact search
+      const float inv = block_inverse(amax);
+      for (int j = 0; j < cnt; ++j) {
+        codes[lo + j] = static_cast<uint8_t>(map_encode_nearest(a.map, 256, normalise(m[j], amax, inv)));
+      }
     }
   }
 }
