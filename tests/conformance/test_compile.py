@@ -31,6 +31,7 @@ OPTIMIZERS = {
     "Lion8bit": lambda p, lr: O.Lion8bit(p, lr=lr, min_8bit_size=0),
     "AdamW8bit-amsgrad": lambda p, lr: O.AdamW8bit(p, lr=lr, amsgrad=True, min_8bit_size=0),
     "RMSprop8bit-centered": lambda p, lr: O.RMSprop8bit(p, lr=lr, centered=True, momentum=0.9, min_8bit_size=0),
+    "AdEMAMix8bit": lambda p, lr: O.AdEMAMix8bit(p, lr=lr, t_alpha=4, t_beta3=4, min_8bit_size=0),
 }
 
 
