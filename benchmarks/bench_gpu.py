@@ -1,7 +1,8 @@
 """GPU benchmarks for a lent device: the optimizer step per 1B parameters against its memory floor (LAMB8bit
-for the norm pre-pass), the 4-bit step against the 8-bit one and fused AdamW, Muon8bit against
-torch.optim.Muon, LPMM's gradient accumulation and step per group size, quantize/dequantize throughput, the
-activation layers and a BLPA conv stack against torch's. Prints Markdown for benchmarks/RESULTS.md.
+for the norm pre-pass, AdEMAMix8bit and AdEMAMix32bit for three states), the 4-bit step against the 8-bit
+one and fused AdamW, Muon8bit against torch.optim.Muon, LPMM's gradient accumulation and step per group size,
+quantize/dequantize throughput, the activation layers and a BLPA conv stack against torch's. Prints Markdown
+for benchmarks/RESULTS.md.
 
 Run from the repository root (benchmarks/gpu_session.sh runs it)::
 
@@ -111,11 +112,16 @@ def optimizer_factories() -> tuple[dict[str, Factory], list[str]]:
         "lowbit Adam8bit": lambda ps: lowbit.optim.Adam8bit(ps, lr=LR),
         "lowbit LAMB8bit": lambda ps: lowbit.optim.LAMB8bit(ps, lr=LR),  # the norm pre-pass kernels too
         FOUR_BIT[0]: lambda ps: lowbit.optim.AdamW4bit(ps, lr=LR),
+        # AdEMAMix's three states: against its fp32 twin and bitsandbytes' (whose m2 absmax index is off
+        # for sizes not a multiple of 256: the matrices here are, so its timing is fair).
+        "lowbit AdEMAMix8bit": lambda ps: lowbit.optim.AdEMAMix8bit(ps, lr=LR),
+        "lowbit AdEMAMix32bit": lambda ps: lowbit.optim.AdEMAMix32bit(ps, lr=LR),
     }
     skipped = []
     bnb = import_optional("bitsandbytes")
     if bnb is not None:
         factories["bitsandbytes AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=LR)
+        factories["bitsandbytes AdEMAMix8bit"] = lambda ps: bnb.optim.AdEMAMix8bit(ps, lr=LR)
     else:
         skipped.append("bitsandbytes")
     torchao_optim = import_optional("torchao.optim")

@@ -25,14 +25,16 @@ deep-copied for each run) and fed the same batches:
   torch has no such optimizers);
 - lowbit Muon8bit against ``torch.optim.Muon``, both stepping the scenario's 2-D parameters only (the
   others keep their initial values on both sides; not run where a scenario has no matrix);
+- lowbit AdEMAMix8bit (and bitsandbytes' AdEMAMix8bit) against the pure-PyTorch AdEMAMix formula
+  (``lowbit/_reference/ademamix.py``, fp32 states; torch has no AdEMAMix);
 - bitsandbytes' Adam8bit, AdamW8bit, SGD8bit, RMSprop8bit, Adagrad8bit and Lion8bit against the same
   references, when ``import bitsandbytes`` works (the columns are skipped with a note otherwise);
 - lowbit Adam4bit, AdamW4bit, SGD4bit, and torchao's ``torchao.optim.Adam4bit`` and ``AdamW4bit`` when
   ``import torchao.optim`` works, against the same ``torch.optim`` references (a table of their own).
 
 Hyperparameters: Adam/AdamW lr 1e-3 (AdamW weight_decay 1e-2), SGD lr 1e-2 momentum 0.9, RMSprop lr
-1e-3, Adagrad lr 1e-2, Lion lr 1e-4, LAMB lr 1e-3, LARS lr 1e-2 momentum 0.9, Muon lr 2e-2; everything
-else default.
+1e-3, Adagrad lr 1e-2, Lion lr 1e-4, LAMB lr 1e-3, LARS lr 1e-2 momentum 0.9, Muon lr 2e-2, AdEMAMix lr
+1e-3 (its defaults: betas (0.9, 0.999, 0.9999), alpha 5, weight_decay 1e-2); everything else default.
 
 Scenarios (fp32 parameters):
 
@@ -91,6 +93,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 import lowbit
 import lowbit.lpmm as lpmm
 import lowbit.optim as O
+from lowbit._reference.ademamix import ReferenceAdEMAMix
 
 Batch = Any
 OptFactory = Callable[..., torch.optim.Optimizer]
@@ -153,6 +156,7 @@ def make_columns(bnb: Optional[ModuleType], torchao_optim: Optional[ModuleType] 
         Column("LAMB8bit", O.LAMB8bit, O.LAMB32bit, "lowbit LAMB32bit", {"lr": 1e-3}, "lowbit"),
         Column("LARS8bit", O.LARS8bit, O.LARS32bit, "lowbit LARS32bit", sgdm, "lowbit"),
         Column("Muon8bit", O.Muon8bit, torch.optim.Muon, "torch Muon", muon, "lowbit", matrices=True),
+        Column("AdEMAMix8bit", O.AdEMAMix8bit, ReferenceAdEMAMix, "PyTorch AdEMAMix", {"lr": 1e-3}, "lowbit"),
     ]
     if bnb is not None:
         cols += [
@@ -162,6 +166,14 @@ def make_columns(bnb: Optional[ModuleType], torchao_optim: Optional[ModuleType] 
             Column("bnb RMSprop8bit", bnb.optim.RMSprop8bit, torch.optim.RMSprop, "torch RMSprop", rms, "bitsandbytes"),
             Column("bnb Adagrad8bit", bnb.optim.Adagrad8bit, torch.optim.Adagrad, "torch Adagrad", ada, "bitsandbytes"),
             Column("bnb Lion8bit", bnb.optim.Lion8bit, O.Lion32bit, "lowbit Lion32bit", lion, "bitsandbytes"),
+            Column(
+                "bnb AdEMAMix8bit",
+                bnb.optim.AdEMAMix8bit,
+                ReferenceAdEMAMix,
+                "PyTorch AdEMAMix",
+                {"lr": 1e-3},
+                "bitsandbytes",
+            ),
         ]
     cols += [
         Column("Adam4bit", O.Adam4bit, torch.optim.Adam, "torch Adam", adam, "lowbit", adam=True, bits=4),

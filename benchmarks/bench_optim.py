@@ -9,7 +9,9 @@ Options: ``--numel`` (parameters per workload, default 16 * 2**20), ``--workload
 tensor of ``--numel`` parameters; ``many``: transformer-like tensors totalling about ``--numel``;
 ``both``, the default; ``muon``: the 1024x1024, 4096x1024 and 1024x4096 matrices of issue 29, stepped by
 Muon8bit, Muon32bit and torch.optim.Muon, the baseline of that table, also with ``ns_steps=0``, which
-times the momentum step and the update alone), ``--repeats`` (timed steps per optimizer, 10),
+times the momentum step and the update alone; ``ademamix``: one tensor of ``--numel`` parameters stepped
+by AdEMAMix8bit (without and with the alpha and beta3 warm-ups), AdEMAMix32bit, the baseline of that
+table, and AdamW8bit and AdamW32bit, which keep one state fewer), ``--repeats`` (timed steps per optimizer, 10),
 ``--warmup`` (untimed steps per optimizer before timing, 3, at least 1), ``--threads``
 (``torch.set_num_threads``), ``--dtype`` (parameter and gradient dtype, float32 or bfloat16), ``--device``
 (cpu or cuda), ``--json PATH`` (also write the results as JSON).
@@ -57,6 +59,7 @@ BASELINE = "torch AdamW fused"
 MUON_BASELINE = "torch Muon"
 MUON_LR = 0.02
 MUON_SHAPES = [(1024, 1024), (4096, 1024), (1024, 4096)]
+ADEMAMIX_BASELINE = "lowbit AdEMAMix32bit"
 HEADLINE = "lowbit Adam8bit"
 # Each 4-bit row and the 8-bit row it is compared with.
 FOUR_BIT_TWINS = {
@@ -131,6 +134,8 @@ def make_workloads(kind: str, numel: int) -> list[Workload]:
         workloads.append(many_workload(numel))
     if kind == "muon":
         workloads.append(Workload("muon", list(MUON_SHAPES), baseline=MUON_BASELINE))
+    if kind == "ademamix":
+        workloads.append(Workload("ademamix", [(numel,)], baseline=ADEMAMIX_BASELINE))
     return workloads
 
 
@@ -142,6 +147,17 @@ def muon_factories() -> dict[str, Factory]:
         MUON_BASELINE: lambda ps: torch.optim.Muon(ps, lr=MUON_LR),
         "lowbit Muon8bit, ns_steps=0": lambda ps: lowbit.optim.Muon8bit(ps, lr=MUON_LR, ns_steps=0),
         "torch Muon, ns_steps=0": lambda ps: torch.optim.Muon(ps, lr=MUON_LR, ns_steps=0),
+    }
+
+
+def ademamix_factories() -> dict[str, Factory]:
+    """AdEMAMix's rows: 8-bit states against fp32 ones, and AdamW's two states for the cost of the third."""
+    return {
+        "lowbit AdEMAMix8bit": lambda ps: lowbit.optim.AdEMAMix8bit(ps, lr=LR),
+        "lowbit AdEMAMix8bit, warm-ups": lambda ps: lowbit.optim.AdEMAMix8bit(ps, lr=LR, t_alpha=1000, t_beta3=1000),
+        ADEMAMIX_BASELINE: lambda ps: lowbit.optim.AdEMAMix32bit(ps, lr=LR),
+        "lowbit AdamW8bit": lambda ps: lowbit.optim.AdamW8bit(ps, lr=LR),
+        "lowbit AdamW32bit": lambda ps: lowbit.optim.AdamW32bit(ps, lr=LR),
     }
 
 
@@ -327,7 +343,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--numel", type=int, default=16 * 2**20, help="parameters per workload (default 16M)")
-    p.add_argument("--workload", choices=("single", "many", "both", "muon"), default="both")
+    p.add_argument("--workload", choices=("single", "many", "both", "muon", "ademamix"), default="both")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per optimizer (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per optimizer first (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(THREADS)")
@@ -355,7 +371,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     results = {
         w.name: run_workload(
             w,
-            factories if w.baseline == BASELINE else muon_factories(),
+            {BASELINE: factories, MUON_BASELINE: muon_factories(), ADEMAMIX_BASELINE: ademamix_factories()}[w.baseline],
             DTYPES[args.dtype],
             device,
             args.warmup,
@@ -379,6 +395,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(format_table(results[w.name], w.numel, w.baseline))
     print()
     headline = {w.name: ratio_to_baseline(results[w.name], HEADLINE) for w in workloads if w.baseline == BASELINE}
+    headline_4bit: dict[str, Optional[float]] = {}  # the muon and ademamix workloads have no headline
     if headline:
         print(
             f"{HEADLINE} median / {BASELINE} median (target <= 1.5x on CPU, 2 threads, 16M fp32 params): "

@@ -112,7 +112,9 @@ constexpr HyperField kHyperFields[] = {LB_HYPER_FIELD(lr),
                                        LB_HYPER_FIELD(eps),
                                        LB_HYPER_FIELD(weight_decay),
                                        LB_HYPER_FIELD(decay),
-                                       LB_HYPER_FIELD(max_unorm)};
+                                       LB_HYPER_FIELD(max_unorm),
+                                       LB_HYPER_FIELD(one_minus_beta3),
+                                       LB_HYPER_FIELD(slow_step_size)};
 #undef LB_HYPER_FIELD
 constexpr size_t kNumHyper = sizeof(kHyperFields) / sizeof(kHyperFields[0]);
 
@@ -325,7 +327,8 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
                                       {"adagrad", Rule::Adagrad},
                                       {"lamb", Rule::Lamb},
                                       {"adam_amsgrad", Rule::AdamAmsgrad},
-                                      {"rmsprop_centered", Rule::RMSpropCentered}});
+                                      {"rmsprop_centered", Rule::RMSpropCentered},
+                                      {"ademamix", Rule::AdEMAMix}});
   m.attr("FLAG_DECOUPLED") = lowbit::kDecoupled;
   m.attr("FLAG_NESTEROV") = lowbit::kNesterov;
   m.attr("FLAG_MAXIMIZE") = lowbit::kMaximize;

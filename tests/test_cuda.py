@@ -103,14 +103,25 @@ def test_packing_identical_on_cpu_and_cuda(bits):
 
 
 @pytest.mark.parametrize(
-    "name", ["Adam8bit", "AdamW8bit", "SGD8bit", "Lion8bit", "RMSprop8bit", "Adagrad8bit", "AdamW4bit", "SGD4bit"]
+    "name",
+    [
+        "Adam8bit",
+        "AdamW8bit",
+        "SGD8bit",
+        "Lion8bit",
+        "RMSprop8bit",
+        "Adagrad8bit",
+        "AdamW4bit",
+        "SGD4bit",
+        "AdEMAMix8bit",
+    ],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_optimizer_steps_identical_on_cpu_and_cuda(name, dtype):
     import lowbit.optim as O
 
     kw = {"SGD8bit": {"lr": 1e-2, "momentum": 0.9}, "SGD4bit": {"lr": 1e-2, "momentum": 0.9}}.get(name, {})
-    kw = {"RMSprop8bit": {"momentum": 0.9}}.get(name, kw)
+    kw = {"RMSprop8bit": {"momentum": 0.9}, "AdEMAMix8bit": {"t_alpha": 3, "t_beta3": 3}}.get(name, kw)
     gen = torch.Generator().manual_seed(0)
     shapes = [(5000,), (100,), (64, 300), (4097,)]
     cpu = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]

@@ -295,6 +295,9 @@ _OPTIMIZERS = [
     ("AdamW32bit", {}),
     ("LAMB32bit", {}),
     ("RMSprop32bit", {}),
+    ("AdEMAMix8bit", {"t_alpha": 2, "t_beta3": 2}),
+    ("AdEMAMix", {"optim_bits": 4, "min_4bit_size": 0, "max_unorm": 0.02}),
+    ("AdEMAMix32bit", {}),
 ]
 
 
@@ -328,7 +331,7 @@ def _norms_then_step(rule: int, norm_mode: int, max_unorm: float) -> Callable[[]
             torch.manual_seed(0)
             args = list(_step_args(2, True))
         args[13], args[16] = rule, norm_mode
-        args[14] = [*args[14][:8], max_unorm]
+        args[14] = [*args[14][:8], max_unorm, *args[14][9:]]
         args[8] = [1e-3, 0.3, 0.0] * len(args[0])
         sums = _ops.optimizer_norms(*args)
         _ops.optimizer_step_(*args, update_scales(sums, _ops.StepHyper(*args[14]), norm_mode))

@@ -110,7 +110,7 @@ def test_dtensor_misuse_raises_instead_of_crashing(tmp_path):
             lowbit.optim.LPMMSGD([p])
         # The eager step bypasses the dispatcher (and DTensor's own refusal of unknown ops).
         code = F.create_dynamic_map()
-        hyper = [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0]
+        hyper = [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0, 0.0, 0.0]
         with pytest.raises(TypeError, match=r"params\[0\] is a DTensor"):
             _ops.optimizer_step_eager(
                 _ops.StepArgs(

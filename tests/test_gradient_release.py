@@ -42,6 +42,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "Adam8bit-max_unorm": lambda p: lowbit.optim.Adam8bit(p, lr=1e-2, max_unorm=0.01, **SMALL),
     "Adam8bit-percentile_clipping": lambda p: lowbit.optim.Adam8bit(p, lr=1e-2, percentile_clipping=50, **SMALL),
     "Adam4bit-percentile_clipping": lambda p: lowbit.optim.Adam4bit(p, lr=1e-2, percentile_clipping=50, **SMALL),
+    "AdEMAMix8bit-warmups": lambda p: lowbit.optim.AdEMAMix8bit(p, lr=1e-2, t_alpha=3, t_beta3=3, **SMALL),
 }
 
 

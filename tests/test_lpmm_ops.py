@@ -54,10 +54,10 @@ def _step_args(
             lst.append(c.to(device))
             amx.append(a.to(device))
     if rule == SGD:
-        hyper, flags = [0.1, 0.9, 0.0, 1.0, 0.0, 0.0, 1e-3, 1.0, 0.0], NESTEROV if seed % 2 else 0
+        hyper, flags = [0.1, 0.9, 0.0, 1.0, 0.0, 0.0, 1e-3, 1.0, 0.0, 0.0, 0.0], NESTEROV if seed % 2 else 0
         scalars = [0.1, 1.0, float(seed % 3 == 0)] * len(n_list)
     else:
-        hyper, flags = [1e-2, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-3, 0.0], DECOUPLED
+        hyper, flags = [1e-2, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-3, 0.0, 0.0, 0.0], DECOUPLED
         scalars = [1e-2 / (1 - 0.9**3), (1 - 0.999**3) ** 0.5, 0.0] * len(n_list)
     return [
         params,

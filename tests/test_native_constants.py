@@ -9,7 +9,7 @@ from lowbit import _C, _ops
 from lowbit._ops import _common, invact, lpmm, optim
 from lowbit._reference import optim as reference_optim
 from lowbit._reference import quantize as reference_quantize
-from lowbit.optim import optimizer, optimizers
+from lowbit.optim import ademamix, optimizer, optimizers
 
 
 def test_reference_copies_equal_the_native_constants():
@@ -23,8 +23,9 @@ def test_reference_copies_equal_the_native_constants():
         reference_optim._RULE_LAMB,
         reference_optim._RULE_AMSGRAD,
         reference_optim._RULE_CENTERED,
+        reference_optim._RULE_ADEMAMIX,
     )
-    names = ("adam", "sgd", "lion", "rmsprop", "adagrad", "lamb", "adam_amsgrad", "rmsprop_centered")
+    names = ("adam", "sgd", "lion", "rmsprop", "adagrad", "lamb", "adam_amsgrad", "rmsprop_centered", "ademamix")
     assert dict(zip(names, rules, strict=True)) == _C.RULES
     flags = (reference_optim._DECOUPLED, reference_optim._NESTEROV, reference_optim._MAXIMIZE)
     assert flags == (_C.FLAG_DECOUPLED, _C.FLAG_NESTEROV, _C.FLAG_MAXIMIZE)
@@ -42,7 +43,7 @@ def test_the_op_layer_reads_its_constants_from_the_native_module():
     assert (invact.INVACT_COEFFS, invact.INVACT_PARAMS) == (_C.INVACT_COEFFS, _C.INVACT_PARAMS)
     assert optimizer.RULE_CODES == _C.RULES
     # Every optimizer's rule is one the native step knows.
-    for cls in vars(optimizers).values():
+    for cls in [*vars(optimizers).values(), *vars(ademamix).values()]:
         if isinstance(cls, type) and issubclass(cls, optimizer.LowbitOptimizer) and hasattr(cls, "_rule"):
             assert cls._rule in _C.RULES
 
@@ -51,7 +52,7 @@ def test_step_hyperparameters_are_named_in_the_native_order():
     # The op takes StepHyper.values() as a flat list; the native module reads it in its field order.
     assert _ops.StepHyper._fields == tuple(_C.STEP_HYPER_FIELDS)
     hyper = _ops.StepHyper(lr=0.5, beta1=0.25, weight_decay=2.0)
-    assert hyper.values() == [0.5, 0.25, 0.0, 0.0, 0.0, 0.0, 2.0, 1.0, 0.0]
+    assert hyper.values() == [0.5, 0.25, 0.0, 0.0, 0.0, 0.0, 2.0, 1.0, 0.0, 0.0, 0.0]
 
 
 def test_every_native_entry_point_has_a_caller():

@@ -511,7 +511,7 @@ def _step_args(n_states: int, eight_bit: bool) -> tuple:
         create_dynamic_map(False),
         create_dynamic_map(False),
         {1: 1, 2: 0, 3: 6}[n_states],
-        [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0],
+        [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0, 0.0, 0.0],
         0,
         0,
         n_states,
@@ -578,7 +578,7 @@ def test_norm_sums_and_given_update_scales_reproduce_the_fused_step(rule, norm_m
 
     args = list(_step_args(2, True))
     args[13], args[16] = rule, norm_mode
-    args[14] = [*args[14][:8], max_unorm]
+    args[14] = [*args[14][:8], max_unorm, *args[14][9:]]
     args[8] = [1e-3, 0.3, 0.0] * len(args[0])
     fused = [
         [t.clone() for t in a] if isinstance(a, list) and a and isinstance(a[0], torch.Tensor) else a for a in args

@@ -212,12 +212,14 @@ BNB_MEAN_RECORDED = {
         "RMSprop8bit": 1.3881e-3,
         "Adagrad8bit": 1.3196e-3,
         "Lion8bit": 9.6788e-5,
+        "AdEMAMix8bit": 1.6355e-4,
     },
-    "rare embedding rows": {"Adam8bit": 1.2549e-3, "AdamW8bit": 1.2544e-3},
-    "dense": {"AdamW8bit": 7.61e-4},
+    "rare embedding rows": {"Adam8bit": 1.2549e-3, "AdamW8bit": 1.2544e-3, "AdEMAMix8bit": 1.2700e-3},
+    "dense": {"AdamW8bit": 7.61e-4, "AdEMAMix8bit": 7.844e-4},
 }
-# Rare embedding rows, max |p - reference| of bitsandbytes' Adam8bit / AdamW8bit (same command and run).
-BNB_MAX_RARE_ROWS_RECORDED = {"Adam8bit": 0.093996, "AdamW8bit": 0.095549}
+# Rare embedding rows, max |p - reference| of bitsandbytes' Adam8bit / AdamW8bit / AdEMAMix8bit (same command;
+# AdEMAMix8bit's from a later run of it, whose reference is the pure-PyTorch AdEMAMix formula).
+BNB_MAX_RARE_ROWS_RECORDED = {"Adam8bit": 0.093996, "AdamW8bit": 0.095549, "AdEMAMix8bit": 0.094785}
 # LAMB8bit and LARS8bit have no bitsandbytes twin: their bound is a same-run reference, the 32-bit twin with
 # its states rounded to the 8-bit maps (nearest, blocks of 256, second moments as roots on the zero-free
 # map) once after every step (_rounded_twin_run), which is what an 8-bit state adds to the 32-bit step.

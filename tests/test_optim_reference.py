@@ -12,21 +12,23 @@ from lowbit import _reference as R
 from lowbit.functional import quantize_blockwise
 from lowbit.optim.state_storage import optimizer_state_map
 
-# rule, n_states, flags, hyper (lr, b1, b2, 1-b1, 1-b2, eps, wd, 1-lr*wd, max_unorm)
+# rule, n_states, flags, hyper (lr, b1, b2, 1-b1, 1-b2, eps, wd, 1-lr*wd, max_unorm, 1-b3, lr*alpha)
 RULES = {
-    "adam": (0, 2, 0, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-4, 0.0]),
-    "adamw": (0, 2, 1, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-4, 0.0]),
-    "adam-max": (0, 2, 4, [1e-3, 0.8, 0.99, 0.2, 0.01, 1e-6, 0.0, 1.0, 0.0]),
-    "sgd-nesterov": (1, 1, 2, [1e-2, 0.9, 0.0, 1.0, 0.0, 0.0, 1e-2, 1.0, 0.0]),
-    "sgd-dampening": (1, 1, 0, [1e-2, 0.9, 0.0, 0.7, 0.0, 0.0, 0.0, 1.0, 0.0]),
-    "lion": (2, 1, 1, [1e-4, 0.9, 0.99, 0.1, 0.01, 0.0, 0.1, 1 - 1e-5, 0.0]),
-    "rmsprop": (3, 2, 0, [1e-3, 0.9, 0.99, 0.0, 0.01, 1e-8, 1e-2, 1.0, 0.0]),
-    "adagrad": (4, 1, 0, [1e-2, 0.0, 0.0, 0.0, 0.0, 1e-10, 0.0, 1.0, 0.0]),
-    "lamb": (5, 2, 0, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-6, 0.01, 1.0, 0.0]),
-    "adam-amsgrad": (6, 3, 0, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-4, 0.0]),
-    "adamw-amsgrad-max": (6, 3, 5, [1e-3, 0.8, 0.99, 0.2, 0.01, 1e-6, 0.1, 1 - 1e-4, 0.0]),
-    "rmsprop-centered": (7, 2, 0, [1e-3, 0.0, 0.99, 0.0, 0.01, 1e-8, 1e-2, 1.0, 0.0]),
-    "rmsprop-centered-momentum": (7, 3, 4, [1e-3, 0.9, 0.9, 0.0, 0.1, 1e-8, 0.0, 1.0, 0.0]),
+    "adam": (0, 2, 0, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-4, 0.0, 0.0, 0.0]),
+    "adamw": (0, 2, 1, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-4, 0.0, 0.0, 0.0]),
+    "adam-max": (0, 2, 4, [1e-3, 0.8, 0.99, 0.2, 0.01, 1e-6, 0.0, 1.0, 0.0, 0.0, 0.0]),
+    "sgd-nesterov": (1, 1, 2, [1e-2, 0.9, 0.0, 1.0, 0.0, 0.0, 1e-2, 1.0, 0.0, 0.0, 0.0]),
+    "sgd-dampening": (1, 1, 0, [1e-2, 0.9, 0.0, 0.7, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]),
+    "lion": (2, 1, 1, [1e-4, 0.9, 0.99, 0.1, 0.01, 0.0, 0.1, 1 - 1e-5, 0.0, 0.0, 0.0]),
+    "rmsprop": (3, 2, 0, [1e-3, 0.9, 0.99, 0.0, 0.01, 1e-8, 1e-2, 1.0, 0.0, 0.0, 0.0]),
+    "adagrad": (4, 1, 0, [1e-2, 0.0, 0.0, 0.0, 0.0, 1e-10, 0.0, 1.0, 0.0, 0.0, 0.0]),
+    "lamb": (5, 2, 0, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-6, 0.01, 1.0, 0.0, 0.0, 0.0]),
+    "adam-amsgrad": (6, 3, 0, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-4, 0.0, 0.0, 0.0]),
+    "adamw-amsgrad-max": (6, 3, 5, [1e-3, 0.8, 0.99, 0.2, 0.01, 1e-6, 0.1, 1 - 1e-4, 0.0, 0.0, 0.0]),
+    "rmsprop-centered": (7, 2, 0, [1e-3, 0.0, 0.99, 0.0, 0.01, 1e-8, 1e-2, 1.0, 0.0, 0.0, 0.0]),
+    "rmsprop-centered-momentum": (7, 3, 4, [1e-3, 0.9, 0.9, 0.0, 0.1, 1e-8, 0.0, 1.0, 0.0, 0.0, 0.0]),
+    "ademamix": (8, 3, 1, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-4, 0.0, 1e-4, 5e-3]),
+    "ademamix-warmup": (8, 3, 1, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0, 0.0123, 1e-4]),
 }
 # Signed (first moment) or unsigned (second moment) map of each state slot, per rule code.
 SIGNED = {
@@ -38,6 +40,7 @@ SIGNED = {
     5: (True, False),
     6: (True, False, False),
     7: (False, True, True),
+    8: (True, False, True),
 }
 
 
@@ -95,7 +98,14 @@ def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, bits,
 
 @pytest.mark.parametrize(
     ("name", "norm_mode"),
-    [("lamb", 1), ("adam", 2), ("sgd-nesterov", 2), ("adam-amsgrad", 2), ("rmsprop-centered-momentum", 2)],
+    [
+        ("lamb", 1),
+        ("adam", 2),
+        ("sgd-nesterov", 2),
+        ("adam-amsgrad", 2),
+        ("rmsprop-centered-momentum", 2),
+        ("ademamix", 2),
+    ],
 )
 def test_norm_modes_match_reference(name, norm_mode):
     rule, n_states, flags, hyper = RULES[name]

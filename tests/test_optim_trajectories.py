@@ -55,6 +55,18 @@ def _adam_step_bound(t: int, lr: float = LR, betas: tuple[float, float] = ADAM_B
     return lr * ratio * math.sqrt(1 - b2**t) / (1 - b1**t)
 
 
+def _ademamix_step_bound(t: int, lr: float = LR, betas: tuple[float, float, float] = (0.9, 0.999, 0.9999)) -> float:
+    # AdEMAMix's defaults (alpha = 5, no warm-ups). Its fast EMA's term is Adam's step. Its slow EMA
+    # m2 = (1 - b3) sum_k b3^k g_{t-k} is not bias-corrected; by Cauchy-Schwarz against
+    # v_t = (1 - b2) sum_k b2^k g_{t-k}^2 it is at most (1 - b3) sqrt(sum_{k<t} (b3^2 / b2)^k) sqrt(v_t / (1 - b2)),
+    # summed over the t steps so far (b3^2 / b2 > 1 for the defaults), times lr * alpha * sqrt(1 - b2^t) / sqrt(v_t).
+    b1, b2, b3 = betas
+    r = b3 * b3 / b2
+    terms = t if r == 1 else (r**t - 1) / (r - 1)
+    slow = lr * 5.0 * (1 - b3) * math.sqrt(terms / (1 - b2)) * math.sqrt(1 - b2**t)
+    return _adam_step_bound(t, lr, (b1, b2)) + slow
+
+
 # (8-bit class, 32-bit twin, keyword arguments, bound on the 8-bit step |u8| at step t from
 # a Bounds of the quantities seen so far). Adam's is per element, to first order in the map steps
 # (RHO); the others hold exactly: a block's 8-bit state never exceeds its absmax, which obeys the
@@ -94,6 +106,7 @@ CASES = [
     (O.AdamW8bit, O.AdamW32bit, dict(lr=LR, weight_decay=0.1), lambda b: b.rho * _adam_step_bound(b.t)),
     (O.Adam4bit, O.Adam32bit, dict(lr=LR), lambda b: b.rho * _adam_step_bound(b.t)),
     (O.AdamW4bit, O.AdamW32bit, dict(lr=LR, weight_decay=0.1), lambda b: b.rho * _adam_step_bound(b.t)),
+    (O.AdEMAMix8bit, O.AdEMAMix32bit, dict(lr=LR, weight_decay=0.1), lambda b: b.rho * _ademamix_step_bound(b.t)),
     # |buf| <= the block's max |g| / (1 - momentum).
     (O.SGD8bit, O.SGD32bit, dict(lr=LR, momentum=0.9), lambda b: LR * b.gmax_block / (1 - 0.9)),
     (O.SGD4bit, O.SGD32bit, dict(lr=LR, momentum=0.9), lambda b: LR * b.gmax_block / (1 - 0.9)),

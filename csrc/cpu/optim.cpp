@@ -396,7 +396,7 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
 // Only the three-state rules get a K = 3 instance.
 template <Rule kRule, typename Fn>
 void with_states(int n_states, Fn&& fn) {
-  constexpr bool kThree = kRule == Rule::AdamAmsgrad || kRule == Rule::RMSpropCentered;
+  constexpr bool kThree = kRule == Rule::AdamAmsgrad || kRule == Rule::RMSpropCentered || kRule == Rule::AdEMAMix;
   switch (n_states) {
     case 0:
       return fn(std::integral_constant<int, 0>{});

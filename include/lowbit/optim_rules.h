@@ -26,8 +26,9 @@ enum class Rule : int {
   Lamb = 5,
   AdamAmsgrad = 6,
   RMSpropCentered = 7,
+  AdEMAMix = 8,
 };
-constexpr int kMaxRule = static_cast<int>(Rule::RMSpropCentered);
+constexpr int kMaxRule = static_cast<int>(Rule::AdEMAMix);
 
 // States per parameter a rule may keep (state1..state3 in the op).
 constexpr int kMaxStates = 3;
@@ -70,6 +71,10 @@ struct StepHyper {
   int32_t norm_mode;  // NormMode
   // kNormClip: bitsandbytes' max_unorm, the bound on ||u / lr|| relative to ||p|| (update_scale).
   float max_unorm;
+  // AdEMAMix: 1 - beta3 (the slow EMA's lerp weight) and lr * alpha (the slow EMA's step size), both
+  // at the step's point of their warm-up schedules (lowbit/optim/ademamix.py).
+  float one_minus_beta3;
+  float slow_step_size;
 };
 
 constexpr int32_t kDecoupled = 1;  // AdamW/Lion-style weight decay: p *= 1 - lr * wd
@@ -116,6 +121,17 @@ LB_HD float adam_amsgrad_step(const StepHyper& h, const StepScalars& s, float p,
   vmax = nan_max(vmax, v);
   const float denom = sqrtf(vmax) / s.bias2_sqrt + h.eps;
   return s.step_size * m / denom;
+}
+
+// AdEMAMix (Pagliardini, Ablin, Grangier 2024, Algorithm 1): s1 = the fast EMA m1 (bias-corrected
+// through step_size = lr / (1 - beta1^t)), s2 = nu (Adam's second moment), s3 = the slow EMA m2 (not
+// bias-corrected, weighted by slow_step_size = lr * alpha). Weight decay is decoupled (apply_rule).
+LB_HD float ademamix_step(const StepHyper& h, const StepScalars& s, float g, float& m1, float& nu, float& m2) {
+  m1 = torch_lerp(m1, g, h.one_minus_beta1);
+  nu = nu * h.beta2 + h.one_minus_beta2 * g * g;
+  m2 = torch_lerp(m2, g, h.one_minus_beta3);
+  const float denom = sqrtf(nu) / s.bias2_sqrt + h.eps;
+  return (s.step_size * m1 + h.slow_step_size * m2) / denom;
 }
 
 // LAMB (You et al. 2020): the Adam direction plus weight decay, scaled by the trust ratio.
@@ -211,6 +227,8 @@ LB_HD float rule_step(Rule rule, const StepHyper& h, const StepScalars& s, float
       return adam_amsgrad_step(h, s, p, g, s1, s2, s3);
     case Rule::RMSpropCentered:
       return rmsprop_centered_step(h, p, g, s1, s2, s3);
+    case Rule::AdEMAMix:
+      return ademamix_step(h, s, g, s1, s2, s3);
   }
   return 0.f;
 }
@@ -253,6 +271,8 @@ void dispatch_rule(Rule rule, Fn&& fn) {
       return fn(std::integral_constant<Rule, Rule::AdamAmsgrad>{});
     case Rule::RMSpropCentered:
       return fn(std::integral_constant<Rule, Rule::RMSpropCentered>{});
+    case Rule::AdEMAMix:
+      return fn(std::integral_constant<Rule, Rule::AdEMAMix>{});
   }
 }
 

@@ -28,7 +28,7 @@ namespace lowbit {
 
 // The state slot (0 or 1) of a rule that holds a second moment, or -1.
 LB_HD constexpr int second_moment_slot(Rule rule) {
-  return rule == Rule::Adam || rule == Rule::Lamb || rule == Rule::AdamAmsgrad
+  return rule == Rule::Adam || rule == Rule::Lamb || rule == Rule::AdamAmsgrad || rule == Rule::AdEMAMix
              ? 1
              : (rule == Rule::RMSprop || rule == Rule::Adagrad || rule == Rule::RMSpropCentered ? 0 : -1);
 }

@@ -42,6 +42,10 @@ class StepHyper(NamedTuple):
     """1 - lr * weight_decay: the decoupled (AdamW-style) factor of the parameter."""
     max_unorm: float = 0.0
     """The bound of max_unorm clipping (norm mode 2), relative to the parameter's norm."""
+    one_minus_beta3: float = 0.0
+    """AdEMAMix: 1 - beta3, the slow EMA's weight (at the step's point of its warm-up)."""
+    slow_step_size: float = 0.0
+    """AdEMAMix: lr * alpha, the slow EMA's step size (at the step's point of its warm-up)."""
 
     @classmethod
     def with_betas(cls, lr: float, betas: tuple[float, float], **rest: float) -> StepHyper:

@@ -4,7 +4,8 @@ Each function computes, with ordinary torch operations, the same fp32 arithmetic
 as the native kernels, so results agree bit for bit (codes, absmax and dequantized values),
 including the counter-based random stream of stochastic rounding. They are written for clarity, not
 speed. One file per family, as in :mod:`lowbit._ops`: :mod:`.quantize`, :mod:`.activations`,
-:mod:`.optim`, :mod:`.muon`.
+:mod:`.optim`, :mod:`.muon`. :mod:`.ademamix` is not a twin but the formula oracle of AdEMAMix, a plain
+torch.optim optimizer (torch has none).
 """
 
 from lowbit._reference.activations import (

@@ -23,6 +23,7 @@ from lowbit._reference.quantize import (
 # Optimizer rules (include/lowbit/optim_rules.h), elementwise in fp32: each torch op rounds once, as
 # each C++ operation does, so results agree bit for bit when no norm mode is used.
 _RULE_ADAM, _RULE_SGD, _RULE_LION, _RULE_RMSPROP, _RULE_ADAGRAD, _RULE_LAMB, _RULE_AMSGRAD, _RULE_CENTERED = range(8)
+_RULE_ADEMAMIX = 8
 _DECOUPLED, _NESTEROV, _MAXIMIZE = 1, 2, 4
 
 
@@ -116,6 +117,13 @@ def _rule_step3(
             s3 = s3 * torch.tensor(b1, dtype=f32) + g / avg
             return torch.tensor(lr, dtype=f32) * s3, s1, s2, s3
         return torch.tensor(lr, dtype=f32) * g / avg, s1, s2, s3
+    if rule == _RULE_ADEMAMIX:
+        s1 = _torch_lerp(s1, g, omb1)
+        s2 = s2 * torch.tensor(b2, dtype=f32) + torch.tensor(omb2, dtype=f32) * g * g
+        s3 = _torch_lerp(s3, g, h.one_minus_beta3)
+        denom = _sqrt32(s2) / torch.tensor(float(sc[1]), dtype=f32) + torch.tensor(eps, dtype=f32)
+        fast = torch.tensor(float(sc[0]), dtype=f32) * s1
+        return (fast + torch.tensor(h.slow_step_size, dtype=f32) * s3) / denom, s1, s2, s3
     u, s1, s2 = _rule_step(rule, h, flags, sc, p, g, s1, s2)
     return u, s1, s2, s3
 
@@ -126,6 +134,7 @@ def _second_moment_slot(rule: int) -> int:
         _RULE_ADAM: 1,
         _RULE_LAMB: 1,
         _RULE_AMSGRAD: 1,
+        _RULE_ADEMAMIX: 1,
         _RULE_RMSPROP: 0,
         _RULE_ADAGRAD: 0,
         _RULE_CENTERED: 0,

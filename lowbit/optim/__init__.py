@@ -1,5 +1,6 @@
 """Optimizers with 8-bit or 4-bit block-wise or fp32 states, fused into one native call per param group."""
 
+from lowbit.optim.ademamix import AdEMAMix
 from lowbit.optim.config import clear_override, get_override, override
 from lowbit.optim.fixed_bits import (
     Adagrad8bit,
@@ -10,6 +11,8 @@ from lowbit.optim.fixed_bits import (
     AdamW4bit,
     AdamW8bit,
     AdamW32bit,
+    AdEMAMix8bit,
+    AdEMAMix32bit,
     LAMB8bit,
     LAMB32bit,
     LARS8bit,
@@ -35,6 +38,9 @@ __all__ = [
     "LAMB",
     "LARS",
     "SGD",
+    "AdEMAMix",
+    "AdEMAMix8bit",
+    "AdEMAMix32bit",
     "Adagrad",
     "Adagrad8bit",
     "Adagrad32bit",

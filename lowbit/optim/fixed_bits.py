@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lowbit.optim.ademamix import AdEMAMix
 from lowbit.optim.muon import Muon
 from lowbit.optim.optimizer import LowbitOptimizer, Params
 from lowbit.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
@@ -35,3 +36,4 @@ Adagrad8bit, Adagrad32bit = _fixed_bits(Adagrad, 8), _fixed_bits(Adagrad, 32)
 LAMB8bit, LAMB32bit = _fixed_bits(LAMB, 8), _fixed_bits(LAMB, 32)
 LARS8bit, LARS32bit = _fixed_bits(LARS, 8), _fixed_bits(LARS, 32)
 Muon8bit, Muon32bit = _fixed_bits(Muon, 8), _fixed_bits(Muon, 32)
+AdEMAMix8bit, AdEMAMix32bit = _fixed_bits(AdEMAMix, 8), _fixed_bits(AdEMAMix, 32)

@@ -217,6 +217,54 @@ def test_muon_state_dict_round_trips_and_resumes_bit_for_bit(bits):
     assert float(resumed.state[q]["step"]) == 6
 
 
+@pytest.mark.parametrize("bits", [4, 8, 32])
+def test_ademamix_state_dict_round_trips_and_resumes_bit_for_bit(bits):
+    # bitsandbytes#1382: AdEMAMix8bit gave NaN after load_state_dict with t_alpha / t_beta3 set. The resumed
+    # optimizer is built without the warm-ups and with other hyperparameters: the checkpoint's come back, and
+    # its three states and step count continue the run exactly (the same codes, the same parameters).
+    n = 5000
+    gen = torch.Generator().manual_seed(2)
+    grads = [_grad(gen, n, step) for step in range(8)]
+    p = nn.Parameter(torch.randn(n, generator=gen))
+    kw = dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=4.0, t_alpha=6, t_beta3=6, weight_decay=0.1)
+    size = {"min_4bit_size": 0} if bits == 4 else {}
+    opt = O.AdEMAMix([p], optim_bits=bits, **kw, **size)
+    for g in grads[:3]:
+        _step(opt, p, g)
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    q = nn.Parameter(p.detach().clone())
+    resumed = O.AdEMAMix([q], optim_bits=bits, **OTHERS, **size)
+    resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    _assert_same_hyperparameters(resumed, kw)
+    for g in grads[3:]:
+        got = _step(resumed, q, g)
+        assert bool(got.isfinite().all())
+        assert torch.equal(_step(opt, p, g), got)
+    for key in ("state1", "state2", "state3"):
+        assert torch.equal(opt.state[p][key], resumed.state[q][key]), key
+    assert float(resumed.state[q]["step"]) == 8
+
+
+@pytest.mark.parametrize(("src_bits", "dst_bits"), [(32, 8), (8, 32)])
+def test_ademamix_state_dict_of_other_optim_bits_is_converted(src_bits, dst_bits):
+    # The three states are re-laid out like Adam's: each element within one encode of what was saved.
+    n = 5000
+    gen = torch.Generator().manual_seed(3)
+    p = nn.Parameter(torch.randn(n, generator=gen))
+    src = getattr(O, f"AdEMAMix{src_bits}bit")([p], lr=1e-2, t_alpha=10)
+    for step in range(3):
+        _step(src, p, _grad(gen, n, step))
+    q = nn.Parameter(p.detach().clone())
+    opt = getattr(O, f"AdEMAMix{dst_bits}bit")([q], **OTHERS)
+    opt.load_state_dict(src.state_dict())
+    assert opt.param_groups[0]["optim_bits"] == dst_bits and opt.param_groups[0]["t_alpha"] == 10
+    assert all(stored_width(opt.state[q][f"state{k}"], n) == dst_bits for k in (1, 2, 3))
+    held = src.dequantized_state(p)
+    assert set(held) == {"step", "exp_avg_fast", "exp_avg_sq", "exp_avg_slow"}
+    _assert_loaded(opt, q, {k: v for k, v in held.items() if k != "step"}, 256)
+
+
 def test_torch_second_moment_under_the_maps_floor_steps_no_further_than_torchs():
     # One block whose largest root is 100 holds an element with v = 1e-12 (root 1e-6, 1e-8 of the block's,
     # under half the unsigned map's smallest non-zero code, 3.25e-7): its root encodes to code 0. Its first

@@ -34,6 +34,7 @@ OPTIMIZERS = {
     # Muon takes matrices only: the head's weight (the model's other parameters do not move).
     "Muon8bit": lambda p, lr: O.Muon8bit([q for q in p if q.dim() == 2], lr=lr, min_8bit_size=0),
     "Muon32bit": lambda p, lr: O.Muon32bit([q for q in p if q.dim() == 2], lr=lr),
+    "AdEMAMix8bit": lambda p, lr: O.AdEMAMix8bit(p, lr=lr, t_alpha=4, t_beta3=4, min_8bit_size=0),
 }
 
 

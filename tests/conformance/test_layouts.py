@@ -8,16 +8,37 @@ import torch
 from torch import nn
 
 import lowbit.optim as O
+from lowbit._reference.ademamix import ReferenceAdEMAMix
 
-NAMES = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "LAMB", "LARS", "Adam-amsgrad", "RMSprop-centered"]
+NAMES = [
+    "Adam",
+    "AdamW",
+    "SGD",
+    "Lion",
+    "RMSprop",
+    "Adagrad",
+    "LAMB",
+    "LARS",
+    "Adam-amsgrad",
+    "RMSprop-centered",
+    "AdEMAMix",
+]
 KW = {
     "SGD": dict(momentum=0.9),
     "LARS": dict(momentum=0.9),
     "Adam-amsgrad": dict(amsgrad=True),
     "RMSprop-centered": dict(centered=True, momentum=0.9),
+    "AdEMAMix": dict(t_alpha=2, t_beta3=2),
 }
-# torch.optim twins of lowbit's 32-bit optimizers (Lion, LAMB and LARS have none).
-TORCH = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD, "RMSprop": torch.optim.RMSprop}
+# torch.optim twins of lowbit's 32-bit optimizers (Lion, LAMB and LARS have none; AdEMAMix's is the
+# pure-PyTorch formula).
+TORCH = {
+    "Adam": torch.optim.Adam,
+    "AdamW": torch.optim.AdamW,
+    "SGD": torch.optim.SGD,
+    "RMSprop": torch.optim.RMSprop,
+    "AdEMAMix": ReferenceAdEMAMix,
+}
 
 
 def _layouts() -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import lowbit.optim as O
+from lowbit._reference.ademamix import ReferenceAdEMAMix
 from tests.blocks import half_code_gap
 from tests.test_optim import DEFAULT_BOUNDS, FOUR_BIT_BOUNDS, _grad, _relative
 
@@ -50,6 +51,8 @@ TWINS = [
         dict(lr=1e-2, lr_decay=1e-3, initial_accumulator_value=0.1),
         ("lr", "weight_decay"),
     ),
+    # AdEMAMix has no torch.optim class: its reference is the pure-PyTorch formula, with the warm-ups on.
+    Case(O.AdEMAMix32bit, ReferenceAdEMAMix, dict(lr=1e-3, t_alpha=6, t_beta3=6), ("lr", "weight_decay")),
 ]
 QUANTIZED = [
     Case(O.Adam8bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas")),
@@ -58,6 +61,7 @@ QUANTIZED = [
     Case(O.Adam4bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas"), bits=4),
     Case(O.AdamW4bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), ("lr", "weight_decay", "betas"), bits=4),
     Case(O.SGD4bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), ("lr", "weight_decay"), bits=4),
+    Case(O.AdEMAMix8bit, ReferenceAdEMAMix, dict(lr=1e-3, t_alpha=6, t_beta3=6), ("lr", "weight_decay")),
 ]
 
 # Quantized parameters' drift from torch, relative to how far torch moved them: tests/test_optim.py's
@@ -313,18 +317,20 @@ class Run:
         reach all three optimizers alike; loads must give lowbit the same).
         """
         group = self.ref.param_groups[j]
-        wd = 0.0 if self.case.tcls is torch.optim.AdamW else group["weight_decay"]
+        wd = 0.0 if self.case.tcls in (torch.optim.AdamW, ReferenceAdEMAMix) else group["weight_decay"]
         g_main, g_ref = grad + wd * main_before, grad + wd * ref_before
         old = self.bounds[j]
         new = {}
         for name in self._stored(j):
             carried = old.get(name, torch.zeros_like(grad))  # a state starts at 0 in both
-            if name == "exp_avg":
+            if name in ("exp_avg", "exp_avg_fast"):
                 b1 = group["betas"][0]
                 carried = b1 * carried + (1 - b1) * (g_main - g_ref).abs()
             elif name == "exp_avg_sq":
                 b2 = group["betas"][1]
                 carried = b2 * carried + (1 - b2) * (g_main.square() - g_ref.square()).abs()
+            elif name == "exp_avg_slow":  # AdEMAMix's m2, whose b3 follows its warm-up: any b3 in [0, 1]
+                carried = carried + (g_main - g_ref).abs()
             else:  # momentum_buffer: b = 1 - dampening, or 1 at the first step (torch's buf = g); 1 bounds both
                 assert name == "momentum_buffer", name
                 carried = group["momentum"] * carried + (g_main - g_ref).abs()

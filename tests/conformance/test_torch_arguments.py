@@ -140,7 +140,7 @@ def test_8bit_amsgrad_step_is_never_larger_than_adams(seed, scale):
     codes = [torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8) for _ in range(3)]
     absmax = [torch.rand(_ops.num_blocks(n, 256), generator=gen) * scale for _ in range(3)]
     signed, unsigned = state_map(True, p.device), state_map(False, p.device)
-    hyper = [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0]
+    hyper = [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.0, 1.0, 0.0, 0.0, 0.0]
     moved = []
     for rule, n_states in ((RULE_CODES["adam"], 2), (RULE_CODES["adam_amsgrad"], 3)):
         q = [p.clone()]
