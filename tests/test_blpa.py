@@ -362,3 +362,44 @@ def test_blpa_method_arguments():
     with pytest.raises(ValueError, match="bits must be an int in 1..8"):
         lnn.compress_activations(model, method="blpa", bits=0, sample_args=(_input("conv"),))
     assert type(model[0]) is nn.BatchNorm2d  # nothing changed by the failed calls
+
+
+def test_units_with_a_shared_module_or_an_in_place_sum_are_left_alone():
+    class Shared(nn.Module):  # torchvision's Bottleneck habit: one ReLU module for several units
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn1, self.bn2, self.relu = nn.BatchNorm2d(6), nn.BatchNorm2d(6), nn.ReLU(inplace=True)
+            self.conv1, self.conv2 = nn.Conv2d(6, 6, 1), nn.Conv2d(6, 6, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv1(self.relu(self.bn1(x)))
+            a = self.bn2(h)
+            a += x  # in place on BatchNorm's output: what the ReLU gets is no longer BatchNorm's output
+            return self.conv2(self.relu(a))
+
+    model = Shared()
+    report = lnn.compress_activations(model, method="blpa", bits=4, sample_args=(_input("conv"),))
+    assert report.replaced == []
+    assert report.skipped == [("bn1 -> relu -> conv1", "relu called more than once")]
+
+
+def test_in_place_relu_unit_is_converted_and_matches_the_twin():
+    exact = _unit(False, (0, 0, 0, 0), groups=1)
+    exact[1] = nn.ReLU(inplace=True)  # torchvision's habit: BatchNorm's output overwritten by the ReLU
+    ours = copy.deepcopy(exact)
+    x = _input("conv")
+    report = lnn.compress_activations(ours, method="blpa", bits=4, sample_args=(x,))
+    assert [r.path for r in report.replaced] == ["0 -> 1 -> 3"]
+    bn, conv = exact[0], exact[3]
+    a2 = _a2(bn, x, True)
+    out = ours(x)
+    assert torch.equal(out, exact(x))
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    got = _grads(ours, x, grad)
+    conv_args = {"stride": conv.stride, "padding": conv.padding, "groups": conv.groups}
+    gamma, beta = bn.weight.detach(), bn.bias.detach()
+    twin = R.blpa_unit_backward(
+        x.detach(), a2, grad, gamma, beta, conv.weight, conv_args, 4, False, (0,) * 4, True, 1e-5
+    )
+    for a, b in zip(got, twin, strict=True):  # tolerance as in the twin test above
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -274,10 +274,10 @@ def find_units(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[l
     buffers and random state."""
     names = {m: n for n, m in model.named_modules()}
     calls: dict[str, int] = {}
-    # By id: (path(s), the tensor, its version). Tensors are held so that ids stay unique; an output
-    # modified in place afterwards (``h += residual``) is no longer the unit's value.
-    bn_out: dict[int, tuple[str, Tensor, int]] = {}
-    act_out: dict[int, tuple[str, str, Tensor, int, Tensor]] = {}
+    # By id: (path(s), the tensor, its version, the BatchNorm's node). Tensors are held so that ids stay
+    # unique; an output modified in place afterwards (``h += residual``) is no longer the unit's value.
+    bn_out: dict[int, tuple[str, Tensor, int, Any]] = {}
+    act_out: dict[int, tuple[str, str, Tensor, int, Any]] = {}
     found: list[tuple[Unit, list[Any]]] = []
 
     def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
@@ -287,11 +287,12 @@ def find_units(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[l
         if x is None or not isinstance(output, Tensor):
             return
         if type(module) is nn.BatchNorm2d and module.affine:
-            bn_out[id(output)] = (path, output, output._version)
-        elif type(module) in (nn.ReLU, nn.ReLU6) and output is not x:
+            bn_out[id(output)] = (path, output, output._version, output.grad_fn)
+        elif type(module) in (nn.ReLU, nn.ReLU6):
             hit = bn_out.get(id(x))
-            if hit is not None and hit[1] is x and x._version == hit[2]:
-                act_out[id(output)] = (hit[0], path, output, output._version, x)
+            # An in-place activation (inplace=True) has bumped its input's version once, itself.
+            if hit is not None and hit[1] is x and x._version == hit[2] + (output is x):
+                act_out[id(output)] = (hit[0], path, output, output._version, hit[3])
         elif _unit_conv(module):
             source = x
             padded = _zero_pad_of(x)
@@ -300,7 +301,7 @@ def find_units(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[l
             hit = act_out.get(id(source))
             if hit is not None and hit[2] is source and source._version == hit[3]:
                 # The nodes whose outputs only the unit may use: BatchNorm's, the activation's, the pad's.
-                inner = [bn_out[id(hit[4])][1].grad_fn, source.grad_fn] + ([x.grad_fn] if source is not x else [])
+                inner = [hit[4], source.grad_fn] + ([x.grad_fn] if source is not x else [])
                 found.append((Unit(hit[0], hit[1], path), inner))
 
     handles = [m.register_forward_hook(hook) for m in names]
