@@ -7,26 +7,35 @@ random weights, nothing is downloaded)::
     python benchmarks/bench_model_memory.py --models resnet50,clip --batch 2 --threads 2
 
 Options: ``--models`` (comma-separated, default all of :data:`MODELS`), ``--batch`` (default 2),
-``--bits`` (few-bit width, default 3), ``--threads`` (``torch.set_num_threads``).
+``--bits`` (few-bit width, default 3), ``--blpa-bits`` (approximate-activation code width, default 4, the
+paper's), ``--repeats`` (timed training steps per model and method, default 3; 0: no step times),
+``--methods`` (comma-separated subset), ``--small`` (small configs of the conv nets, the CI subset),
+``--threads`` (``torch.set_num_threads``).
 
-For each model and method (``fewbit``, ``invact``) the model is built afresh in training mode, its
+For each model and method (``fewbit``, ``invact``, and for the conv nets ``blpa``: BatchNorm -> ReLU(6) ->
+Conv units through approximate activations) the model is built afresh in training mode, its
 saved-for-backward bytes measured by :func:`lowbit.memory.saved_tensor_bytes` on one batch, compressed with
 that batch as the sample (``when="smaller"``), and measured again. The table gives both measurements, the
-bytes the report expected, the activations replaced and left alone, and the paper's figure where one
-reports it. Not yet here (issue 32): step times, and the conv-net (BLPA) conversion.
+bytes the report expected, the activations replaced and left alone, the paper's figure where one
+reports it, and the median time of a training step (forward, a mean-square loss on the first output,
+backward) with the compressed model over the uncompressed copy's, the two timed alternately in one
+process (a ratio, so that a shared machine's load cancels).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 import transformers
-from common import parse
+from common import parse, time_once
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 import lowbit.nn as lnn
 from lowbit.memory import saved_tensor_bytes
@@ -37,6 +46,7 @@ Sample = dict[str, Any]
 # table), by model and method, where they report one.
 PAPER = {
     ("resnet50", "fewbit"): "-28%",
+    ("resnet50", "blpa"): "up to 8x less (4-bit)",
     ("clip", "invact"): "-23.4%",
 }
 
@@ -57,49 +67,102 @@ MODELS: dict[str, Callable[[int], tuple[nn.Module, Sample]]] = {
     "clip": _clip,
 }
 
+# ``--small``: the same architectures, a few layers wide and deep, on 32-pixel images (the CI subset).
+SMALL: dict[str, Callable[[int], tuple[nn.Module, Sample]]] = {
+    "resnet50": lambda batch: (
+        transformers.ResNetModel(transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1])),
+        {"pixel_values": torch.randn(batch, 3, 32, 32)},
+    ),
+    "mobilenetv2": lambda batch: (
+        transformers.MobileNetV2Model(transformers.MobileNetV2Config(depth_multiplier=0.35, image_size=32)),
+        {"pixel_values": torch.randn(batch, 3, 32, 32)},
+    ),
+}
+
+# The method the table's readers would choose for each model: the one that saves most in the table.
+CHOSEN = {"resnet50": "blpa", "mobilenetv2": "blpa", "clip": "invact"}
+
+
+# The methods tried on each model: the approximate-activation units exist only in the conv nets.
+CONV_NETS = ("resnet50", "mobilenetv2")
+
+
+def _methods(name: str) -> tuple[str, ...]:
+    return ("fewbit", "invact", "blpa") if name in CONV_NETS else ("fewbit", "invact")
+
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f}"
 
 
-def measure(name: str, method: str, batch: int, bits: int) -> dict[str, Any]:
-    """Bytes before, expected and after compressing model ``name`` with ``method``, and the report's counts."""
+def _step(model: nn.Module, sample: Sample) -> None:
+    """One training step's forward and backward: a mean-square loss on the first floating output."""
+    out = next(t for t in tree_leaves(model(**sample)) if isinstance(t, torch.Tensor) and t.requires_grad)
+    out.float().square().mean().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def measure(name: str, method: str, batch: int, bits: int, repeats: int, small: bool = False) -> dict[str, Any]:
+    """Bytes before, expected and after compressing model ``name`` (its ``--small`` form with ``small``) with
+    ``method``, the report's counts, and the compressed model's step time over the uncompressed one's (None
+    without ``repeats``)."""
     torch.manual_seed(0)
-    model, sample = MODELS[name](batch)
+    model, sample = (SMALL if small else MODELS)[name](batch)
     model.train()
+    plain = copy.deepcopy(model)
     before = saved_tensor_bytes(model, **sample).total
     report = lnn.compress_activations(model, method=method, bits=bits, sample_kwargs=sample)
     after = saved_tensor_bytes(model, **sample).total
+    ratio = None
+    if repeats:
+        cpu = torch.device("cpu")
+        _step(plain, sample)  # warm-up of both
+        _step(model, sample)
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(repeats):
+            times[0].append(time_once(lambda: _step(plain, sample), cpu))
+            times[1].append(time_once(lambda: _step(model, sample), cpu))
+        ratio = statistics.median(times[1]) / statistics.median(times[0])
     return {
         "before": before,
         "expected": report.expected_bytes,
         "after": after,
         "replaced": len(report.replaced),
         "skipped": len(report.skipped),
+        "step": ratio,
     }
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     """Print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--models", default=None)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--bits", type=int, default=3)
+    p.add_argument("--blpa-bits", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--methods", default=None, help="comma-separated; default: every method that applies")
+    p.add_argument("--small", action="store_true", help="small configs of resnet50 and mobilenetv2 (CI)")
     p.add_argument("--threads", type=int, default=None)
     args = parse(p, argv)
-    names = args.models.split(",")
-    unknown = sorted(set(names) - set(MODELS))
+    known = SMALL if args.small else MODELS
+    names = (args.models or ",".join(known)).split(",")
+    unknown = sorted(set(names) - set(known))
     if unknown:
-        p.error(f"--models: unknown {unknown}; choose from {','.join(MODELS)}")
-    print("| model | method | before MiB | after MiB | change | expected MiB | replaced / left | paper |")
-    print("|---|---|---|---|---|---|---|---|")
+        p.error(f"--models: unknown {unknown}; choose from {','.join(known)}")
+    print("| model | method | before MiB | after MiB | change | expected MiB | replaced / left | paper | step time |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in names:
-        for method in ("fewbit", "invact"):
-            r = measure(name, method, args.batch, args.bits)
+        methods = [m for m in _methods(name) if args.methods is None or m in args.methods.split(",")]
+        for method in methods:
+            bits = args.blpa_bits if method == "blpa" else args.bits
+            r = measure(name, method, args.batch, bits, args.repeats, args.small)
             change = 100 * (r["after"] - r["before"]) / r["before"]
+            step = "-" if r["step"] is None else f"{r['step']:.2f}x"
             print(
                 f"| {name} | {method} | {_mib(r['before'])} | {_mib(r['after'])} | {change:+.1f}% | "
-                f"{_mib(r['expected'])} | {r['replaced']} / {r['skipped']} | {PAPER.get((name, method), '-')} |",
+                f"{_mib(r['expected'])} | {r['replaced']} / {r['skipped']} | {PAPER.get((name, method), '-')} | "
+                f"{step} |",
                 flush=True,
             )
 

@@ -2,17 +2,20 @@
 
     python examples/blpa_resnet_digits.py [--epochs 15] [--bits 4]
 
-Every BatchNorm -> ReLU -> Conv unit of the network is either torch's layers or
+Every BatchNorm -> ReLU -> Conv unit of the network is torch's layers, or
 :class:`lowbit.nn.ApproxBNReLUConv2d`, which runs the same forward pass but saves a ``--bits``-bit code
-of each activation for backward instead of two full tensors (approx-activations-blpa.txt, section 3).
-Both networks start from the same weights and see the same batches; the script prints the bytes saved
-for backward by one batch (:func:`lowbit.memory.saved_tensor_bytes`), the test accuracy and the final
-training loss of each.
+of each activation for backward instead of two full tensors (approx-activations-blpa.txt, section 3), or
+torch's layers converted by ``lowbit.nn.compress_activations(model, method="blpa")``, which finds the units
+in an existing model and does the same. The three networks start from the same weights and see the same
+batches; the script prints the bytes saved for backward by one batch
+(:func:`lowbit.memory.saved_tensor_bytes`), the test accuracy and the final training loss of each, and
+the conversion's expected bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +23,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 from lowbit.memory import saved_tensor_bytes
-from lowbit.nn import ApproxBNReLUConv2d
+from lowbit.nn import ApproxBNReLUConv2d, compress_activations
 
 WIDTH = 32
 
@@ -31,10 +34,11 @@ class TorchUnit(nn.Module):
     def __init__(self, c_in: int, c_out: int, **conv: int) -> None:
         super().__init__()
         self.bn = nn.BatchNorm2d(c_in)
+        self.act = nn.ReLU()
         self.conv = nn.Conv2d(c_in, c_out, 3, padding=1, **conv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.relu(self.bn(x)))
+        return self.conv(self.act(self.bn(x)))
 
 
 class PreActResNet(nn.Module):
@@ -71,7 +75,18 @@ def main() -> None:
     approx = PreActResNet(lambda c_in, c_out, **kw: ApproxBNReLUConv2d(c_in, c_out, 3, padding=1, bits=args.bits, **kw))
     exact = PreActResNet(TorchUnit)
     exact.load_state_dict(approx.state_dict())
-    for name, model in (("torch BN-ReLU-Conv", exact), (f"ApproxBNReLUConv2d {args.bits}-bit", approx)):
+    converted = copy.deepcopy(exact)
+    report = compress_activations(converted, method="blpa", bits=args.bits, sample_args=(xtr[:64],))
+    print(
+        f"compress_activations(method='blpa'): {len(report.replaced)} units converted; saved for backward "
+        f"{report.bytes_before:,} -> {report.expected_bytes:,} bytes expected"
+    )
+    runs = (
+        ("torch BN-ReLU-Conv", exact),
+        (f"ApproxBNReLUConv2d {args.bits}-bit", approx),
+        (f"converted {args.bits}-bit", converted),
+    )
+    for name, model in runs:
         saved = saved_tensor_bytes(model, xtr[:64]).total
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
         order = torch.Generator().manual_seed(1)

@@ -36,11 +36,18 @@ class SavedBytes:
         exclusive: by module name, the bytes of the storages that only that module saved: what autograd
             would no longer keep if that module saved nothing. An activation's output that the next
             layer saves as its input counts for neither.
+        by_savers: bytes by the set of module names that saved each storage; what autograd would no longer
+            keep if a group of modules saved nothing is the sum over the sets inside that group.
     """
 
     total: int = 0
     by_module: dict[str, int] = field(default_factory=dict)
     exclusive: dict[str, int] = field(default_factory=dict)
+    by_savers: dict[frozenset[str], int] = field(default_factory=dict)
+
+    def exclusive_to(self, names: set[str]) -> int:
+        """Bytes of the storages saved only by modules in ``names`` (one or several of them)."""
+        return sum(nbytes for who, nbytes in self.by_savers.items() if who <= names)
 
 
 def _storage_key(t: Tensor) -> tuple[torch.device, int]:
@@ -97,6 +104,8 @@ def saved_tensor_bytes(model_or_fn: Union[nn.Module, Callable[..., Any]], *input
         for h in handles:
             h.remove()
     for nbytes, who in savers.values():
+        key = frozenset(who)
+        result.by_savers[key] = result.by_savers.get(key, 0) + nbytes
         if len(who) == 1:
             (only,) = who
             result.exclusive[only] = result.exclusive.get(only, 0) + nbytes

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import lowbit.nn as lnn
 from lowbit import _reference as R
 from lowbit.memory import saved_tensor_bytes
-from lowbit.nn import blpa
+from lowbit.nn import blpa, blpa_convert
 from tests.conftest import DTYPES
 
 ops = torch.ops.lowbit
@@ -218,3 +221,185 @@ def test_opcheck():
     torch.library.opcheck(
         ops.blpa_backward.default, (packed, torch.randn(4, 3, 5, 5), grid, gamma, beta, invstd, 4, True)
     )
+
+
+# compress_activations(method="blpa"): the scheme applied to existing BatchNorm2d -> ReLU(6) -> Conv2d units.
+
+
+def _unit(relu6: bool, pad: tuple[int, int, int, int], groups: int, seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.BatchNorm2d(6),
+        nn.ReLU6() if relu6 else nn.ReLU(),
+        nn.ZeroPad2d(pad),
+        nn.Conv2d(6, 4 * groups, 3, stride=2, padding=1, groups=groups),
+    )
+    with torch.no_grad():  # wide enough that ReLU6 clips some elements; one channel with gamma < 0
+        model[0].weight.uniform_(0.5, 4.0)
+        model[0].bias.uniform_(-1.0, 3.0)
+        model[0].weight[0] = -0.7
+    return model
+
+
+def _grads(model: nn.Module, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    x = x.detach().requires_grad_()
+    model.zero_grad()
+    model(x).backward(grad)
+    bn, conv = model[0], model[3]
+    return [x.grad, bn.weight.grad, bn.bias.grad, conv.weight.grad, conv.bias.grad]
+
+
+def _a2(bn: nn.BatchNorm2d, x: torch.Tensor, train: bool) -> torch.Tensor:
+    """The unit's BatchNorm output, without touching the module's running statistics."""
+    with torch.no_grad():
+        return F.batch_norm(x, bn.running_mean.clone(), bn.running_var.clone(), bn.weight, bn.bias, training=train)
+
+
+@pytest.mark.parametrize("relu6", [False, True])
+@pytest.mark.parametrize("pad", [(0, 0, 0, 0), (0, 1, 1, 0)])
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_converted_unit_forward_is_torchs_and_backward_is_the_twins(relu6, pad, train, bits):
+    exact = _unit(relu6, pad, groups=2 if relu6 else 1).train(train)
+    ours = copy.deepcopy(exact)
+    weight = ours[3].weight
+    x = _input("conv")
+    report = lnn.compress_activations(ours, method="blpa", bits=bits, sample_args=(x,))
+    assert [r.path for r in report.replaced] == ["0 -> 1 -> 3"]
+    assert isinstance(ours[3], blpa_convert.BlpaConv2d) and ours[3].weight is weight
+    bn, conv = exact[0], exact[3]
+    a2 = _a2(bn, x, train)
+    if relu6:  # the clip bit matters: some elements clip at 6, some at 0
+        assert (a2 >= 6).any() and (a2 <= 0).any()
+    out, want = ours(x), exact(x)
+    assert torch.equal(out, want)  # the same kernels on the same values
+    assert torch.equal(ours[0].running_var, bn.running_var) and torch.equal(ours[0].running_mean, bn.running_mean)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    got = _grads(ours, x, grad)
+    conv_args = {"stride": conv.stride, "padding": conv.padding, "groups": conv.groups}
+    gamma, beta = bn.weight.detach(), bn.bias.detach()
+    twin = R.blpa_unit_backward(
+        x.detach(), a2, grad, gamma, beta, conv.weight, conv_args, bits, relu6, pad, train, 1e-5
+    )
+    # The twin runs the same fp32 formulas with torch's conv backward and float64 BatchNorm sums: agreement to
+    # a few fp32 ulps of gradients of order 1 (rtol 1e-5 is ~80 ulps; atol for sums that cancel to ~0).
+    for a, b in zip(got, twin, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("relu6", [False, True])
+def test_converted_unit_gradients_approach_torchs_with_more_bits(relu6):
+    x = _input("conv")
+    grad = torch.randn(8, 4, 5, 5, generator=torch.Generator().manual_seed(3))
+    exact = _unit(relu6, (0, 0, 0, 0), groups=1)
+    want = _grads(exact, x, grad)
+    errors = {}
+    for bits in (2, 4, 8):
+        ours = copy.deepcopy(exact)
+        lnn.compress_activations(ours, method="blpa", bits=bits, sample_args=(x,))
+        got = _grads(ours, x, grad)
+        errors[bits] = [((a - b).norm() / b.norm()).item() for a, b in zip(got, want, strict=True)]
+    # Gradients of x, gamma and W use the codes (eqs. 5-8). Codes of width 6/2^K std; the relative error of
+    # those gradients scales with it (~2^-K), each two more bits cut it about fourfold: require a strict
+    # decrease, and at 8 bits a midpoint error of 6/2^9 ~ 0.012 std per element, averaged over hundreds of
+    # terms per gradient entry, below 2%. Beta's and the conv bias' gradients use only the exact mask and
+    # the exact upstream gradient: equal up to summation order (1e-6 relative, ~10 fp32 ulps).
+    for k in (0, 1, 3):
+        assert errors[2][k] > errors[4][k] > errors[8][k], (k, errors)
+        assert errors[8][k] < 0.02, errors[8]
+    for k in (2, 4):
+        assert max(e[k] for e in errors.values()) < 1e-6, errors
+
+
+def test_converted_units_saved_bytes_are_the_codes_and_the_report_is_measured():
+    exact = _unit(True, (0, 1, 1, 0), groups=1)
+    ours = copy.deepcopy(exact)
+    x = _input("conv")
+    report = lnn.compress_activations(ours, method="blpa", bits=4, sample_args=(x,))
+    before, after = saved_tensor_bytes(exact, x), saved_tensor_bytes(ours, x)
+    assert report.bytes_before == before.total and report.expected_bytes == after.total
+    (r,) = report.replaced
+    # BatchNorm's input, batch and running statistics, ReLU6's input, the padded convolution input, in fp32 ...
+    n, padded = x.numel(), 8 * 6 * 10 * 10
+    assert r.saved_before == before.total == 4 * (n + 4 * 6 + n + padded)
+    # ... against 4-bit codes, ReLU6's clip bit and 1/std per channel (section 3.2).
+    assert r.saved_after == after.total == n * 4 // 8 + n // 8 + 4 * 6
+
+
+def test_units_whose_outputs_feed_other_layers_are_left_alone():
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn, self.act, self.conv = nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1)
+            self.bn2, self.act2, self.conv2 = nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 6, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = self.bn(x)
+            h = self.conv(self.act(a)) + a  # BatchNorm's output also feeds the sum
+            h2 = self.act2(self.bn2(h))
+            return self.conv2(h2) * h2.mean()  # so does the activation's
+
+    model = Branchy()
+    report = lnn.compress_activations(model, method="blpa", bits=4, sample_args=(_input("conv"),))
+    assert report.replaced == [] and [p for p, _ in report.skipped] == ["bn -> act -> conv", "bn2 -> act2 -> conv2"]
+    assert all("feeds more than the next layer" in why for _, why in report.skipped)
+    assert type(model.bn) is nn.BatchNorm2d and type(model.conv) is nn.Conv2d
+
+
+def test_handed_on_outputs_used_elsewhere_raise_in_backward():
+    model = _unit(False, (0, 0, 0, 0), groups=1)
+    x = _input("conv")
+    lnn.compress_activations(model, method="blpa", bits=4, sample_args=(x,))
+    a = model[0](x)  # called outside the unit: its output has no gradient path of its own
+    with pytest.raises(RuntimeError, match="used outside its BatchNorm -> ReLU -> Conv2d unit"):
+        a.sum().backward()
+
+
+def test_blpa_method_arguments():
+    model = _unit(False, (0, 0, 0, 0), groups=1)
+    with pytest.raises(ValueError, match="method='blpa' needs sample_args"):
+        lnn.compress_activations(model, method="blpa", bits=4)
+    with pytest.raises(ValueError, match="bits must be an int in 1..8"):
+        lnn.compress_activations(model, method="blpa", bits=0, sample_args=(_input("conv"),))
+    assert type(model[0]) is nn.BatchNorm2d  # nothing changed by the failed calls
+
+
+def test_units_with_a_shared_module_or_an_in_place_sum_are_left_alone():
+    class Shared(nn.Module):  # torchvision's Bottleneck habit: one ReLU module for several units
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn1, self.bn2, self.relu = nn.BatchNorm2d(6), nn.BatchNorm2d(6), nn.ReLU(inplace=True)
+            self.conv1, self.conv2 = nn.Conv2d(6, 6, 1), nn.Conv2d(6, 6, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv1(self.relu(self.bn1(x)))
+            a = self.bn2(h)
+            a += x  # in place on BatchNorm's output: what the ReLU gets is no longer BatchNorm's output
+            return self.conv2(self.relu(a))
+
+    model = Shared()
+    report = lnn.compress_activations(model, method="blpa", bits=4, sample_args=(_input("conv"),))
+    assert report.replaced == []
+    assert report.skipped == [("bn1 -> relu -> conv1", "relu called more than once")]
+
+
+def test_in_place_relu_unit_is_converted_and_matches_the_twin():
+    exact = _unit(False, (0, 0, 0, 0), groups=1)
+    exact[1] = nn.ReLU(inplace=True)  # torchvision's habit: BatchNorm's output overwritten by the ReLU
+    ours = copy.deepcopy(exact)
+    x = _input("conv")
+    report = lnn.compress_activations(ours, method="blpa", bits=4, sample_args=(x,))
+    assert [r.path for r in report.replaced] == ["0 -> 1 -> 3"]
+    bn, conv = exact[0], exact[3]
+    a2 = _a2(bn, x, True)
+    out = ours(x)
+    assert torch.equal(out, exact(x))
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    got = _grads(ours, x, grad)
+    conv_args = {"stride": conv.stride, "padding": conv.padding, "groups": conv.groups}
+    gamma, beta = bn.weight.detach(), bn.bias.detach()
+    twin = R.blpa_unit_backward(
+        x.detach(), a2, grad, gamma, beta, conv.weight, conv_args, 4, False, (0,) * 4, True, 1e-5
+    )
+    for a, b in zip(got, twin, strict=True):  # tolerance as in the twin test above
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

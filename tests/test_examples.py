@@ -13,9 +13,9 @@ import pytest
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def run(script: str, *args: str) -> str:
+def run(script: str, *args: str, timeout: float = 120) -> str:
     proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=timeout, check=False
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
@@ -81,15 +81,24 @@ def test_hf_trainer_compressed_keeps_logits_and_trains():
 
 
 def test_blpa_resnet_digits_saves_less_and_learns():
-    out = run("blpa_resnet_digits.py", "--epochs", "3")
+    out = run("blpa_resnet_digits.py", "--epochs", "3", timeout=300)  # three networks train
     rows = re.findall(r"saved for backward\s+([\d,]+) bytes.*?test accuracy (\S+)%", out)
-    assert len(rows) == 2, out
-    (exact_bytes, exact_acc), (approx_bytes, approx_acc) = ((int(b.replace(",", "")), float(a)) for b, a in rows)
+    assert len(rows) == 3, out
+    (exact_bytes, exact_acc), (approx_bytes, approx_acc), (conv_bytes, conv_acc) = (
+        (int(b.replace(",", "")), float(a)) for b, a in rows
+    )
     # 4-bit codes in place of fp32 activations: 1/8 of the bytes plus the exact ReLU masks and statistics;
     # measured 1,369,216 / 8,253,184 = 0.17, and test accuracies 91.4% (torch) and 90.6% (BLPA) after 3 epochs
     # (python examples/blpa_resnet_digits.py --epochs 3). 80% is far above chance (10%) and below both.
     assert approx_bytes < 0.25 * exact_bytes, out
     assert approx_acc > 80 and exact_acc > 80, out
+    # The converted torch network: the same units through compress_activations, the same bound, and the
+    # report's expected bytes are the ones measured.
+    (before, expected) = (
+        int(v.replace(",", "")) for v in re.search(r"([\d,]+) -> ([\d,]+) bytes expected", out).groups()
+    )
+    assert before == exact_bytes and expected == conv_bytes, out
+    assert conv_bytes < 0.25 * exact_bytes and conv_acc > 80, out
 
 
 def _torchrun(nproc: int, *args: str) -> str:

@@ -105,3 +105,51 @@ def blpa_backward(
         g_a1 = g_a1 - g_a1.mean(dims, keepdim=True) - a1.double() * (a1.double() * g_a1).mean(dims, keepdim=True)
     g_x = invstd.double().reshape(view) * g_a1
     return g_x.to(grad.dtype), g_gamma.float(), g_beta.float()
+
+
+def blpa_unit_backward(
+    x: Tensor,
+    a2: Tensor,
+    grad: Tensor,
+    gamma: Tensor,
+    beta: Tensor,
+    weight: Tensor,
+    conv: dict,
+    bits: int,
+    relu6: bool,
+    pad: Sequence[int],
+    batch_stats: bool,
+    eps: float,
+) -> tuple[Tensor, ...]:
+    """Twin of a converted unit's backward (lowbit/nn/blpa_convert.py): BatchNorm2d -> ReLU or ReLU6 ->
+    zero pad -> ``F.conv2d(**conv)`` with batch statistics of ``x`` (``batch_stats``) or a fresh module's running ones,
+    from the twins' ``bits``-bit codes and, for ReLU6, its clip bit. Returns the gradients of x, gamma,
+    beta, weight and the convolution's bias."""
+    from lowbit.nn.blpa import _grid  # the grid is Python arithmetic shared with the blocks, not a kernel
+
+    dims = [0, 2, 3]
+    span = None
+    if batch_stats:
+        var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+    else:  # a fresh BatchNorm's running statistics; the codes' range is the batch's spread of a1
+        var, mean = torch.ones(x.shape[1]), torch.zeros(x.shape[1])
+        std_a1, mean_a1 = torch.std_mean(
+            x.float() * torch.rsqrt(var + eps).reshape(1, -1, 1, 1), dim=dims, correction=0
+        )
+        span = torch.stack([mean_a1, std_a1])
+    invstd = torch.rsqrt(var + eps)
+    grid = _grid(gamma, beta, bits, span)
+    packed = blpa_encode(x, a2, mean, invstd, grid, bits)
+    a3 = blpa_decode(packed, grid, gamma.float(), beta.float(), x.shape, bits, x.dtype)
+    below = a2 < 6.0
+    if relu6:
+        a3 = torch.where(below, a3.clamp_max(6.0), torch.full_like(a3, 6.0))
+    a3 = torch.nn.functional.pad(a3, list(pad)).requires_grad_()
+    w = weight.detach().requires_grad_()
+    b = torch.zeros(weight.shape[0], requires_grad=True)
+    torch.nn.functional.conv2d(a3, w, b, **conv).backward(grad)
+    g_a3 = a3.grad[:, :, pad[2] : a3.shape[2] - pad[3], pad[0] : a3.shape[3] - pad[1]]
+    if relu6:
+        g_a3 = torch.where(below, g_a3, torch.zeros_like(g_a3))
+    g_x, g_gamma, g_beta = blpa_backward(packed, g_a3, grid, gamma.float(), beta.float(), invstd, bits, batch_stats)
+    return g_x, g_gamma, g_beta, w.grad, b.grad

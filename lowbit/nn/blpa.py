@@ -69,37 +69,43 @@ def _bcast(v: Tensor, dim: int) -> Tensor:
     return v.reshape((1, -1) + (1,) * (dim - 2))
 
 
+def _normalize(bn: nn.modules.batchnorm._BatchNorm, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Optional[Tensor], bool]:
+    """``bn(x)`` exactly as the module computes it (running statistics updated alike), with what the codes
+    need: (a2, the per-channel mean and fp32 ``1 / std`` that normalised ``x``, the quantisation span of
+    :func:`_grid` or None, whether batch statistics were used). Call without grad."""
+    dims = [0] + list(range(2, x.dim()))
+    batch_stats = bn.training or not bn.track_running_stats
+    span = None
+    if bn.training and bn.track_running_stats and bn.momentum is not None and x.device.type == "cpu":
+        # What nn.BatchNorm's forward does in this case (F.batch_norm runs this kernel on the CPU),
+        # keeping the batch statistics it computes rather than computing them a second time.
+        bn.num_batches_tracked.add_(1)
+        a2, mean, invstd = torch.ops.aten._native_batch_norm_legit(
+            x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, bn.momentum, bn.eps
+        )
+    else:
+        a2 = nn.modules.batchnorm._BatchNorm.forward(bn, x)  # the module's own computation and update
+        if batch_stats:
+            var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+        else:
+            mean, var = bn.running_mean.float(), bn.running_var.float()
+            # Running statistics need not fit the batch: the range follows the batch's own spread of A1.
+            a1 = (x.float() - _bcast(mean, x.dim())) * _bcast(torch.rsqrt(var + bn.eps), x.dim())
+            std_a1, mean_a1 = torch.std_mean(a1, dim=dims, correction=0)
+            span = torch.stack([mean_a1, std_a1])
+        invstd = torch.rsqrt(var + bn.eps)
+    return a2, mean.float().contiguous(), invstd.float().contiguous(), span, batch_stats
+
+
 class _ApproxFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any, x: Tensor, bn_weight: Tensor, bn_bias: Tensor, weight: Tensor, bias: Optional[Tensor], block: Any
     ) -> Tensor:
-        bn = block.bn
-        dims = [0] + list(range(2, x.dim()))
-        batch_stats = bn.training or not bn.track_running_stats
-        span = None
-        if bn.training and bn.track_running_stats and bn.momentum is not None and x.device.type == "cpu":
-            # What nn.BatchNorm's forward does in this case (F.batch_norm runs this kernel on the CPU),
-            # keeping the batch statistics it computes rather than computing them a second time.
-            bn.num_batches_tracked.add_(1)
-            a2, mean, invstd = torch.ops.aten._native_batch_norm_legit(
-                x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, bn.momentum, bn.eps
-            )
-        else:
-            a2 = bn(x)  # the module's own call: exact output and running-statistics update
-            if batch_stats:
-                var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
-            else:
-                mean, var = bn.running_mean.float(), bn.running_var.float()
-                # Running statistics need not fit the batch: the range follows the batch's own spread of A1.
-                a1 = (x.float() - _bcast(mean, x.dim())) * _bcast(torch.rsqrt(var + bn.eps), x.dim())
-                std_a1, mean_a1 = torch.std_mean(a1, dim=dims, correction=0)
-                span = torch.stack([mean_a1, std_a1])
-            invstd = torch.rsqrt(var + bn.eps)
+        a2, mean, invstd, span, batch_stats = _normalize(block.bn, x)
         out = block._linear(F.relu(a2), weight, bias)
-        invstd = invstd.float().contiguous()
         grid = _grid(bn_weight, bn_bias, block.bits, span)
-        packed = _ops.blpa_encode(x.contiguous(), a2.contiguous(), mean.float().contiguous(), invstd, grid, block.bits)
+        packed = _ops.blpa_encode(x.contiguous(), a2.contiguous(), mean, invstd, grid, block.bits)
         ctx.save_for_backward(packed, invstd, bn_weight, bn_bias, weight, bias, span)
         ctx.shape, ctx.dtype, ctx.batch_stats, ctx.block = list(x.shape), x.dtype, batch_stats, block
         return out

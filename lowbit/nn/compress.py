@@ -32,14 +32,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lowbit.memory import SavedBytes, saved_tensor_bytes
-from lowbit.nn import invact
+from lowbit.nn import blpa, blpa_convert, invact
 from lowbit.nn._catalogue import HF_EXACT, HF_FORMULA, hf_formula, hf_pointwise, torch_module
 from lowbit.nn.activations import FewBitActivation, InvActivation
 from lowbit.nn.fewbit.tables import WEIGHTS, _check_bits, table_bits
 
 __all__ = ["CompressionReport", "Replacement", "compress_activations"]
 
-METHODS = ("fewbit", "invact")
+METHODS = ("fewbit", "invact", "blpa")
 WHEN = ("smaller", "always")
 
 _FUNCTIONS: dict[Any, str] = {
@@ -365,13 +365,18 @@ def _cuda_index(t: Tensor) -> int:
 def _saved_on(model: nn.Module, sample: tuple[tuple, dict[str, Any]]) -> SavedBytes:
     """What ``model`` saves for backward on ``sample``, leaving its buffers (batch-norm running statistics)
     and the random generators (dropout) as they were: measuring must not change the model's training."""
+    return _on_sample(model, sample, saved_tensor_bytes)
+
+
+def _on_sample(model: nn.Module, sample: tuple[tuple, dict[str, Any]], run: Callable[..., Any]) -> Any:
+    """``run(model, *args, **kwargs)`` with grad, leaving the buffers and random generators as they were."""
     args, kwargs = sample
     buffers = [(b, b.clone()) for b in model.buffers()]
     tensors = [*(b for b, _ in buffers), *model.parameters(), *args, *kwargs.values()]
     devices = sorted({_cuda_index(t) for t in tensors if isinstance(t, Tensor) and t.device.type == "cuda"})
     try:
         with torch.random.fork_rng(devices=devices), torch.enable_grad():
-            return saved_tensor_bytes(model, *args, **kwargs)
+            return run(model, *args, **kwargs)
     finally:
         with torch.no_grad():
             for b, value in buffers:
@@ -402,9 +407,13 @@ def compress_activations(
     Args:
         model: any ``nn.Module``; its submodules are replaced, the model object itself is kept.
         method: ``"fewbit"`` (:class:`~lowbit.nn.FewBitActivation`, ``bits`` bits per element; ReLU and
-            LeakyReLU take their exact 1-bit form) or ``"invact"`` (:class:`~lowbit.nn.InvActivation`, the
-            output plus 1 bit per element; GELU, SiLU, Mish and quick_gelu only).
-        bits: bits per element for ``"fewbit"``, 1..8.
+            LeakyReLU take their exact 1-bit form), ``"invact"`` (:class:`~lowbit.nn.InvActivation`, the
+            output plus 1 bit per element; GELU, SiLU, Mish and quick_gelu only) or ``"blpa"``
+            (approximate activations, :mod:`lowbit.nn.blpa_convert`: each BatchNorm2d -> ReLU/ReLU6 ->
+            Conv2d unit saves ``bits`` bits per element of the convolution's input, plus one for ReLU6's
+            clip, instead of the BatchNorm input and the activation output; its backward is approximate,
+            its forward unchanged; needs a sample to find the units).
+        bits: bits per element for ``"fewbit"`` and ``"blpa"``, 1..8.
         weight: the few-bit tables' weight, ``"normal"`` or ``"uniform"``.
         strict: replace only activations whose forward stays bit-identical (default); with False
             ``"invact"`` also replaces Python-formula activations such as Hugging Face's
@@ -422,6 +431,8 @@ def compress_activations(
         raise TypeError(f"lowbit: model must be a torch.nn.Module, got {type(model).__name__}")
     if method not in METHODS:
         raise ValueError(f"lowbit: method must be one of {METHODS}, got {method!r}")
+    if method == "blpa":
+        blpa._check_bits(bits)
     if method == "fewbit":
         _check_bits(bits)
         if weight not in WEIGHTS:
@@ -429,9 +440,17 @@ def compress_activations(
     if when not in WHEN:
         raise ValueError(f"lowbit: when must be one of {WHEN}, got {when!r}")
     sample = _check_sample(sample_args, sample_kwargs)
+    if method == "blpa" and sample is None:
+        raise ValueError(
+            "lowbit: method='blpa' needs sample_args or sample_kwargs: BatchNorm -> ReLU -> Conv2d units are "
+            "found by running the model on them"
+        )
     # The new layers' tables go where the model lives (activations themselves hold no tensors).
     device = next(iter(model.parameters()), torch.empty(0)).device
     report = CompressionReport()
+    if method == "blpa":
+        _convert_units(model, sample, bits, when, report)
+        return report
     root_name, root_reason = _module_name(model, strict, method)
     if root_name is not None or root_reason is not None:
         report.skipped.append(("", "the root module cannot be replaced in place; wrap it or convert its parent"))
@@ -522,3 +541,52 @@ def _walk(
             report.skipped.append((path, why or ""))
             continue
         swaps.append(_Swap(module, child_name, True, path, child, new, repr(child), repr(new)))
+
+
+def _convert_units(
+    model: nn.Module, sample: tuple[tuple, dict[str, Any]], bits: int, when: str, report: CompressionReport
+) -> None:
+    """Replace the BatchNorm2d -> ReLU(6) -> Conv2d units that ``model`` runs on ``sample`` by the stand-ins of
+    :mod:`lowbit.nn.blpa_convert` where that lowers the bytes saved (every unit for ``when="always"``)."""
+    units, left = _on_sample(model, sample, lambda m, *a, **k: blpa_convert.find_units(m, a, k))
+    report.skipped += left
+    modules = dict(model.named_modules())
+    groups: list[tuple[blpa_convert.Unit, list[_Swap]]] = []
+    for unit in units:
+        swaps = []
+        for path in (unit.bn, unit.act, unit.conv):
+            owner, _, key = path.rpartition(".")
+            old = modules[path]
+            new = blpa_convert.stand_in(old, bits)
+            swaps.append(_Swap(modules[owner], key, True, path, old, new, type(old).__name__, type(new).__name__))
+        groups.append((unit, swaps))
+    try:
+        before = _saved_on(model, sample)
+        for _, swaps in groups:
+            for swap in swaps:
+                swap.install(swap.new)
+        after = _saved_on(model, sample)
+    except BaseException:
+        for _, swaps in groups:
+            for swap in swaps:
+                swap.install(swap.old)
+        raise
+    report.bytes_before = report.expected_bytes = before.total
+    for unit, swaps in groups:
+        paths = {unit.bn, unit.act, unit.conv}
+        kept_before, kept_after = before.exclusive_to(paths), after.exclusive_to(paths)
+        where = f"{unit.bn} -> {unit.act} -> {unit.conv}"
+        was = " -> ".join(swap.before for swap in swaps)
+        if when == "smaller" and kept_after >= kept_before:
+            for swap in swaps:
+                swap.install(swap.old)
+            report.skipped.append(
+                (
+                    where,
+                    f"on the sample, {was} keeps {kept_before:,} bytes for backward, {bits}-bit codes would keep "
+                    f"{kept_after:,}: no saving",
+                )
+            )
+            continue
+        report.expected_bytes -= kept_before - kept_after
+        report.replaced.append(Replacement(where, was, f"BLPA {bits}-bit unit", kept_before, kept_after))

@@ -12,6 +12,7 @@ torch.optim's AdamW on the same model and batches.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -252,3 +253,29 @@ def test_compiled_transformer_block_step_matches_eager(backend):
     torch._dynamo.reset()
     for a, b in zip(run(compiled=True), run(compiled=False), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_blpa_units_train_as_torchs_layers(backend):
+    """compress_activations(method="blpa") stand-ins under torch.compile run torch's own layers (their
+    hand-on between modules relies on eager autograd nodes): forward and gradients equal to the unconverted
+    model's, with TensorFlow-style padding between activation and convolution as in MobileNetV2."""
+    import lowbit.nn as lnn
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    exact = nn.Sequential(nn.BatchNorm2d(4), nn.ReLU6(), nn.ZeroPad2d((0, 1, 0, 1)), nn.Conv2d(4, 4, 3, groups=2))
+    x = torch.randn(3, 4, 7, 7) * 3
+    model = nn.Sequential(*[copy.deepcopy(m) for m in exact])
+    report = lnn.compress_activations(model, method="blpa", bits=4, sample_args=(x,))
+    assert len(report.replaced) == 1
+    compiled = torch.compile(model, backend=backend)
+    grad = torch.randn(3, 4, 6, 6)
+    got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = compiled(got_x), exact(want_x)
+    assert torch.equal(got, want)
+    got.backward(grad)
+    want.backward(grad)
+    assert torch.equal(got_x.grad, want_x.grad)
+    for a, b in zip(model.parameters(), exact.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)

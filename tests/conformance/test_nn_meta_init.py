@@ -20,6 +20,7 @@ from torch import Tensor, nn
 import lowbit.lpmm
 import lowbit.nn as lnn
 import lowbit.optim
+from lowbit.memory import saved_tensor_bytes
 from lowbit.nn import fewbit, invact
 
 
@@ -211,3 +212,41 @@ def test_lpmm_model_converted_on_meta_loads_after_to_empty():
         assert all(not lp.grad_absmax.isnan().any() for lp in lowbit.lpmm.low_precision_parameters(m).values())
         opt.step()
     assert torch.equal(model(x), ref(x))
+
+
+def _blpa_pair() -> tuple[nn.Module, nn.Module, Tensor]:
+    """A BatchNorm2d -> ReLU -> Conv2d unit and its compress_activations(method="blpa") conversion."""
+    torch.manual_seed(0)
+    exact = nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 5, 3, padding=1))
+    x = torch.randn(3, 4, 6, 6, generator=torch.Generator().manual_seed(1))
+    converted = copy.deepcopy(exact)
+    assert len(lnn.compress_activations(converted, method="blpa", bits=4, sample_args=(x,)).replaced) == 1
+    return exact, converted, x
+
+
+def test_blpa_converted_unit_to_empty_then_reset_matches_torchs():
+    """The stand-ins are torch's layer classes underneath: FSDP's re-materialisation recipe gives the
+    parameters and buffers torch's layers get, and the unit still runs through the codes."""
+    exact, converted, x = _blpa_pair()
+    for m in (exact, converted):
+        torch.manual_seed(0)
+        _materialize(m)
+    _assert_same_tensors(converted.state_dict(), exact.state_dict())
+    assert torch.equal(converted(x), exact(x))
+    assert saved_tensor_bytes(converted, x).total < saved_tensor_bytes(exact, x).total
+
+
+@pytest.mark.parametrize("cast", ["half", "bfloat16", "double"])
+def test_blpa_converted_unit_dtype_casts(cast):
+    """Cast like torch's layers; fp16 and bf16 keep the codes (forward equal to torch's), float64, which the
+    kernels lack, runs torch's layers: forward and gradients equal to torch's."""
+    exact, converted, x = _blpa_pair()
+    exact, converted = getattr(exact, cast)(), getattr(converted, cast)()
+    x = x.to(converted[0].weight.dtype)
+    assert torch.equal(converted(x), exact(x))
+    saved, torch_saved = saved_tensor_bytes(converted, x).total, saved_tensor_bytes(exact, x).total
+    if cast == "double":
+        assert saved == torch_saved
+        _assert_same_run(converted, exact, x)
+    else:
+        assert saved < torch_saved
