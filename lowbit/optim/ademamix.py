@@ -11,6 +11,7 @@ the host per step number.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -155,7 +156,7 @@ class AdEMAMix(LowbitOptimizer):
 
     def _prepare_step(
         self, config: dict[str, Any], batch: list[tuple[torch.Tensor, dict[str, Any]]], places: list[str]
-    ) -> Any:
+    ) -> Callable[[], None]:
         if not (config["t_alpha"] or config["t_beta3"]):
             return super()._prepare_step(config, batch, places)
         # alpha and beta3 depend on the step number, and a fused call takes one of each.
