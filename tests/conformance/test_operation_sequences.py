@@ -38,9 +38,15 @@ class Case:
     kw: dict[str, Any]
     edits: tuple[str, ...]
     bits: int = 8  # the width of the quantized states (unused by the fp32 twins)
+    matrices: bool = False  # Muon: both parameters are matrices
+
+
+# Muon's reference, torch.optim.Muon, takes no foreach option and decays the weights decoupled, as AdamW.
+MUON = dict(lr=2e-2, weight_decay=0.1)
 
 
 TWINS = [
+    Case(O.Muon32bit, torch.optim.Muon, MUON, ("lr", "weight_decay"), matrices=True),
     Case(O.Adam32bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas")),
     Case(O.AdamW32bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), ("lr", "weight_decay", "betas")),
     Case(O.SGD32bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.1), ("lr", "weight_decay")),
@@ -61,6 +67,7 @@ QUANTIZED = [
     Case(O.Adam4bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas"), bits=4),
     Case(O.AdamW4bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), ("lr", "weight_decay", "betas"), bits=4),
     Case(O.SGD4bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), ("lr", "weight_decay"), bits=4),
+    Case(O.Muon8bit, torch.optim.Muon, MUON, ("lr", "weight_decay"), matrices=True),
     Case(O.AdEMAMix8bit, ReferenceAdEMAMix, dict(lr=1e-3, t_alpha=6, t_beta3=6), ("lr", "weight_decay")),
 ]
 
@@ -115,7 +122,9 @@ def scenarios(draw: st.DrawFn, case: Case, quantized: bool) -> dict[str, Any]:
     return dict(
         shapes=[
             (draw(st.integers(5, 30)), draw(st.sampled_from([61, 128]))),
-            (draw(st.sampled_from([300, 1000, 4097])),),
+            (draw(st.sampled_from([61, 128])), draw(st.integers(5, 30)))
+            if case.matrices
+            else (draw(st.sampled_from([300, 1000, 4097])),),
         ],
         seed=draw(st.integers(0, 2**31 - 1)),
         tensor_lr=draw(st.booleans()),
@@ -149,7 +158,9 @@ class Run:
     def __init__(self, case: Case, quantized: bool, scenario: dict[str, Any]) -> None:
         self.case, self.quantized = case, quantized
         self.block_size = scenario["block_size"]
-        self.options = dict(min_8bit_size=0, min_4bit_size=0, block_size=self.block_size) if quantized else {}
+        self.options = dict(min_8bit_size=0, block_size=self.block_size) if quantized else {}
+        if quantized and case.bits == 4:
+            self.options["min_4bit_size"] = 0
         gen = torch.Generator().manual_seed(scenario["seed"])
         self.p0 = [torch.randn(s, generator=gen) * 0.1 for s in scenario["shapes"]]
         self.tensor_lr = scenario["tensor_lr"]
@@ -158,7 +169,7 @@ class Run:
         )
         self.main = self._make(case.cls, self.main_params, self.options)
         self.plain = self._make(case.cls, self.plain_params, self.options)
-        self.ref = self._make(case.tcls, self.ref_params, dict(foreach=False))
+        self.ref = self._make(case.tcls, self.ref_params, {} if case.matrices else dict(foreach=False))
         self.steps = [0] * len(self.p0)
         # Per parameter and torch state name: the bound on |decoded quantized state - torch's| per element.
         self.bounds: list[dict[str, Tensor]] = [{} for _ in self.p0]
@@ -317,7 +328,9 @@ class Run:
         reach all three optimizers alike; loads must give lowbit the same).
         """
         group = self.ref.param_groups[j]
-        wd = 0.0 if self.case.tcls in (torch.optim.AdamW, ReferenceAdEMAMix) else group["weight_decay"]
+        wd = (
+            0.0 if self.case.tcls in (torch.optim.AdamW, ReferenceAdEMAMix, torch.optim.Muon) else group["weight_decay"]
+        )
         g_main, g_ref = grad + wd * main_before, grad + wd * ref_before
         old = self.bounds[j]
         new = {}
@@ -331,7 +344,8 @@ class Run:
                 carried = b2 * carried + (1 - b2) * (g_main.square() - g_ref.square()).abs()
             elif name == "exp_avg_slow":  # AdEMAMix's m2, whose b3 follows its warm-up: any b3 in [0, 1]
                 carried = carried + (g_main - g_ref).abs()
-            else:  # momentum_buffer: b = 1 - dampening, or 1 at the first step (torch's buf = g); 1 bounds both
+            else:  # momentum_buffer: b = 1 - dampening (SGD; 1 at the first step: torch's buf = g) or 1 - momentum
+                # (Muon's lerp); 1 bounds them all
                 assert name == "momentum_buffer", name
                 carried = group["momentum"] * carried + (g_main - g_ref).abs()
             new[name] = carried + self._encode_error(j, name)
