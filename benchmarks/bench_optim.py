@@ -14,7 +14,8 @@ by AdEMAMix8bit (without and with the alpha and beta3 warm-ups), AdEMAMix32bit, 
 table, and AdamW8bit and AdamW32bit, which keep one state fewer), ``--repeats`` (timed steps per optimizer, 10),
 ``--warmup`` (untimed steps per optimizer before timing, 3, at least 1), ``--threads``
 (``torch.set_num_threads``), ``--dtype`` (parameter and gradient dtype, float32 or bfloat16), ``--device``
-(cpu or cuda), ``--json PATH`` (also write the results as JSON).
+(cpu or cuda), ``--json PATH`` (also write the results as JSON). ``LOWBIT_CPU_AVX512=0`` in the environment
+times lowbit's AVX2 and portable CPU loops on an AVX-512 CPU (the environment line shows ``cpu_avx512``).
 
 The ``many`` workload is a GPT-style stack of 24 layers of hidden size d (the largest multiple of 16
 that fits ``--numel``), each with four d x d attention matrices, a d x 4d and a 4d x d MLP matrix, their

@@ -124,3 +124,51 @@ def test_norm_modes_match_reference(name, norm_mode):
     for k in range(1, 7):
         for g, w in zip(ours[k], ref[k], strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_4bit_codes_of_exact_ties_and_block_edges_match_reference(cpu_kernels):
+    """The 4-bit state encoder on the values where a fast encoder can go wrong: exact ties between two map
+    entries (nearest goes to the lower one), the map entries themselves, +-absmax, an all-zero block and a
+    poisoned (NaN) block. Adam with beta1 = 0 stores exp_avg = grad exactly, so the gradients are the values
+    that the first-moment encoder sees, normalised by an absmax of exactly 1."""
+    rule, n_states, flags, hyper = RULES["adam"]
+    hyper = list(hyper)
+    hyper[1], hyper[3] = 0.0, 1.0  # beta1 = 0 and no weight decay: exp_avg = grad
+    hyper[6], hyper[7] = 0.0, 1.0
+    block = BLOCK[4]
+    signed_map = optimizer_state_map(True, torch.device("cpu"), 4)
+    lo, hi = signed_map[:-1], signed_map[1:]
+    mid = (lo + hi) / 2
+    ties = mid[((hi - mid) == (mid - lo)) & (hi > lo)]  # exact fp32 ties (the map holds 0 twice)
+    assert ties.numel() >= 8, "the signed 4-bit map should have exact midpoints to test"
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat([ties, signed_map, -ties])
+    n = 40 * block
+    grad = values[torch.randint(values.numel(), (n,), generator=gen)]
+    grad[::block] = 1.0  # every block's absmax is exactly 1 ...
+    grad[block // 2 :: 4 * block] = -1.0  # ... and some reach it from below too
+    grad[3 * block : 4 * block] = 0.0
+    grad[5 * block + 7] = float("nan")
+    params = [torch.randn(n, generator=gen)]
+    maps = [optimizer_state_map(s, torch.device("cpu"), 4) for s in (True, False)]
+    states, absmax = [[], [], []], [[], [], []]
+    for k, m in enumerate(maps):
+        value = torch.randn(n, generator=gen) * 0.1
+        codes, qs = quantize_blockwise(value if k == 0 else value.abs(), code=m, blocksize=block)
+        states[k].append(codes)
+        absmax[k].append(qs.absmax)
+    scalars = [1e-3 / (1 - 0.9**2), (1 - 0.999**2) ** 0.5, 0.0]
+    ours = copy.deepcopy((params, *states, *absmax))
+    ref = copy.deepcopy((params, *states, *absmax))
+    args = (scalars, None, maps[0], maps[1], maps[1], rule, hyper, flags, 0, n_states, block, None, 4)
+    _ops.optimizer_step_(ours[0], [grad], *ours[1:], *args)
+    R.optimizer_step_(ref[0], [grad], *ref[1:], *args)
+    for got, want in zip(ours, ref, strict=True):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    # Direction: a tie stored the lower of its two entries (low nibble first, pack.h).
+    packed = ours[1][0]
+    codes = torch.stack([packed & 15, packed >> 4], dim=1).flatten().long()
+    tie_at = torch.isin(grad, ties) & (torch.arange(n) // block != 5)
+    lower = torch.searchsorted(signed_map, grad[tie_at], right=True) - 1
+    assert torch.equal(codes[tie_at], lower)

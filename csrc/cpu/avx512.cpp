@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -30,7 +31,14 @@ const bool kHasAvx512 = false;
 const bool kHasVbmi = false;
 #endif
 
-std::atomic<bool> g_enabled{true};
+// LOWBIT_CPU_AVX512=0 starts with the AVX-512 kernels off, so that a benchmark can time the AVX2 and
+// portable loops on an AVX-512 CPU (the compiler's target clones in encode.cpp still pick AVX-512).
+bool enabled_by_environment() {
+  const char* v = std::getenv("LOWBIT_CPU_AVX512");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+std::atomic<bool> g_enabled{enabled_by_environment()};
 std::atomic<bool> g_vbmi{true};
 std::atomic<int> g_gather{-1};  // -1: not yet calibrated
 
@@ -200,6 +208,62 @@ LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, floa
 }
 
 }  // namespace
+
+LB_TARGET int decode_u4_avx512(const float* map, const uint8_t* packed, int cnt, float scale, float* out) {
+  const __m512 m = _mm512_loadu_ps(map);
+  const __m512 s = _mm512_set1_ps(scale);
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const int vec = cnt - cnt % 32;
+  for (int i = 0; i < vec; i += 32) {
+    // Code 2j is the low nibble of byte j (pack.h): interleaving the low and high nibbles restores order.
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + i / 2));
+    const __m128i lo = _mm_and_si128(b, nibble);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+    const __m512i c0 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+    const __m512i c1 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(c0, m), s));
+    _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_permutexvar_ps(c1, m), s));
+  }
+  return vec;
+}
+
+LB_TARGET int nearest_codes_u4_avx512(const float* map, const float* x, int cnt, float absmax, uint8_t* packed) {
+  const float inv = block_inverse(absmax);
+  if (absmax > 0.f && inv == 0.f) return 0;
+  const __m512 m = _mm512_loadu_ps(map);
+  const bool scale = absmax > 0.f;
+  const __m512 am = _mm512_set1_ps(absmax);
+  const __m512 neg_am = _mm512_set1_ps(-absmax);
+  const __m512 vinv = _mm512_set1_ps(inv);
+  const __m512 plus1 = _mm512_set1_ps(1.f), minus1 = _mm512_set1_ps(-1.f);
+  const __m512i top = _mm512_set1_epi32(15);
+  const int vec = cnt - cnt % 16;
+  for (int j = 0; j < vec; j += 16) {
+    // normalise() of blockwise.h as written (the product, its clamp, exact +-1 at +-absmax).
+    __m512 xn = _mm512_setzero_ps();
+    if (scale) {
+      const __m512 v = _mm512_loadu_ps(x + j);
+      xn = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, vinv), minus1), plus1);
+      xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, am, _CMP_EQ_OQ), xn, plus1);
+      xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, neg_am, _CMP_EQ_OQ), xn, minus1);
+    }
+    // map_encode_nearest: map_floor_index's four probes, then nearest_up between lo and hi.
+    __m512i lo = _mm512_setzero_si512();
+    for (int step = 8; step > 0; step >>= 1) {
+      const __m512i probe = _mm512_add_epi32(lo, _mm512_set1_epi32(step));
+      const __mmask16 le = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(probe, m), xn, _CMP_LE_OQ);
+      lo = _mm512_mask_mov_epi32(lo, le, probe);
+    }
+    const __m512i hi = _mm512_min_epu32(_mm512_add_epi32(lo, _mm512_set1_epi32(1)), top);
+    const __m512 up_gap = _mm512_sub_ps(_mm512_permutexvar_ps(hi, m), xn);
+    const __m512 down_gap = _mm512_sub_ps(xn, _mm512_permutexvar_ps(lo, m));
+    const __m512i code = _mm512_mask_mov_epi32(lo, _mm512_cmp_ps_mask(up_gap, down_gap, _CMP_LT_OQ), hi);
+    // Pairs of codes to bytes, the even one in the low nibble.
+    const __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(packed + j / 2), _mm512_cvtepi64_epi8(pair));
+  }
+  return vec;
+}
 
 void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out) {
   // A subnormal absmax (no finite reciprocal) is rare enough for the scalar path.

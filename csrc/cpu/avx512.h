@@ -54,6 +54,16 @@ void decode_u8_vbmi(const BytePlanes& planes, const float* map, const uint8_t* c
 // out[i] = map[codes[i]] * scale for a 256-entry map.
 void decode_u8_avx512(const float* map, const uint8_t* codes, int cnt, float scale, float* out);
 
+// The 4-bit optimizer states (16-entry maps, codes packed two a byte as in pack.h): out[i] =
+// map[code i] * scale, and the nearest codes (qmap.h: map_encode_nearest) of normalise(x[i], absmax)
+// (blockwise.h), packed. The whole map is one register, so a lookup is one permute and the binary
+// search of map_encode_nearest four; same results as the portable loops. Both handle the first
+// cnt - cnt % 32 (decode) or cnt - cnt % 16 (encode) elements and return that count: the rest start on a
+// whole group (pack.h) and are left to the caller. The encoder handles nothing (returns 0) for a
+// subnormal absmax, whose reciprocal is not finite.
+int decode_u4_avx512(const float* map, const uint8_t* packed, int cnt, float scale, float* out);
+int nearest_codes_u4_avx512(const float* map, const float* x, int cnt, float absmax, uint8_t* packed);
+
 // Few-bit codes (fewbit.h) of bits = 1..4 bits of fp32 or bf16 x, packed to out, for the first
 // cnt - cnt % 16 elements (activations_avx512.cpp); the caller does the rest.
 void fewbit_encode_avx512(int bits, const float* x, int cnt, const float* bounds, uint8_t* out);

@@ -61,7 +61,8 @@ void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, 
   if (t.bits == 4) {
     const uint8_t* packed = static_cast<const uint8_t*>(t.state[k]) + lo / 2;
     uint32_t tile[kTile];
-    for (int j = 0; j < cnt; j += kTile) {
+    const int done = avx512_active() ? decode_u4_avx512(map, packed, cnt, amax, out) : 0;
+    for (int j = done; j < cnt; j += kTile) {
       const int m = std::min(kTile, cnt - j);
       unpack_chunk(packed + j / 2, m, std::integral_constant<int, 4>{}, tile);
       for (int i = 0; i < m; ++i) out[j + i] = map[tile[i]] * amax;
@@ -83,7 +84,8 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
     uint8_t* packed = static_cast<uint8_t*>(t.state[k]) + lo / 2;
     uint32_t tile[kTile];
     const MapSpan span{*index, gather};
-    for (int j = 0; j < cnt; j += kTile) {
+    const int done = avx512_active() ? nearest_codes_u4_avx512(index->padded(), in, cnt, amax, packed) : 0;
+    for (int j = done; j < cnt; j += kTile) {
       const int m = std::min(kTile, cnt - j);
       span.encode<false>(in + j, m, amax, RngKey{0, 0}, 0, tile);
       pack_chunk(tile, m, std::integral_constant<int, 4>{}, packed + j / 2);
@@ -158,18 +160,39 @@ __attribute__((always_inline)) inline void sgd_body(const StepHyper& h, const St
   max_bits[2] = 0;
 }
 
+// The flag bits that the rules test per element (optim_rules.h: kMaximize, kDecoupled).
+constexpr int32_t kElementFlags = kMaximize | kDecoupled;
+
+// Calls fn(std::integral_constant<int32_t, K>{}) for K = flags & kElementFlags. GCC vectorises no rule
+// loop that tests these bits at run time next to a run-time weight decay (Adam8bit's step ran scalar:
+// one sqrtss and two divss per element); with them constant it does.
+template <typename Fn>
+LB_ALWAYS_INLINE inline void with_element_flags(int32_t flags, Fn&& fn) {
+  switch (flags & kElementFlags) {
+    case 0:
+      return fn(std::integral_constant<int32_t, 0>{});
+    case kMaximize:
+      return fn(std::integral_constant<int32_t, kMaximize>{});
+    case kDecoupled:
+      return fn(std::integral_constant<int32_t, kDecoupled>{});
+    default:
+      return fn(std::integral_constant<int32_t, kElementFlags>{});
+  }
+}
+
 // The update of one block: everything it reads is in locals and restrict pointers so that it
-// vectorises. Always inlined into the entry points below, so each is compiled for its target;
-// the rules it calls are inlined too, and any out-of-line copy stays baseline code. With kRoot the
+// vectorises, and the flag bits of with_element_flags are the constant kFlags. Always inlined into
+// the entry points below, so each is compiled for its target; the rules it calls are inlined too, and any out-of-line copy stays baseline code. With kRoot the
 // states are 8-bit ones in their stored form (state_form.h): the second moment is squared on the way
 // in and its root (which Adam's denominator computes anyway) stored on the way out. s3 is only touched
 // by the three-state rules (kStates == 3), so the others compile to the two-state loop.
-template <Rule kRule, int kStates, bool kRoot, typename T>
+template <Rule kRule, int kStates, bool kRoot, int32_t kFlags, typename T>
 __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, const StepScalars& scalars,
                                                        T* __restrict param, const T* __restrict grad,
                                                        float* __restrict s1, float* __restrict s2,
                                                        float* __restrict s3, int cnt, uint32_t* max_bits) {
-  const StepHyper h = hyper;
+  StepHyper h = hyper;
+  h.flags = (hyper.flags & ~kElementFlags) | kFlags;
   const StepScalars sc = scalars;
   if constexpr (kRule == Rule::SGD && kStates == 1) {
     if (h.beta1 != 0.f && !(h.flags & kDecoupled)) {
@@ -215,7 +238,9 @@ __attribute__((always_inline)) inline void update_body(const StepHyper& hyper, c
 template <Rule kRule, int kStates, bool kRoot, typename T>
 void update_baseline(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, float* s1, float* s2,
                      float* s3, int cnt, uint32_t* max_bits) {
-  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
+  with_element_flags(h.flags, [&](auto flags) LB_ALWAYS_INLINE {
+    update_body<kRule, kStates, kRoot, decltype(flags)::value>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
+  });
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -224,7 +249,9 @@ template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((target("avx2"))) void update_avx2(const StepHyper& h, const StepScalars& sc, T* param,
                                                  const T* grad, float* s1, float* s2, float* s3, int cnt,
                                                  uint32_t* max_bits) {
-  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
+  with_element_flags(h.flags, [&](auto flags) LB_ALWAYS_INLINE {
+    update_body<kRule, kStates, kRoot, decltype(flags)::value>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
+  });
 }
 
 // 16-wide where the CPU has AVX-512F and avx512_active() allows it (same IEEE results again).
@@ -232,7 +259,9 @@ template <Rule kRule, int kStates, bool kRoot, typename T>
 __attribute__((target("avx512f"))) void update_avx512(const StepHyper& h, const StepScalars& sc, T* param,
                                                       const T* grad, float* s1, float* s2, float* s3, int cnt,
                                                       uint32_t* max_bits) {
-  update_body<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
+  with_element_flags(h.flags, [&](auto flags) LB_ALWAYS_INLINE {
+    update_body<kRule, kStates, kRoot, decltype(flags)::value>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
+  });
 }
 
 const bool kHasAvx2 = __builtin_cpu_supports("avx2");

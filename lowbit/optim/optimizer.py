@@ -374,12 +374,12 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             sums = sum_over_shards(_ops.optimizer_norms(*args), originals)
             args = args._replace(update_scales=update_scales(sums, hyper, norm_mode))
         try:
-            _ops.check_optimizer_step(args)
+            widths = _ops.check_optimizer_step(args)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise type(exc)(_in_user_terms(str(exc), places)) from exc
 
         def run() -> None:
-            _ops.optimizer_step_eager(args)
+            _ops.optimizer_step_eager(args, widths)
             for shard, work in copied:
                 shard.copy_(work)
             torch._foreach_add_([state["step"] for _, state in batch], 1.0)
