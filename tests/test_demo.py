@@ -49,6 +49,23 @@ def test_demo_writes_table_json_and_figure(tmp_path):
     assert r["lpmm"]["model_bytes"] < 0.3 * base["model_bytes"]
     assert r["lpmm"]["saved_activation_bytes"] == r["act"]["saved_activation_bytes"]
     assert base["grad_bytes"] == base["param_bytes"]  # fp32 .grad tensors, measured after the step
+    # The ordinary loop's peak during a step holds every gradient: params + grads + states after backward.
+    assert base["peak_model_bytes"] == base["model_bytes"]
+    assert r["adamw8bit"]["peak_model_bytes"] == r["adamw8bit"]["model_bytes"]
+    # Gradient release: no gradient is left after the step, and its peak holds the gradients of one or
+    # two tensors at a time instead of all (the largest, fc and out, are 65,536 of the 471,552 elements, 14%
+    # of the fp32 gradient bytes each), so it saves more than half of the fp32 gradient bytes.
+    assert r["release"]["grad_bytes"] == 0 and r["minimal"]["grad_bytes"] == 0
+    saved = r["adamw8bit"]["peak_model_bytes"] - r["release"]["peak_model_bytes"]
+    assert 0.5 * base["grad_bytes"] < saved < base["grad_bytes"]
+    # minimal: 12-bit parameters, two 4-bit moments and one or two 4-bit accumulators alive at a time, groups
+    # of 1024: 1.5 + 1.0 + 3 * 4 / 1024 + at most 0.07 * 2 bytes a parameter (the bound: 2.6; 8-bit
+    # moments alone would be 3.5 without the gradients).
+    n = r["minimal"]["num_params"]
+    assert 2.5 < r["minimal"]["peak_model_bytes"] / n <= 2.6
+    assert r["minimal"]["optimizer_state_bytes"] < 0.15 * base["optimizer_state_bytes"]  # 1.0 / 8 plus absmaxes
+    # Muon8bit keeps one 8-bit state (momentum) for the hidden matrices where AdamW8bit keeps two.
+    assert r["muon8bit"]["optimizer_state_bytes"] < 0.75 * r["adamw8bit"]["optimizer_state_bytes"]
     assert all(len(row["losses"]) == 4 and row["peak_bytes"] is not None for row in r.values())
 
 
