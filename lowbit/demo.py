@@ -12,10 +12,19 @@ weights, batches and schedule in each configuration:
 - ``lpmm``: the same plus :func:`lowbit.lpmm.convert` (12-bit parameters, 8-bit gradient
   accumulators, groups of 256) and :class:`lowbit.optim.LPMMAdamW` with 8-bit moments (lpmm.txt);
 - ``adamw4bit``: ``adamw8bit`` with :class:`lowbit.optim.AdamW4bit` (4-bit states, blocks of 128) in place
-  of AdamW8bit.
+  of AdamW8bit;
+- ``release``: ``adamw8bit`` with gradient release (:func:`lowbit.optim.step_in_backward`: each parameter
+  steps inside backward and its gradient is freed);
+- ``muon8bit``: :func:`lowbit.optim.muon_with_adamw`: Muon8bit for the hidden matrices, AdamW8bit for the
+  embedding, head, biases and norms;
+- ``minimal``: ``act`` with LPMM 12-bit parameters, 4-bit gradient accumulators (groups of
+  ``MINIMAL_GROUP``), :class:`lowbit.optim.LPMMAdamW` with 4-bit moments, and gradient release, which
+  frees each accumulator after its parameter's step.
 
 For each it measures the bytes of parameters, gradients and optimizer state from their storage
-(:func:`lowbit.lpmm.memory_report`), the bytes saved for backward by one training batch
+(:func:`lowbit.lpmm.memory_report`) after the last step, and their peak sum during that step: at every
+parameter's post-accumulate-grad hook of its backward (before release steps the parameter), after the
+backward and after ``step()``; the bytes saved for backward by one training batch
 (:func:`lowbit.memory.saved_tensor_bytes`), peak memory (CUDA: ``torch.cuda.max_memory_allocated``;
 CPU: the largest rise of the resident set of a fresh process that trains only that configuration), the
 median step time and the final training and held-out losses. It prints a table and writes
@@ -60,7 +69,17 @@ CONFIGS: dict[str, str] = {
     "act": "+ compressed activations (InvGELU)",
     "lpmm": "+ LPMM 12-bit params / 8-bit grads (groups of 256), LPMMAdamW 8-bit moments",
     "adamw4bit": "lowbit AdamW4bit + StableEmbedding",
+    "release": "lowbit AdamW8bit + StableEmbedding, gradient release (step_in_backward)",
+    "muon8bit": "lowbit Muon8bit (hidden matrices) + AdamW8bit (the rest) + StableEmbedding",
+    "minimal": "+ compressed activations, LPMM 12-bit params / 4-bit grads, LPMMAdamW 4-bit moments, gradient release",
 }
+#: Configurations that step inside backward (lowbit.optim.step_in_backward).
+RELEASED = ("release", "minimal")
+#: The minimal configuration's quantization group (parameters, accumulators and moments).
+MINIMAL_GROUP = 512
+#: Its accumulators' width (see make_config).
+MINIMAL_GRAD_BITS = 4
+MUON_LR = 0.02
 
 
 @dataclass(frozen=True)
@@ -177,16 +196,55 @@ def evaluate(model: nn.Module, data: torch.Tensor, context: int, batch: int, n_w
     return total / (n * context)
 
 
+class _Both(torch.optim.Optimizer):
+    """Two optimizers stepped together (Muon and AdamW of ``muon_with_adamw``), seen as one by the loop
+    and by :func:`lowbit.lpmm.memory_report` (``state`` is the union of theirs)."""
+
+    def __init__(self, first: torch.optim.Optimizer, second: torch.optim.Optimizer) -> None:
+        self.parts = (first, second)
+
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
+        return {**self.parts[0].state, **self.parts[1].state}
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for opt in self.parts:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.parts:
+            opt.zero_grad(set_to_none)
+
+
 def make_config(
     name: str, cfg: ModelConfig, seed: int, device: torch.device
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """The model and optimizer of configuration ``name`` (a key of CONFIGS)."""
+    """The model and optimizer of configuration ``name`` (a key of CONFIGS); gradient release, for the
+    ``RELEASED`` ones, is switched on by the caller."""
     if name == "fp32":
         model = build_model(cfg, seed, lambda: nn.Embedding(VOCAB, cfg.d_model), device)
         return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     model = build_model(cfg, seed, lambda: lowbit.nn.StableEmbedding(VOCAB, cfg.d_model), device)
-    if name in ("act", "lpmm"):
+    if name in ("act", "lpmm", "minimal"):
         lowbit.nn.compress_activations(model, method="invact")
+    if name == "minimal":
+        # 12 + 4 + 4 bits a parameter, and 4-bit accumulators, of which release keeps one or two alive at a
+        # time: the largest (fc, out: 65,536 elements) is 0.07 bytes a parameter of this model at 4 bits,
+        # 0.14 at 8. The absmaxes of the three stored tensors cost 12 / group bytes a parameter. Measured
+        # (README): groups of 512 peak at 2.595 bytes a parameter and train within 1.3% of fp32 on seeds
+        # 0-2; groups of 1024 with 4-bit accumulators missed by one seed (train +2.32%), with 5-bit ones
+        # (peak 2.600) by another (held-out +3.58%).
+        lowbit.lpmm.convert(model, param_bits=12, grad_bits=MINIMAL_GRAD_BITS, group_size=MINIMAL_GROUP)
+        return model, lowbit.optim.LPMMAdamW(
+            model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, momentum_bits=4
+        )
+    if name == "muon8bit":
+        muon, adamw = lowbit.optim.muon_with_adamw(
+            model,
+            muon=dict(lr=MUON_LR, weight_decay=cfg.weight_decay),
+            adamw=dict(lr=cfg.lr, weight_decay=cfg.weight_decay),
+        )
+        return model, _Both(muon, adamw)
     if name == "lpmm":
         # Groups of 256 rather than the paper's 2048: this model's tensors are small and AdamW amplifies
         # the gradient-quantization noise of small elements in a group (0.05 bytes/param more).
@@ -264,6 +322,26 @@ class _Progress:
         sys.stderr.flush()
 
 
+class _ModelBytesPeak:
+    """The peak of parameter + gradient + optimizer-state bytes (from storage, :func:`lowbit.lpmm.memory_report`)
+    over the samples taken while armed: one at each parameter's post-accumulate-grad hook (registered
+    before gradient release's, so it sees the gradient before release steps the parameter and frees it),
+    and those the training loop takes after backward and after the step."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+        self.armed = False
+        self.peak = 0
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(lambda _: self.sample())
+
+    def sample(self) -> None:
+        if self.armed:
+            r = lowbit.lpmm.memory_report(self.model, self.opt)
+            self.peak = max(self.peak, r.params + r.grads + r.optimizer_state)
+
+
 class _WithLoss(nn.Module):
     """The model and its loss as one module, so that saved_tensor_bytes leaves its parameters out."""
 
@@ -287,6 +365,7 @@ class RunResult:
     optimizer_state_bytes: int
     saved_activation_bytes: int
     peak_bytes: Optional[int]
+    peak_model_bytes: int
     step_ms: float
     train_loss: float
     heldout_loss: float
@@ -312,6 +391,9 @@ def train_config(
     _warm_up(cfg, device)
     peak = _PeakMemory(device)
     model, opt = make_config(name, cfg, seed, device)
+    model_peak = _ModelBytesPeak(model, opt)
+    if name in RELEASED:
+        lowbit.optim.step_in_backward(opt, model)
     x0, y0 = windows(train_data, starts[0], cfg.context)
     saved = saved_tensor_bytes(_WithLoss(model), x0, y0).total
     progress = _Progress(name, len(starts))
@@ -320,10 +402,13 @@ def train_config(
     for i, step_starts in enumerate(starts):
         x, y = windows(train_data, step_starts, cfg.context)
         t0 = time.perf_counter()
+        model_peak.armed = i == len(starts) - 1  # the last step, whose states all exist
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
+        model_peak.sample()
         opt.step()
-        if i == len(starts) - 1:  # measured while this step's gradients still exist
+        model_peak.sample()
+        if i == len(starts) - 1:  # measured while this step's gradients still exist (none under release)
             report = lowbit.lpmm.memory_report(model, opt)
         opt.zero_grad(set_to_none=True)
         value = loss.item()  # synchronises, so the time below is the step's on any device
@@ -345,6 +430,7 @@ def train_config(
         optimizer_state_bytes=report.optimizer_state,
         saved_activation_bytes=saved,
         peak_bytes=peak.result(),
+        peak_model_bytes=model_peak.peak,
         step_ms=statistics.median(times) * 1e3,
         train_loss=sum(last) / len(last),
         heldout_loss=evaluate(model, heldout, cfg.context, cfg.batch),
@@ -371,14 +457,16 @@ def format_table(results: list[RunResult], device: torch.device) -> str:
     peak_label = "peak MiB" if device.type == "cuda" else "RSS+ MiB"
     head = (
         f"{'config':<10}{'params MiB':>11}{'grads MiB':>10}{'optim MiB':>10}{'activ MiB':>10}"
-        f"{'model B/param':>14}{peak_label:>10}{'ms/step':>9}{'train loss':>11}{'held-out':>10}{'vs ' + base.name:>11}"
+        f"{'model B/param':>14}{'peak B/param':>13}{peak_label:>10}{'ms/step':>9}{'train loss':>11}{'held-out':>10}"
+        f"{'vs ' + base.name:>11}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
         rel = 100 * (r.train_loss / base.train_loss - 1)
         lines.append(
             f"{r.name:<10}{_mib(r.param_bytes):>11}{_mib(r.grad_bytes):>10}{_mib(r.optimizer_state_bytes):>10}"
-            f"{_mib(r.saved_activation_bytes):>10}{r.model_bytes / r.num_params:>14.3f}{_mib(r.peak_bytes):>10}"
+            f"{_mib(r.saved_activation_bytes):>10}{r.model_bytes / r.num_params:>14.3f}"
+            f"{r.peak_model_bytes / r.num_params:>13.3f}{_mib(r.peak_bytes):>10}"
             f"{r.step_ms:>9.1f}{r.train_loss:>11.4f}{r.heldout_loss:>10.4f}{rel:>+10.2f}%"
         )
     lines.append("")

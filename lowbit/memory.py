@@ -156,8 +156,9 @@ class MemoryReport:
 def memory_report(model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> MemoryReport:
     """Measure the model memory of ``model`` (converted or not) and ``optimizer`` from their storage.
 
-    Gradient bytes count accumulators of low-precision parameters (allocated for their whole life)
-    and the ``.grad`` tensors that ordinary parameters hold at the time of the call.
+    Gradient bytes count the accumulators of low-precision parameters (persistent in the ordinary loop;
+    gradient release frees each after its parameter's step) and the ``.grad`` tensors that ordinary
+    parameters hold at the time of the call.
     """
     state = optimizer.state if optimizer is not None else {}
     report = MemoryReport()

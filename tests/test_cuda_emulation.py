@@ -396,17 +396,19 @@ def test_lpmm_accumulate(dtype, bits, group, stochastic):
     _identical(run)
 
 
+@pytest.mark.parametrize("offsets", [None, [5 << 40, 3, 1 << 40, 17]], ids=["contiguous", "offsets"])
 @pytest.mark.parametrize("rule,n_states", [(1, 1), (1, 0), (0, 2)])
 @pytest.mark.parametrize("bits", [(12, 8, 8), (5, 13, 6)])
 @pytest.mark.parametrize("group", [64, 256, 2048])
-def test_lpmm_step(rule, n_states, bits, group):
+def test_lpmm_step(rule, n_states, bits, group, offsets):
+    # offsets: per-tensor counter ranges, as the LPMM optimizers give their parameters.
     from tests.test_lpmm_ops import _step_args
 
     pb, gb, sb = bits
     kw = dict(rule=rule, param_bits=pb, grad_bits=gb, state_bits=sb, group=group, n_states=n_states, seed=5)
 
     def run() -> list:
-        args = _step_args([1, 255, 4097, 300], **kw)
+        args = _step_args([1, 255, 4097, 300], **kw, offsets=offsets)
         _ops.lpmm_step_(*args)
         return list(args[:8])
 

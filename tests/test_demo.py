@@ -49,16 +49,35 @@ def test_demo_writes_table_json_and_figure(tmp_path):
     assert r["lpmm"]["model_bytes"] < 0.3 * base["model_bytes"]
     assert r["lpmm"]["saved_activation_bytes"] == r["act"]["saved_activation_bytes"]
     assert base["grad_bytes"] == base["param_bytes"]  # fp32 .grad tensors, measured after the step
+    # The ordinary loop's peak during a step holds every gradient: params + grads + states after backward.
+    assert base["peak_model_bytes"] == base["model_bytes"]
+    assert r["adamw8bit"]["peak_model_bytes"] == r["adamw8bit"]["model_bytes"]
+    # Gradient release: no gradient is left after the step, and its peak holds the gradients of one or
+    # two tensors at a time instead of all (the largest, fc and out, are 65,536 of the 471,552 elements, 14%
+    # of the fp32 gradient bytes each), so it saves more than half of the fp32 gradient bytes.
+    assert r["release"]["grad_bytes"] == 0 and r["minimal"]["grad_bytes"] == 0
+    saved = r["adamw8bit"]["peak_model_bytes"] - r["release"]["peak_model_bytes"]
+    assert 0.5 * base["grad_bytes"] < saved < base["grad_bytes"]
+    # minimal: 12-bit parameters, two 4-bit moments and 4-bit accumulators, one or two alive at a time, groups
+    # of 512: 1.5 + 1.0 + 3 * 4 / 512 + 0.07 per live accumulator bytes a parameter (measured 2.595; the
+    # issue's bound: 2.6; 8-bit moments alone would be 3.5 without the gradients).
+    n = r["minimal"]["num_params"]
+    assert 2.5 < r["minimal"]["peak_model_bytes"] / n <= 2.6
+    assert r["minimal"]["optimizer_state_bytes"] < 0.15 * base["optimizer_state_bytes"]  # 1.0 / 8 plus absmaxes
+    # Muon8bit keeps one 8-bit state (momentum) for the hidden matrices where AdamW8bit keeps two.
+    assert r["muon8bit"]["optimizer_state_bytes"] < 0.75 * r["adamw8bit"]["optimizer_state_bytes"]
     assert all(len(row["losses"]) == 4 and row["peak_bytes"] is not None for row in r.values())
 
 
 def test_demo_losses_stay_within_two_percent_of_fp32(tmp_path):
     # The bound, at the default 300 steps. Measured (train / held-out loss vs fp32, seeds
-    # 0/1/2): lpmm -1.55% / -0.21% / +0.73% and -1.61% / -0.08% / -0.99%.
-    _run("--configs", "fp32,lpmm", "--out", str(tmp_path))
+    # 0/1/2): lpmm -1.55% / -0.21% / +0.73% and -1.61% / -0.08% / -0.99%; minimal (one thread)
+    # +1.12% / -0.00% / +1.26% and +1.26% / +0.81% / +0.20%.
+    _run("--configs", "fp32,lpmm,minimal", "--out", str(tmp_path))
     r = {row["name"]: row for row in json.loads((tmp_path / "report.json").read_text())["results"]}
-    for key in ("train_loss", "heldout_loss"):
-        assert abs(r["lpmm"][key] / r["fp32"][key] - 1) < 0.02, (key, r)
+    for name in ("lpmm", "minimal"):
+        for key in ("train_loss", "heldout_loss"):
+            assert abs(r[name][key] / r["fp32"][key] - 1) < 0.02, (name, key, r)
 
 
 def test_demo_reads_a_data_file_and_refuses_bad_arguments(tmp_path):

@@ -1,7 +1,8 @@
 """Gradient release (lowbit.optim.step_in_backward): training with each parameter stepped inside backward
 equals the ordinary ``backward(); step(); zero_grad()`` loop bit for bit, for every lowbit block-wise
-optimizer, with schedulers and a tensor lr, micro-batch accumulation and FSDP2; no gradient survives
-backward; what cannot work (GradScaler, DDP, LPMM) is refused. The ordinary loop is the reference."""
+optimizer and the LPMM ones, with schedulers and a tensor lr, micro-batch accumulation and FSDP2; no
+gradient (or LPMM accumulator) survives backward; what cannot work (GradScaler, DDP) is refused. The
+ordinary loop is the reference."""
 
 from __future__ import annotations
 
@@ -268,10 +269,17 @@ def test_global_clipping_finds_no_gradient():
     assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)) == 0.0
 
 
-def test_refuses_lpmm_other_optimizers_and_leftover_gradients():
+def test_refuses_other_optimizers_and_leftover_gradients():
     model = lowbit.lpmm.convert(nn.Sequential(nn.Linear(8, 8)), param_bits=12, grad_bits=8, group_size=64)
-    with pytest.raises(NotImplementedError, match="does not support LPMMAdamW: LPMM's stochastic rounding"):
-        step_in_backward(lowbit.optim.LPMMAdamW(model.parameters()))
+    lpmm_opt = lowbit.optim.LPMMAdamW(model.parameters())
+    model(torch.ones(1, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="needs the gradients cleared first"):
+        step_in_backward(lpmm_opt, model)
+    lpmm_opt.zero_grad()
+    model[0].weight.accumulate_(torch.ones(8, 8))  # by hand: no .grad on the handle, still a gradient
+    assert model[0].weight.handle.grad is None
+    with pytest.raises(RuntimeError, match="needs the gradients cleared first"):
+        step_in_backward(lpmm_opt, model)
     plain = nn.Linear(4, 4)
     with pytest.raises(TypeError, match="lowbit optimizers, got AdamW"):
         step_in_backward(torch.optim.AdamW(plain.parameters()))
@@ -299,6 +307,119 @@ def test_a_failed_step_keeps_the_gradient():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert not opt.state
     assert sum(p.grad is not None for p in model.parameters()) >= 1
+
+
+# LPMM: 12-bit parameters, 8-bit accumulators, groups of 64 (Net's weights span several groups, its
+# biases one partial group each), stochastic rounding everywhere (the draws are what release must keep);
+# 8-bit and 4-bit moments.
+LPMM_OPTIMIZERS: dict[str, Callable[[Any, torch.Generator], torch.optim.Optimizer]] = {
+    "LPMMSGD": lambda p, g: lowbit.optim.LPMMSGD(p, lr=5e-2, momentum=0.9, generator=g),
+    "LPMMSGD-nesterov-4bit": lambda p, g: lowbit.optim.LPMMSGD(
+        p, lr=5e-2, momentum=0.9, nesterov=True, momentum_bits=4, generator=g
+    ),
+    "LPMMAdamW": lambda p, g: lowbit.optim.LPMMAdamW(p, lr=1e-2, generator=g),
+    "LPMMAdamW-4bit": lambda p, g: lowbit.optim.LPMMAdamW(p, lr=1e-2, momentum_bits=4, generator=g),
+}
+
+
+def _lpmm_pair(name: str) -> tuple[nn.Module, Any, nn.Module, Any]:
+    """Two identically converted Nets and their optimizers, each model with its own accumulation generator
+    and each optimizer with its own, seeded alike: the two loops draw the same seeds in their own order."""
+    pairs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = lowbit.lpmm.convert(
+            Net(), param_bits=12, grad_bits=8, group_size=64, generator=torch.Generator().manual_seed(1)
+        )
+        pairs += [model, LPMM_OPTIMIZERS[name](model.parameters(), torch.Generator().manual_seed(2))]
+    return tuple(pairs)  # type: ignore[return-value]
+
+
+def _assert_lpmm_same(ref: nn.Module, ref_opt: Any, model: nn.Module, opt: Any) -> None:
+    """Stored parameters (codes and absmaxes) and every optimizer state tensor equal bit for bit."""
+    lps = lowbit.lpmm.low_precision_parameters(model)
+    for name, a in lowbit.lpmm.low_precision_parameters(ref).items():
+        b = lps[name]
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.absmax, b.absmax), name
+        sa, sb = ref_opt.state[a.handle], opt.state[b.handle]
+        assert sa.keys() == sb.keys(), name
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), (name, key)
+
+
+@pytest.mark.parametrize("name", list(LPMM_OPTIMIZERS))
+def test_lpmm_release_equals_the_ordinary_loop(name):
+    ref, ref_opt, model, opt = _lpmm_pair(name)
+    storages = lowbit.lpmm.low_precision_parameters(model).values()
+    release = step_in_backward(opt, model)
+    # The accumulators are freed as soon as release starts, before any backward.
+    assert not any(lp.accumulator_allocated for lp in storages)
+    start = {k: v.codes.clone() for k, v in lowbit.lpmm.low_precision_parameters(model).items()}
+    for batch in _batches(STEPS):
+        _loss(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _loss(model, batch).backward()
+        assert not any(lp.has_grad or lp.accumulator_allocated for lp in storages)
+        opt.step()  # no gradient left: a no-op, as in the block-wise case
+        opt.zero_grad()
+    _assert_lpmm_same(ref, ref_opt, model, opt)
+    # Trained (every used parameter moved), and `unused` never stepped: no gradient, step count 0.
+    moved = {k for k, v in lowbit.lpmm.low_precision_parameters(model).items() if not torch.equal(v.codes, start[k])}
+    assert moved == set(start) - {"unused"}
+    assert float(opt.state[model.unused.handle]["step"]) == 0.0
+    assert all(float(opt.state[p]["step"]) == STEPS for p in model.parameters() if p is not model.unused.handle)
+    release.remove()
+
+
+def test_lpmm_release_accumulates_micro_batches():
+    ref, ref_opt, model, opt = _lpmm_pair("LPMMAdamW")
+    storages = list(lowbit.lpmm.low_precision_parameters(model).values())
+    release = step_in_backward(opt, model)
+    batches = _batches(3 * STEPS)
+    for i in range(0, len(batches), 3):
+        for batch in batches[i : i + 3]:
+            _loss(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        with release.accumulate():
+            for batch in batches[i : i + 2]:
+                _loss(model, batch).backward()
+        assert all(lp.has_grad for lp in storages if lp is not model.unused)  # accumulated, not stepped
+        _loss(model, batches[i + 2]).backward()
+        assert not any(lp.has_grad or lp.accumulator_allocated for lp in storages)
+    _assert_lpmm_same(ref, ref_opt, model, opt)
+    release.remove()
+    # The ordinary loop again: the accumulators come back.
+    _loss(model, batches[0]).backward()
+    assert all(lp.accumulator_allocated for lp in storages if lp is not model.unused)
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["ordinary", "released"])
+def test_lpmm_accumulator_bytes_are_gone_during_backward(release):
+    # The live accumulator bytes, counted whenever a parameter's gradient is final (this hook is registered
+    # after release's, so it runs after that parameter's step): the ordinary loop keeps every accumulator;
+    # under release each is freed after its step, before the next parameter's gradient is final.
+    _, _, model, opt = _lpmm_pair("LPMMAdamW")
+    storages = list(lowbit.lpmm.low_precision_parameters(model).values())
+    handle = step_in_backward(opt, model) if release else None
+    live: list[int] = []
+    for lp in storages:
+        lp.handle.register_post_accumulate_grad_hook(
+            lambda _: live.append(sum(x.grad_codes.nbytes + x.grad_absmax.nbytes for x in storages))
+        )
+    _loss(model, _batches(1)[0]).backward()
+    # 8-bit codes and one fp32 absmax per 64 elements: 960 + 4 * 15, 40 + 4, 1600 + 4 * 25, 40 + 4,
+    # 280 + 4 * 5, and `unused` (never used, still allocated in the ordinary loop) 300 + 4 * 5 = 3,428 bytes.
+    # Released: at most the accumulator of mid.weight (1600 + 4 * 25 bytes) is alive at another parameter's
+    # hook (mid runs twice, so its gradient is final only after both uses), and none at the last one.
+    if release:
+        assert max(live) <= 1700 and live[-1] == 0, live
+    else:
+        assert max(live) == 3428, live
+    assert len(live) == 5
+    if handle is not None:
+        handle.remove()
 
 
 if dist.is_available() and dist.is_gloo_available():

@@ -489,3 +489,18 @@ def test_live_storage_count_follows_converted_models():
     del model
     gc.collect()
     assert parameter._LIVE[0] == before
+
+
+def test_each_parameter_takes_rounding_draws_of_its_own():
+    # Each parameter has a counter range of its own in its step's streams (lowbit.optim.lpmm): two parameters
+    # with the same value and the same accumulated gradient, stepped in one call, round differently. The
+    # updates, lr * |grad| < 0.1 / 127 for |grad| < 4, are under a tenth of a code step (8-bit codes at
+    # absmax 1: 1/127), so the draws alone decide each rounding.
+    value = torch.linspace(-1, 1, 4096)
+    a, b = (lpmm.LowPrecisionParameter(value, bits=8, grad_bits=8, group_size=4096) for _ in range(2))
+    grad = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    a.accumulate_(grad, seed=1)
+    b.accumulate_(grad, seed=1)
+    assert torch.equal(a.grad, b.grad)
+    LPMMSGD([a.handle, b.handle], lr=0.1 / 127 / 4, momentum=0.0).step()
+    assert not torch.equal(a.codes, b.codes)

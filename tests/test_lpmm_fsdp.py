@@ -45,7 +45,7 @@ def _model(seed: int, shard: bool) -> nn.Module:
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 7) -> list[float]:
-    # The rounding seeds come from torch's default generator: the same draws in the same order for
+    # The accumulation seeds come from torch's default generator: the same draws in the same order for
     # both layouts (one rank: no gradient averaging, so no rank-0 seed broadcast).
     torch.manual_seed(seed)
     data = torch.Generator().manual_seed(0)
@@ -85,7 +85,10 @@ def test_storage_is_sharded_in_whole_groups(one_rank):
 def test_sharded_training_is_bit_identical_to_plain(one_rank, optimizer):
     make = getattr(lowbit.optim, optimizer)
     plain, sharded = _model(0, shard=False), _model(0, shard=True)
-    opt_plain, opt_sharded = make(plain.parameters(), lr=0.05), make(sharded.parameters(), lr=0.05)
+    # The same rounding_seed for both optimizers (each draws its own when created).
+    opt_plain, opt_sharded = (
+        make(m.parameters(), lr=0.05, generator=torch.Generator().manual_seed(2)) for m in (plain, sharded)
+    )
     assert _train(plain, opt_plain, 5) == _train(sharded, opt_sharded, 5)
     whole, split = export_float(plain), export_float(sharded)
     assert whole.keys() == split.keys()
@@ -181,3 +184,14 @@ def test_clip_grad_norm_of_sharded_storage_matches_plain(one_rank, norm_type):
     lps = low_precision_parameters(plain)
     for name, lp in low_precision_parameters(sharded).items():
         assert torch.equal(lp.grad.reshape(-1)[: lp.numel()], lps[name].grad.reshape(-1)), name
+
+
+def test_gradient_release_refuses_sharded_storage(one_rank):
+    # FSDP2-sharded handles get no gradient (the sharded accumulator receives the reduced one), so no
+    # post-accumulate-grad hook would step them: refused, leaving the optimizer as it was.
+    model = _model(0, shard=True)
+    opt = lowbit.optim.LPMMAdamW(model.parameters())
+    with pytest.raises(NotImplementedError, match="FSDP2-sharded LPMM parameters"):
+        lowbit.optim.step_in_backward(opt, model)
+    assert not hasattr(opt, "_lowbit_release")
+    assert all(lp.accumulator_allocated for lp in low_precision_parameters(model).values())

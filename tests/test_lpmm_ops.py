@@ -34,6 +34,7 @@ def _step_args(
     seed: int,
     device: str = "cpu",
     stochastic: bool = True,
+    offsets: list[int] | None = None,
 ) -> list:
     """Arguments of lowbit::lpmm_step_ for random tensors of the given sizes."""
     params, pabs, grads, gabs, s1, s2, a1, a2 = ([] for _ in range(8))
@@ -83,6 +84,7 @@ def _step_args(
         stochastic,
         stochastic,
         seed,
+        offsets,
     ]
 
 
@@ -135,6 +137,37 @@ def test_step_matches_reference(cpu_kernels, rule, n_states, bits, group):
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(a, b)
         assert all(float(a.abs().sum()) == 0 for a in args[3])
+
+
+def _one_tensor(args: list, i: int) -> list:
+    """The arguments of ``args`` (from :func:`_step_args`) for its tensor ``i`` alone."""
+    lists = [[lst[i]] if lst else [] for lst in args[:8]]
+    offsets = args[23]
+    return [*lists, [args[8][i]], args[9][3 * i : 3 * i + 3], *args[10:23], None if offsets is None else [offsets[i]]]
+
+
+@pytest.mark.parametrize("rule,n_states", [(SGD, 1), (ADAM, 2)])
+def test_step_with_offsets_rounds_each_tensor_as_if_alone(rule, n_states):
+    # The LPMM optimizers give each parameter a counter range of its own, so that it rounds the same
+    # whichever parameters step in the same call (gradient release steps them one at a time): the fused
+    # call over three tensors with offsets must equal the twin stepping each tensor alone at its offset.
+    sizes, offsets = [4095, 100, 5000], [3 << 40, 7, 1 << 40]
+    kw = dict(rule=rule, param_bits=12, grad_bits=8, state_bits=4, group=2048, n_states=n_states, seed=5)
+    args = _step_args(sizes, **kw, offsets=offsets)
+    untouched = _clone(args)
+    _ops.lpmm_step_(*args)
+    for i in range(len(sizes)):
+        alone = _one_tensor(untouched, i)
+        _reference.lpmm_step_(*alone)
+        for got, want in zip(args[:8], alone[:8], strict=True):
+            if want:
+                assert torch.equal(got[i], want[0]), i
+    # The offsets are what makes it so: with the default ones (tensor 1 continuing at counter 4095) the
+    # second tensor's draws, hence its stochastically rounded codes, differ.
+    default = _clone(untouched)
+    default[23] = None
+    _ops.lpmm_step_(*default)
+    assert not torch.equal(default[0][1], args[0][1])
 
 
 def test_eager_step_is_the_op_and_bumps_versions():
@@ -201,7 +234,7 @@ def test_step_is_unbiased_for_parameters_and_states(rule, n_states):
 
     def once(seed: int) -> torch.Tensor:
         args = _clone(base)
-        args[-1] = seed
+        args[22] = seed
         _ops.lpmm_step_(*args)
         out = [_ops.dequantize_linear(args[0][0], args[1][0], 8, group, n, torch.float32)]
         for k in range(n_states):

@@ -3,7 +3,7 @@ csrc/cpu/lpmm.cpp, csrc/cuda/lpmm.cu)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -84,7 +84,10 @@ class LpmmStepArgs(NamedTuple):
     bit-packed at ``state_bits`` into ``map1``/``map2`` (``2**state_bits`` entries each), and one fp32
     absmax per group of ``group_size`` elements for each. ``rule`` is Adam (0) or SGD (1); ``hyper``,
     ``flags`` and ``scalars`` are laid out as for ``lowbit::optimizer_step_`` (:class:`StepHyper`).
-    Parameters and states are re-encoded with stochastic rounding where asked (draws keyed by ``seed``).
+    Parameters and states are re-encoded with stochastic rounding where asked (draws keyed by ``seed``):
+    element j of tensor i takes the draw at counter ``offsets[i] + j`` of each stream, so a tensor stepped
+    alone with its offset rounds exactly as inside a larger call. ``offsets`` None: each tensor continues
+    the counters where the previous one stopped (0, numels[0], numels[0] + numels[1], ...).
     """
 
     params: list[Tensor]
@@ -110,6 +113,7 @@ class LpmmStepArgs(NamedTuple):
     stochastic_param: bool
     stochastic_state: bool
     seed: int
+    offsets: Optional[list[int]] = None
 
     def written(self) -> list[Tensor]:
         """The tensors a step writes in place."""
@@ -122,6 +126,16 @@ class LpmmStepArgs(NamedTuple):
             *self.absmax1,
             *self.absmax2,
         ]
+
+
+def counter_offsets(a: LpmmStepArgs) -> list[int]:
+    """The counter offset of each tensor's first element in the rounding streams (see ``offsets``)."""
+    if a.offsets is not None:
+        return list(a.offsets)
+    starts = [0]
+    for n in a.numels[:-1]:
+        starts.append(starts[-1] + n)
+    return starts
 
 
 _MUTATED = ("params", "param_absmax", "grad_absmax", "state1", "state2", "absmax1", "absmax2")
@@ -138,6 +152,13 @@ def _check_step(a: LpmmStepArgs) -> None:
     _check_lpmm_bits("grad_bits", a.grad_bits, MIN_LPMM_BITS, MAX_LINEAR_BITS)
     _check_lpmm_bits("state_bits", a.state_bits, 1, MAX_MAP_BITS)
     _common.check_rng(a.seed, 0)
+    if a.offsets is not None:
+        _common.check(len(a.offsets) == count, f"offsets has {len(a.offsets)} entries but params has {count}")
+        for i, (offset, n) in enumerate(zip(a.offsets, a.numels, strict=True)):
+            _common.check(
+                isinstance(offset, int) and 0 <= offset and offset + n < 2**63,
+                f"offsets[{i}] must be an int in [0, 2**63 - numels[{i}]), got {offset!r}",
+            )
     _common.check(
         len(a.hyper) == len(StepHyper._fields), f"hyper must hold {len(StepHyper._fields)} values, got {len(a.hyper)}"
     )
@@ -171,7 +192,7 @@ def _call(a: LpmmStepArgs) -> None:
     pairs = ((a.state1, a.absmax1), (a.state2, a.absmax2))[: a.n_states]
     rows = []
     first_group = 0
-    offset = 0
+    offsets = counter_offsets(a)
     for i, n in enumerate(a.numels):
         ptrs = [s[i].data_ptr() for s, _ in pairs] + [0] * (2 - a.n_states)
         amax = [m[i].data_ptr() for _, m in pairs] + [0] * (2 - a.n_states)
@@ -185,11 +206,10 @@ def _call(a: LpmmStepArgs) -> None:
                 *amax,
                 n,
                 first_group,
-                offset,
+                offsets[i],
             ]
         )
         first_group += _common.num_blocks(n, a.group_size)
-        offset += n
     meta, scal = _common.call_tables(rows, LP_COLS, a.scalars, device)
     launch(_STEP, device)(
         a.rule,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lowbit._ops.lpmm import LpmmStepArgs
+from lowbit._ops.lpmm import LpmmStepArgs, counter_offsets
 from lowbit._ops.optim import StepArgs, StepHyper
 from lowbit._reference.quantize import (
     _mix64_int,
@@ -242,8 +242,7 @@ def lpmm_step_(*args: Any, **kwargs: Any) -> None:
     f32 = torch.float32
     states, absmaxes, maps = [a.state1, a.state2], [a.absmax1, a.absmax2], [a.map1, a.map2]
     root = _second_moment_slot(rule)
-    offset = 0
-    for i, n in enumerate(a.numels):
+    for i, (n, offset) in enumerate(zip(a.numels, counter_offsets(a), strict=True)):
         p = dequantize_linear(params[i], param_absmax[i], param_bits, group_size, n, f32)
         g = dequantize_linear(grads[i], grad_absmax[i], grad_bits, group_size, n, f32)
         values = [
@@ -274,4 +273,3 @@ def lpmm_step_(*args: Any, **kwargs: Any) -> None:
             states[k][i].copy_(codes)
             absmaxes[k][i].copy_(amax)
         grad_absmax[i].zero_()
-        offset += n

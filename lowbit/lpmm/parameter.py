@@ -229,17 +229,37 @@ class LowPrecisionParameter(nn.Module):
         codes = as_rows(self.codes, self.num_groups, self._row_bytes(self.bits))
         for name, whole in (("codes", codes), ("absmax", self.absmax)):
             self._buffers[name] = shards.split(whole)
-        lo = _ops.packed_bytes(shards.start, self.grad_bits)
-        self.grad_codes = self.grad_codes[lo : lo + _ops.packed_bytes(shards.numel, self.grad_bits)].clone()
-        self.grad_absmax = self.grad_absmax[shards.first : shards.first + shards.count].clone()
-        self.zero_grad_()
+        # Emptied and of this rank's groups only; also after free_grad_, whose empty accumulator has no part.
+        self.grad_codes, self.grad_absmax = self._new_accumulator()
         if pending is not None:
             part = pending.reshape(-1)[shards.start : shards.start + shards.numel]
             self._accumulate_local(part, draw_seed(self.generator))
 
     # -- gradient accumulator -------------------------------------------------------------------
 
+    def _new_accumulator(self) -> tuple[Tensor, Tensor]:
+        """An empty accumulator (zero absmaxes) for this process's elements."""
+        n = self.local_numel
+        groups = _ops.num_blocks(n, self.group_size) if self.shards is None else self.shards.count
+        codes = torch.zeros(_ops.packed_bytes(n, self.grad_bits), dtype=torch.uint8, device=self.device)
+        return codes, torch.zeros(groups, dtype=torch.float32, device=self.device)
+
+    @property
+    def accumulator_allocated(self) -> bool:
+        """Whether the accumulator holds storage (False after :meth:`free_grad_` until the next gradient)."""
+        return self.grad_absmax.numel() > 0 or self.local_numel == 0
+
+    def free_grad_(self) -> None:
+        """Discard the accumulated gradient and free the accumulator's storage, as setting a ``.grad`` to
+        None frees it (gradient release: the accumulator of a parameter then exists only from its first
+        gradient in a backward to its step). The next accumulation allocates it again, empty."""
+        self.grad_codes = self.grad_codes.new_empty(0)
+        self.grad_absmax = self.grad_absmax.new_empty(0)
+        self.has_grad = False
+
     def _accumulate_local(self, grad: Tensor, seed: int) -> None:
+        if not self.accumulator_allocated:
+            self.grad_codes, self.grad_absmax = self._new_accumulator()
         _ops.lpmm_accumulate_(
             grad.contiguous(),
             self.grad_codes,

@@ -36,7 +36,17 @@ What cannot work is refused:
   them. FSDP2 works: it calls the sharded parameters' post-accumulate-grad hooks after its
   reduce-scatter, so each rank steps its shard on the reduced gradient. Its sharded gradients are views
   of one reduce-scatter output per ``fully_shard`` module, which is freed once all of them are.
-- LPMM optimizers (:class:`~lowbit.optim.LPMMOptimizer`): see :func:`step_in_backward`.
+
+LPMM optimizers (:class:`~lowbit.optim.LPMMSGD`, :class:`~lowbit.optim.LPMMAdamW`): a converted
+parameter's gradient lives in its quantized accumulator, and its handle's post-accumulate-grad hook runs
+once autograd has fed it every contribution. The hook steps the parameter and frees the accumulator
+(:meth:`~lowbit.lpmm.LowPrecisionParameter.free_grad_`; :func:`step_in_backward` frees them all at
+once), so a released LPMM model holds one accumulator at a time instead of ``grad_bits`` per parameter.
+Bit-identity holds because an LPMM step's rounding draws depend only on the optimizer's
+``rounding_seed``, the parameter's step number and its position (:mod:`lowbit.optim.lpmm`), never on
+which parameters step together. Refused: LPMM's own data parallelism over whole parameters (it averages
+the accumulators in ``step()``, after backward), and FSDP2-sharded LPMM parameters, whose handles get no
+gradient (the sharded accumulator receives the reduced one), so no hook would fire.
 
 Parameters added to the optimizer after :func:`step_in_backward`, or that did not require gradients
 then, are not released (they step in ``opt.step()`` as usual); call ``remove()`` and
@@ -56,7 +66,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from lowbit.optim.lpmm import LPMMOptimizer
+from lowbit.optim.lpmm import LPMMOptimizer, storage_of
 from lowbit.optim.optimizer import LowbitOptimizer
 
 __all__ = ["GradientRelease", "step_in_backward"]
@@ -66,7 +76,7 @@ class GradientRelease:
     """The handle :func:`step_in_backward` returns: :meth:`remove` ends release, :meth:`accumulate`
     defers stepping over micro-batches."""
 
-    def __init__(self, optimizer: LowbitOptimizer) -> None:
+    def __init__(self, optimizer: LowbitOptimizer | LPMMOptimizer) -> None:
         self.optimizer = optimizer
         self._accumulating = False
         self._hooks: list[RemovableHandle] = []
@@ -95,6 +105,9 @@ class GradientRelease:
             # ordinary step keeps the gradients.
             self.optimizer._step_params({gi: [j]})
             param.grad = None
+            lp = storage_of(param)
+            if lp is not None:
+                lp.free_grad_()
 
         return step_and_free
 
@@ -139,7 +152,7 @@ def _refuse_grad_scaler(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
         )
 
 
-def _check_distributed(optimizer: LowbitOptimizer, model: Optional[nn.Module]) -> None:
+def _check_distributed(optimizer: LowbitOptimizer | LPMMOptimizer, model: Optional[nn.Module]) -> None:
     """Refuse the distributed setups whose gradients are not final when their hooks run."""
     if model is not None:
         for name, module in model.named_modules():
@@ -167,12 +180,30 @@ def _check_distributed(optimizer: LowbitOptimizer, model: Optional[nn.Module]) -
         )
 
 
-def step_in_backward(optimizer: LowbitOptimizer, model: Optional[nn.Module] = None) -> GradientRelease:
+def _check_lpmm(optimizer: LPMMOptimizer) -> None:
+    """Refuse the LPMM setups whose gradients are not final (or not seen) when the handles' hooks run."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(storage_of(p).shards is not None for p in params):
+        raise NotImplementedError(
+            f"lowbit: step_in_backward does not support FSDP2-sharded LPMM parameters ({type(optimizer).__name__}): "
+            "their handles get no gradient (the sharded accumulator receives the reduced one), so no hook would "
+            "step them. Use the ordinary loop"
+        )
+    if optimizer._group() is not None:
+        raise ValueError(
+            f"lowbit: step_in_backward cannot release {type(optimizer).__name__} with data_parallel: it averages "
+            "the accumulators over the ranks in step(), after backward. Pass data_parallel=False (one process per "
+            "model) or use the ordinary loop"
+        )
+
+
+def step_in_backward(optimizer: LowbitOptimizer | LPMMOptimizer, model: Optional[nn.Module] = None) -> GradientRelease:
     """Step each parameter of ``optimizer`` inside backward, as soon as its gradient is final, and free
     the gradient (see :mod:`lowbit.optim.gradient_release`).
 
     Args:
-        optimizer: a lowbit block-wise or fp32 optimizer (8-bit, 4-bit, 32-bit, LAMB/LARS, ...).
+        optimizer: a lowbit block-wise or fp32 optimizer (8-bit, 4-bit, 32-bit, LAMB/LARS, ...), or an
+            LPMM optimizer, whose parameters' accumulators are freed here and after each parameter's step.
         model: the module being trained. Optional, used only to refuse DDP, whose all-reduce would come
             after the step; in a distributed run with plain parameters it is required, because without it
             lowbit cannot tell a DDP-wrapped model from independent per-rank training.
@@ -181,34 +212,30 @@ def step_in_backward(optimizer: LowbitOptimizer, model: Optional[nn.Module] = No
         A :class:`GradientRelease`; its ``remove()`` restores the ordinary loop.
 
     Raises:
-        NotImplementedError: for the LPMM optimizers. Their stochastic rounding draws one seed per
-            ``step()`` and one per accumulated gradient, so stepping one parameter at a time would draw
-            different seeds and could not equal the ordinary loop bit for bit; their accumulator is a
-            persistent buffer, so there is no ``.grad`` to free; and under FSDP2 their handles get no
-            gradient, so no hook would fire. Also FSDP2 parameters on torch < 2.5, whose FSDP2 does not
-            run the sharded parameters' hooks.
+        NotImplementedError: FSDP2-sharded LPMM parameters (their handles get no gradient, so no hook
+            would fire); FSDP2 parameters on torch < 2.5, whose FSDP2 does not run the sharded
+            parameters' hooks.
         TypeError: ``optimizer`` is not a lowbit optimizer.
-        ValueError: DDP, or a distributed run with plain parameters and no ``model``.
+        ValueError: DDP, a distributed run with plain parameters and no ``model``, or an LPMM optimizer
+            that averages gradients over ranks itself (``data_parallel``).
         RuntimeError: release is already on for ``optimizer``, or a gradient already exists (it would
             be stepped together with the next backward's, unlike the ordinary loop).
     """
-    if isinstance(optimizer, LPMMOptimizer):
-        raise NotImplementedError(
-            f"lowbit: step_in_backward does not support {type(optimizer).__name__}: LPMM's stochastic rounding "
-            "draws one seed per step() and per accumulated gradient, so stepping one parameter at a time would "
-            "not equal the ordinary loop, and its gradient accumulator is a persistent low-precision buffer "
-            "(already 1 byte per parameter at grad_bits=8). Use the ordinary backward(); step(); zero_grad() loop"
-        )
-    if not isinstance(optimizer, LowbitOptimizer):
+    if not isinstance(optimizer, (LowbitOptimizer, LPMMOptimizer)):
         raise TypeError(
             f"lowbit: step_in_backward releases gradients of lowbit optimizers, got {type(optimizer).__name__}"
         )
     if getattr(optimizer, "_lowbit_release", None) is not None:
         raise RuntimeError("lowbit: step_in_backward is already on for this optimizer; remove() its handle first")
-    if any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(p.grad is not None or ((lp := storage_of(p)) is not None and lp.has_grad) for p in params):
         raise RuntimeError(
             "lowbit: step_in_backward needs the gradients cleared first (optimizer.zero_grad()): a gradient "
             "left now would be added to the next backward's and stepped with it"
         )
     _check_distributed(optimizer, model)
+    if isinstance(optimizer, LPMMOptimizer):
+        _check_lpmm(optimizer)
+        for p in params:
+            storage_of(p).free_grad_()
     return GradientRelease(optimizer)

@@ -62,6 +62,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "centered": ("centered", _flag, "a bool"),
     "momentum_bits": ("momentum_bits", lambda v: is_int_in(v, 1, 8), "an int in 1..8"),
     "rounding": ("rounding", lambda v: v in ROUNDING_MODES, f"one of {sorted(ROUNDING_MODES)}"),
+    "rounding_seed": ("rounding_seed", lambda v: is_int_in(v, 0, 2**62 - 1), "an int in [0, 2**62)"),
 }
 
 

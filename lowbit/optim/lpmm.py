@@ -5,12 +5,20 @@ gradient accumulator, updates the momentum (bit-packed codes into the signed dyn
 5.1) and the parameter (bit-packed linear codes), re-encodes both against fresh group absmaxes with
 stochastic rounding (section 5.2), and clears the accumulator, in one native call per param group.
 The update rules are torch.optim's (:mod:`lowbit.optim`), computed in fp32 per element.
+
+Rounding draws: an optimizer draws one ``rounding_seed`` from its generator when it is created (a
+param-group entry, saved in its state dict). Parameter ``i`` (its position in the optimizer, counting
+through the groups) at its step ``t`` takes the draws at counters ``i * 2**40`` onwards of the streams
+keyed by ``(rounding_seed, t)``: a pure function of the parameter, its step and the seed, whichever
+parameters step in the same native call. So gradient release (:func:`lowbit.optim.step_in_backward`),
+which steps one parameter at a time inside backward, rounds bit for bit as ``step()`` does, and a
+resumed checkpoint continues with the same draws.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -33,6 +41,10 @@ from lowbit.optim.state_storage import (
 )
 
 __all__ = ["LPMMAdamW", "LPMMOptimizer", "LPMMSGD"]
+
+
+# Each parameter's draws take a counter range of 2**40 elements of its own (see the module docstring).
+_COUNTER_BITS = 40
 
 
 def _stream_seed(base: int, stream: int) -> int:
@@ -74,7 +86,8 @@ class LPMMOptimizer(torch.optim.Optimizer):
         momentum_bits: bits per optimizer-state element, 1..8 (dynamic map of that size; paper: 8).
         rounding: ``"stochastic"`` (paper) or ``"nearest"`` for the optimizer states; parameters use
             the rounding they were converted with.
-        generator: source of rounding seeds (torch's default generator if None).
+        generator: source of the optimizer's ``rounding_seed``, drawn once here (torch's default
+            generator if None); the gradients' accumulation draws come from each parameter's own.
         data_parallel: average the gradient accumulators over the ranks of ``process_group`` before
             each step (data-parallel training, with or without DDP around the model). None (default):
             whenever ``torch.distributed`` is initialised with more than one rank in the group.
@@ -82,7 +95,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
 
     Data parallelism: each rank accumulates its own micro-batches; the step averages each accumulator
     over the ranks (decoded one tensor at a time, all-reduced in fp32 and re-encoded with stochastic
-    rounding) and uses rank 0's seed for every rounding draw, so parameters stay identical on all ranks.
+    rounding) and uses rank 0's seeds for every rounding draw, so parameters stay identical on all ranks.
 
     Subclasses set ``_rule`` and ``_state_signed`` and implement :meth:`_hyper` and :meth:`_scalars`.
     """
@@ -104,7 +117,13 @@ class LPMMOptimizer(torch.optim.Optimizer):
         self.generator = generator
         self.data_parallel = data_parallel
         self.process_group = process_group
-        defaults = dict(defaults, momentum_bits=momentum_bits, rounding=rounding, state_format=STATE_FORMAT)
+        defaults = dict(
+            defaults,
+            momentum_bits=momentum_bits,
+            rounding=rounding,
+            state_format=STATE_FORMAT,
+            rounding_seed=draw_seed(generator),
+        )
         # Every group is validated as it is added (lowbit.optim.hyperparams), the first one included.
         super().__init__(params, defaults)
 
@@ -154,20 +173,23 @@ class LPMMOptimizer(torch.optim.Optimizer):
         group = self.process_group if self.process_group is not None else dist.group.WORLD
         return group if dist.get_world_size(group) > 1 else None
 
-    def _average_gradients(self, group: dist.ProcessGroup) -> int:
+    def _average_gradients(self, group: dist.ProcessGroup) -> None:
         """Averages every accumulator of a whole (not sharded) parameter over ``group`` (the ones that have a
-        gradient on any rank); returns rank 0's seed for this step's rounding draws. Sharded parameters'
-        gradients were averaged in backward."""
+        gradient on any rank) and takes rank 0's ``rounding_seed`` for every param group. Sharded
+        parameters' gradients were averaged in backward."""
         lps = [lp for g in self.param_groups for p in g["params"] if (lp := storage_of(p)).shards is None]
         if not lps:  # sharded ranks round disjoint groups: their seeds need not agree
-            return draw_seed(self.generator)
+            return
         device = lps[0].device
         world = dist.get_world_size(group)
-        seed = torch.tensor([draw_seed(self.generator)], dtype=torch.int64, device=device)
-        dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
+        own = [draw_seed(self.generator)] + [g["rounding_seed"] for g in self.param_groups]
+        seeds = torch.tensor(own, dtype=torch.int64, device=device)
+        dist.broadcast(seeds, src=dist.get_global_rank(group, 0), group=group)
         flags = torch.tensor([lp.has_grad for lp in lps], dtype=torch.uint8, device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
-        base = int(seed.item())
+        base, *rounding_seeds = seeds.tolist()
+        for g, seed in zip(self.param_groups, rounding_seeds, strict=True):
+            g["rounding_seed"] = seed
         for i, (lp, flag) in enumerate(zip(lps, flags.tolist(), strict=True)):
             if not flag:
                 continue
@@ -175,7 +197,6 @@ class LPMMOptimizer(torch.optim.Optimizer):
             dist.all_reduce(total, group=group)
             lp.zero_grad_()
             lp.accumulate_(total.div_(world), seed=_stream_seed(base, 1 + i))
-        return base
 
     def _check_config(self, config: dict[str, Any], where: str) -> None:
         """Raise ValueError naming ``where`` if an option of ``config`` (a group's, possibly edited in
@@ -206,57 +227,84 @@ class LPMMOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for gi, group in enumerate(self.param_groups):
+        selection = {gi: range(len(group["params"])) for gi, group in enumerate(self.param_groups)}
+        self._check_params(selection)
+        group = self._group()
+        if group is not None:
+            self._average_gradients(group)
+        self._step_checked(selection)
+        return loss
+
+    def _check_params(self, selection: dict[int, Iterable[int]]) -> None:
+        """Raise before anything changes if a selected group's options or a parameter's state are invalid."""
+        for gi, positions in selection.items():
+            group = self.param_groups[gi]
             self._check_config(group, f"{type(self).__name__} param_groups[{gi}]")
-            for p in group["params"]:
+            for j in positions:
+                p = group["params"][j]
                 lp, state = storage_of(p), self.state.get(p)
                 if lp is not None and state:
                     self._check_state(lp, state, group)
-        group = self._group()
-        base = self._average_gradients(group) if group is not None else draw_seed(self.generator)
-        calls = 0
+
+    @torch.no_grad()
+    def _step_params(self, selection: dict[int, list[int]]) -> None:
+        """Step the selected parameters (param group index -> positions in the group) that hold a gradient,
+        after checking them; what gradient release calls for one parameter. No gradient averaging: release
+        refuses LPMM data parallelism over whole parameters."""
+        self._check_params(selection)
+        self._step_checked(selection)
+
+    def _step_checked(self, selection: dict[int, Iterable[int]]) -> None:
+        # Each parameter's draws depend only on the seed, its step number and its position (the module
+        # docstring), so the batches below may group them in any way.
+        first = 0
+        firsts = []
         for group in self.param_groups:
-            batches: dict[tuple[Any, ...], list[tuple[LowPrecisionParameter, dict[str, Any]]]] = {}
-            for p in group["params"]:
+            firsts.append(first)
+            first += len(group["params"])
+        for gi, positions in selection.items():
+            group = self.param_groups[gi]
+            batches: dict[tuple[Any, ...], list[tuple[LowPrecisionParameter, dict[str, Any], int]]] = {}
+            for j in positions:
+                p = group["params"][j]
                 lp = storage_of(p)
                 if lp is None or not lp.has_grad:
                     continue
                 state = self.state[p]
                 if not state:
                     state.update(self._init_state(lp, group))
-                key = (lp.bits, lp.grad_bits, lp.group_size, lp.rounding, lp.device)
-                batches.setdefault(key, []).append((lp, state))
-            for items in batches.values():
-                calls += 1
-                self._fused_step(group, items, _stream_seed(base, -calls))
-        return loss
+                step = int(state["step"].item()) + 1
+                key = (lp.bits, lp.grad_bits, lp.group_size, lp.rounding, lp.device, step)
+                batches.setdefault(key, []).append((lp, state, (firsts[gi] + j) << _COUNTER_BITS))
+            for key, items in batches.items():
+                self._fused_step(group, items, _stream_seed(group["rounding_seed"], key[-1]))
 
     def _fused_step(
-        self, group: dict[str, Any], items: list[tuple[LowPrecisionParameter, dict[str, Any]]], seed: int
+        self, group: dict[str, Any], items: list[tuple[LowPrecisionParameter, dict[str, Any], int]], seed: int
     ) -> None:
         n_states = self._n_states(group)
         lp0 = items[0][0]
         hyper, flags = self._hyper(group)
         scalars: list[float] = []
-        for _, state in items:
+        for _, state, _ in items:
             scalars += self._scalars(group, int(state["step"].item()) + 1)
         bits = group["momentum_bits"]
         lists: dict[str, list[Tensor]] = {f"{name}{k}": [] for name in ("state", "absmax") for k in (1, 2)}
-        for lp, state in items:
+        for lp, state, _ in items:
             for k in range(n_states):
                 lists[f"state{k + 1}"].append(lp.local_view(state[f"state{k + 1}"], bits))
                 lists[f"absmax{k + 1}"].append(_ops.local(state[f"absmax{k + 1}"]))
         device = lp0.device
         args = LpmmStepArgs(
-            params=[lp.local_codes() for lp, _ in items],
-            param_absmax=[lp.local_absmax() for lp, _ in items],
-            grads=[lp.grad_codes for lp, _ in items],
-            grad_absmax=[lp.grad_absmax for lp, _ in items],
+            params=[lp.local_codes() for lp, _, _ in items],
+            param_absmax=[lp.local_absmax() for lp, _, _ in items],
+            grads=[lp.grad_codes for lp, _, _ in items],
+            grad_absmax=[lp.grad_absmax for lp, _, _ in items],
             state1=lists["state1"],
             state2=lists["state2"],
             absmax1=lists["absmax1"],
             absmax2=lists["absmax2"],
-            numels=[lp.local_numel for lp, _ in items],
+            numels=[lp.local_numel for lp, _, _ in items],
             scalars=scalars,
             map1=state_map(self._state_signed[0] if n_states else True, device, bits),
             map2=state_map(self._state_signed[1] if n_states > 1 else False, device, bits),
@@ -271,9 +319,10 @@ class LPMMOptimizer(torch.optim.Optimizer):
             stochastic_param=lp0.rounding == "stochastic",
             stochastic_state=group["rounding"] == "stochastic",
             seed=seed,
+            offsets=[offset for _, _, offset in items],
         )
         _ops.lpmm_step_eager(args)
-        for lp, state in items:
+        for lp, state, _ in items:
             state["step"] += 1.0
             lp.mark_stepped()
 
@@ -302,6 +351,8 @@ class LPMMOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             upgrade = group.get("state_format", 1) != STATE_FORMAT
             group["state_format"] = STATE_FORMAT
+            # State dicts from before the seed was saved: this optimizer's own.
+            group.setdefault("rounding_seed", self.defaults["rounding_seed"])
             for p in group["params"]:
                 state = self.state.get(p)
                 if not state:
