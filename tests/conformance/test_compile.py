@@ -187,7 +187,8 @@ def test_grad_scaler_unscales_and_skips_non_finite_steps(name):
         for i, x in enumerate(batches):
             scaler.scale(model(x).square().mean()).backward()
             if i == 2:
-                opt.param_groups[0]["params"][0].grad.view(-1)[0] = float("inf")
+                grad = opt.param_groups[0]["params"][0].grad  # channels_last for the conv net: no view(-1)
+                grad[(0,) * grad.dim()] = float("inf")
                 if not scaled:  # the reference skips the poisoned step by hand
                     opt.zero_grad()
                     continue

@@ -46,7 +46,6 @@ MUON = dict(lr=2e-2, weight_decay=0.1)
 
 
 TWINS = [
-    Case(O.Muon32bit, torch.optim.Muon, MUON, ("lr", "weight_decay"), matrices=True),
     Case(O.Adam32bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas")),
     Case(O.AdamW32bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), ("lr", "weight_decay", "betas")),
     Case(O.SGD32bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, dampening=0.1), ("lr", "weight_decay")),
@@ -57,6 +56,7 @@ TWINS = [
         dict(lr=1e-2, lr_decay=1e-3, initial_accumulator_value=0.1),
         ("lr", "weight_decay"),
     ),
+    Case(O.Muon32bit, torch.optim.Muon, MUON, ("lr", "weight_decay"), matrices=True),
     # AdEMAMix has no torch.optim class: its reference is the pure-PyTorch formula, with the warm-ups on.
     Case(O.AdEMAMix32bit, ReferenceAdEMAMix, dict(lr=1e-3, t_alpha=6, t_beta3=6), ("lr", "weight_decay")),
 ]
@@ -331,7 +331,8 @@ class Run:
         wd = (
             0.0 if self.case.tcls in (torch.optim.AdamW, ReferenceAdEMAMix, torch.optim.Muon) else group["weight_decay"]
         )
-        g_main, g_ref = grad + wd * main_before, grad + wd * ref_before
+        # Not 0 * p: Muon's parameter is NaN everywhere once a NaN gradient element has passed Newton-Schulz.
+        g_main, g_ref = (grad + wd * main_before, grad + wd * ref_before) if wd else (grad, grad)
         old = self.bounds[j]
         new = {}
         for name in self._stored(j):
@@ -469,20 +470,24 @@ def test_loading_a_torch_state_with_a_nonfinite_element_keeps_the_rest_of_its_bl
     # element, then its state dict loaded into the 8-bit optimizer. torch's state holds a NaN at that
     # element only; lowbit must not let it take the block's scale (optimizer.py: an 8-bit state element
     # that is not finite restarts from zero, the rest of its block keeps its values).
-    p, q = nn.Parameter(torch.zeros(256)), nn.Parameter(torch.zeros(256))
-    ref = case.tcls([q], foreach=False, **case.kw)
-    q.grad = torch.ones(256)
-    q.grad[0] = float("nan")
+    # Muon steps a 16 x 16 matrix (its NaN element spreads to the whole parameter through Newton-Schulz, in
+    # torch as in lowbit; the state keeps it to one element).
+    shape = (16, 16) if case.matrices else (256,)
+    layout = dict(min_8bit_size=0) | ({"min_4bit_size": 0} if case.bits == 4 else {})
+    p, q = nn.Parameter(torch.zeros(shape)), nn.Parameter(torch.zeros(shape))
+    ref = case.tcls([q], **({} if case.matrices else dict(foreach=False)), **case.kw)
+    q.grad = torch.ones(shape)
+    q.grad.view(-1)[0] = float("nan")
     ref.step()
-    opt = case.cls([p], min_8bit_size=0, min_4bit_size=0, **case.kw)
+    opt = case.cls([p], **layout, **case.kw)
     opt.load_state_dict(ref.state_dict())
     absmaxes = [v for key, v in opt.state[p].items() if key.startswith("absmax")]
     assert absmaxes and all(bool(v.isfinite().all()) for v in absmaxes)
     # Its own state dict loads back, and the next step leaves the other 255 parameters finite, as torch's.
-    case.cls([nn.Parameter(torch.zeros(256))], min_8bit_size=0, min_4bit_size=0).load_state_dict(opt.state_dict())
+    case.cls([nn.Parameter(torch.zeros(shape))], **layout).load_state_dict(opt.state_dict())
     with torch.no_grad():
         p.copy_(q)
-    p.grad, q.grad = torch.ones(256), torch.ones(256)
+    p.grad, q.grad = torch.ones(shape), torch.ones(shape)
     opt.step()
     ref.step()
     assert torch.equal(p.isfinite(), q.isfinite())
