@@ -571,6 +571,7 @@ def run(args: argparse.Namespace) -> int:
         "lowbit": lowbit.__version__,
         "model": asdict(cfg),
         "steps": args.steps,
+        "seed": args.seed,
         "data": str(source),
         "results": [asdict(r) | {"model_bytes": r.model_bytes} for r in results],
     }
