@@ -10,7 +10,10 @@ Options: ``--models`` (comma-separated, default all of :data:`MODELS`), ``--batc
 ``--bits`` (few-bit width, default 3), ``--blpa-bits`` (approximate-activation code width, default 4, the
 paper's), ``--repeats`` (timed training steps per model and method, default 3; 0: no step times),
 ``--methods`` (comma-separated subset), ``--chosen`` (only each model's method in :data:`CHOSEN`),
-``--small`` (small configs of the conv nets and BERT: the CI subset), ``--threads`` (``torch.set_num_threads``).
+``--small`` (small configs of the conv nets and BERT: the CI subset), ``--no-dropout`` (every ``nn.Dropout``'s
+probability set to 0: torch's CPU dropout keeps a float mask, and attention dropout sends CPU attention through
+the math path that keeps the tokens x tokens probabilities, where fused GPU kernels keep neither; see the
+README), ``--threads`` (``torch.set_num_threads``).
 
 For each model and method (``fewbit``, ``invact``, and for the conv nets ``blpa``: BatchNorm -> ReLU(6) ->
 Conv units through approximate activations) the model is built afresh in training mode, its
@@ -43,16 +46,20 @@ from lowbit.memory import saved_tensor_bytes
 Sample = dict[str, Any]
 
 # The papers' saved-activation reductions, by model and method, quoted with the table they come from and the
-# model it measured where that differs from the row's: fewbit-backward.txt Table 4 at 3 bits (it reports
-# ResNet-101 and EfficientNet-B7 at 256x256 images, RoBERTa-base and GPT-2 at 256 tokens), the
-# inverted-activations paper's memory table (inverted-activations.txt, Listing 1's table; setups in its A.1),
-# and approx-activations-blpa.txt Sec. 3.4 (its ResNets at 4 bits).
+# model it measured where that differs from the row's: fewbit-backward.txt Table 4 and Appendix B at 3 bits
+# (ResNet-50 and EfficientNet-B0 at 256x256 images in Appendix B, RoBERTa-base and GPT-2 at 256 tokens in
+# Table 4), the inverted-activations paper's memory table (inverted-activations.txt, Listing 1's table; the
+# setups of its A.1 are missing from the text), and approx-activations-blpa.txt Sec. 3.4 (alpha = 1/8 of the
+# approximated activations at K = 4 bits, for its pre-activation ResNets). An inverted layer keeps what a
+# 1-bit few-bit layer keeps (one bit per element beside the output that the next layer saves), so the
+# ``invact`` rows of RoBERTa and EfficientNet-B0 quote FewBit's 1-bit column, named as such.
 PAPER = {
-    ("resnet50", "fewbit"): "-28% (ResNet-101, FewBit T4)",
-    ("resnet50", "blpa"): "up to 8x less (BLPA 3.4)",
-    ("mobilenetv2", "blpa"): "up to 8x less (BLPA 3.4)",
-    ("efficientnet_b0", "fewbit"): "-24% (B7, FewBit T4)",
+    ("resnet50", "fewbit"): "-28% (FewBit App. B)",
+    ("resnet50", "blpa"): "1/8 of the units' activations at 4 bits (BLPA 3.4)",
+    ("efficientnet_b0", "fewbit"): "-26% (FewBit App. B)",
+    ("efficientnet_b0", "invact"): "-28% (FewBit App. B, 1 bit)",
     ("roberta", "fewbit"): "-15% (FewBit T4)",
+    ("roberta", "invact"): "-16% (FewBit T4, 1 bit)",
     ("gpt2", "fewbit"): "-39% (FewBit T4)",
     ("bert", "invact"): "-22.9% (InvAct table)",
     ("vit", "invact"): "-23.8% (InvAct table)",
@@ -137,11 +144,14 @@ SMALL: dict[str, Callable[[int], tuple[nn.Module, Sample]]] = {
 
 # The method the table's readers would choose for each model: the one that saves most in the table.
 # GPT-2's NewGELUActivation is a Python formula that an inverted layer replaces only with strict=False, so
-# few-bit keeps its forward bit for bit.
+# few-bit keeps its forward bit for bit. EfficientNet-B0 saves more with few-bit (-24.8% against invact's
+# -18.0% at batch 2, README): the four expansion SiLUs before a stride-2 depthwise convolution feed a
+# ZeroPad2d, so that convolution saves a padded copy and an inverted layer's output would be kept besides it
+# (its report: no saving, 15.8 MiB that those SiLUs keep alone), while 3-bit codes replace them.
 CHOSEN = {
     "resnet50": "blpa",
     "mobilenetv2": "blpa",
-    "efficientnet_b0": "invact",
+    "efficientnet_b0": "fewbit",
     "convnext": "invact",
     "bert": "invact",
     "roberta": "invact",
@@ -183,13 +193,21 @@ def _step(model: nn.Module, sample: Sample) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def measure(name: str, method: str, batch: int, bits: int, repeats: int, small: bool = False) -> dict[str, Any]:
-    """Bytes before, expected and after compressing model ``name`` (its ``--small`` form with ``small``) with
-    ``method``, the report's counts, and the compressed model's step time over the uncompressed one's (None
-    without ``repeats``)."""
+def measure(
+    name: str, method: str, batch: int, bits: int, repeats: int, small: bool = False, dropout: bool = True
+) -> dict[str, Any]:
+    """Bytes before, expected and after compressing model ``name`` (its ``--small`` form with ``small``; every
+    ``nn.Dropout`` at probability 0 without ``dropout``) with ``method``, the report's counts, and the
+    compressed model's step time over the uncompressed one's (None without ``repeats``)."""
     torch.manual_seed(0)
     model, sample = (SMALL if small else MODELS)[name](batch)
     model.train()
+    if not dropout:
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                # BERT's, RoBERTa's and GPT-2's attention read their dropout probability from such a module;
+                # the other configs here have none in attention.
+                m.p = 0.0
     plain = copy.deepcopy(model)
     activations = {path for path, m in model.named_modules() if type(m).__module__ in ACTIVATION_MODULES}
     before = saved_tensor_bytes(model, **sample).total
@@ -227,6 +245,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--methods", default=None, help="comma-separated; default: every method that applies")
     p.add_argument("--chosen", action="store_true", help="only each model's chosen method (CHOSEN)")
     p.add_argument("--small", action="store_true", help="small configs of resnet50, mobilenetv2 and bert (CI)")
+    p.add_argument("--no-dropout", action="store_true", help="every nn.Dropout's probability set to 0")
     p.add_argument("--threads", type=int, default=None)
     args = parse(p, argv)
     known = SMALL if args.small else MODELS
@@ -245,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             methods = [m for m in methods if m == CHOSEN[name]]
         for method in methods:
             bits = args.blpa_bits if method == "blpa" else args.bits
-            r = measure(name, method, args.batch, bits, args.repeats, args.small)
+            r = measure(name, method, args.batch, bits, args.repeats, args.small, not args.no_dropout)
             change = 100 * (r["after"] - r["before"]) / r["before"]
             step = "-" if r["step"] is None else f"{r['step']:.2f}x"
             shown = f"**{method}**" if CHOSEN.get(name) == method else method
