@@ -234,13 +234,14 @@ py::dict code_table(std::initializer_list<std::pair<const char*, Enum>> entries)
 
 // Binds a native loop as NAME_cpu(inputs..., threads) and, in a CUDA build, NAME_cuda(inputs..., device,
 // stream): `make` turns the inputs into the argument struct that both the CPU loop and the CUDA launcher
-// take; the GIL is released around both.
-template <typename OnCuda, typename Args, typename... In>
-void def_loop(py::module_& m, const std::string& name, Args (*make)(In...), void (*on_cpu)(const Args&, int),
-              OnCuda on_cuda) {
+// take; the GIL is released around both. A null on_cpu or on_cuda binds no such entry.
+template <typename OnCpu, typename OnCuda, typename Args, typename... In>
+void def_loop(py::module_& m, const std::string& name, Args (*make)(In...), OnCpu on_cpu, OnCuda on_cuda) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def(
-      (name + "_cpu").c_str(), [make, on_cpu](In... in, int threads) { on_cpu(make(in...), threads); }, nogil);
+  if constexpr (!std::is_null_pointer_v<OnCpu>) {
+    m.def(
+        (name + "_cpu").c_str(), [make, on_cpu](In... in, int threads) { on_cpu(make(in...), threads); }, nogil);
+  }
   if constexpr (!std::is_null_pointer_v<OnCuda>) {
     m.def(
         (name + "_cuda").c_str(),
@@ -255,6 +256,16 @@ void def_loop(py::module_& m, const std::string& name, Args (*make)(In...), void
 #else
 #define LB_CUDA_LOOP(name) nullptr
 #endif
+
+// The CPU loop of a native loop for def_loop. lowbit._C_cuda_emu binds none: its tests compare its
+// launchers with lowbit._C's CPU loops, so its build compiles nothing of csrc/cpu (CMakeLists.txt).
+#ifdef LOWBIT_CUDA_EMULATION
+#define LB_CPU_LOOP(name) nullptr
+#else
+#define LB_CPU_LOOP(name) &lowbit::cpu::name
+#endif
+
+#ifndef LOWBIT_CUDA_EMULATION
 
 py::dict build_info() {
   py::dict info;
@@ -276,6 +287,7 @@ py::dict build_info() {
 #endif
   return info;
 }
+#endif
 
 }  // namespace
 
@@ -294,7 +306,9 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
     return false;
 #endif
   });
+#ifndef LOWBIT_CUDA_EMULATION
   m.def("build_info", &build_info);
+#endif
   m.def(
       "cuda_versions",
       []() {
@@ -344,24 +358,26 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
   m.attr("INVACT_COEFFS") = lowbit::kInvactCoeffs;
   m.attr("INVACT_PARAMS") = lowbit::kInvactParams;
   m.attr("SEED_SALT") = lowbit::kSeedSalt;
+#ifndef LOWBIT_CUDA_EMULATION
   // Private: tests run the optimizer step with and without the AVX-512 kernels and compare.
   m.def("_set_cpu_avx512", &lowbit::cpu::set_avx512_enabled);
   m.def("_set_cpu_avx2", &lowbit::cpu::set_avx2_enabled);
   m.def("_set_cpu_gather_encode", &lowbit::cpu::set_gather_encode);
   m.def("_set_cpu_vbmi_decode", &lowbit::cpu::set_vbmi_decode);
+#endif
 
-  def_loop(m, "quantize", &quantize_args, &lowbit::cpu::quantize, LB_CUDA_LOOP(quantize));
-  def_loop(m, "dequantize", &dequantize_args, &lowbit::cpu::dequantize, LB_CUDA_LOOP(dequantize));
-  def_loop(m, "pack_bits", &pack_args, &lowbit::cpu::pack_bits, LB_CUDA_LOOP(pack_bits));
-  def_loop(m, "unpack_bits", &pack_args, &lowbit::cpu::unpack_bits, LB_CUDA_LOOP(unpack_bits));
-  def_loop(m, "fewbit_encode", &fewbit_encode_args, &lowbit::cpu::fewbit_encode, LB_CUDA_LOOP(fewbit_encode));
-  def_loop(m, "fewbit_grad", &fewbit_grad_args, &lowbit::cpu::fewbit_grad, LB_CUDA_LOOP(fewbit_grad));
-  def_loop(m, "blpa_encode", &blpa_args, &lowbit::cpu::blpa_encode, LB_CUDA_LOOP(blpa_encode));
-  def_loop(m, "blpa_decode", &blpa_args, &lowbit::cpu::blpa_decode, LB_CUDA_LOOP(blpa_decode));
-  def_loop(m, "blpa_backward", &blpa_args, &lowbit::cpu::blpa_backward, LB_CUDA_LOOP(blpa_backward));
-  def_loop(m, "invact_grad", &invact_grad_args, &lowbit::cpu::invact_grad, LB_CUDA_LOOP(invact_grad));
-  def_loop(m, "muon_momentum", &muon_args, &lowbit::cpu::muon_momentum, LB_CUDA_LOOP(muon_momentum));
-  def_loop(m, "optimizer_step", &optim_args, &lowbit::cpu::optimizer_step, LB_CUDA_LOOP(optimizer_step));
-  def_loop(m, "lpmm_accumulate", &lpmm_accum_args, &lowbit::cpu::lpmm_accumulate, LB_CUDA_LOOP(lpmm_accumulate));
-  def_loop(m, "lpmm_step", &lpmm_args, &lowbit::cpu::lpmm_step, LB_CUDA_LOOP(lpmm_step));
+  def_loop(m, "quantize", &quantize_args, LB_CPU_LOOP(quantize), LB_CUDA_LOOP(quantize));
+  def_loop(m, "dequantize", &dequantize_args, LB_CPU_LOOP(dequantize), LB_CUDA_LOOP(dequantize));
+  def_loop(m, "pack_bits", &pack_args, LB_CPU_LOOP(pack_bits), LB_CUDA_LOOP(pack_bits));
+  def_loop(m, "unpack_bits", &pack_args, LB_CPU_LOOP(unpack_bits), LB_CUDA_LOOP(unpack_bits));
+  def_loop(m, "fewbit_encode", &fewbit_encode_args, LB_CPU_LOOP(fewbit_encode), LB_CUDA_LOOP(fewbit_encode));
+  def_loop(m, "fewbit_grad", &fewbit_grad_args, LB_CPU_LOOP(fewbit_grad), LB_CUDA_LOOP(fewbit_grad));
+  def_loop(m, "blpa_encode", &blpa_args, LB_CPU_LOOP(blpa_encode), LB_CUDA_LOOP(blpa_encode));
+  def_loop(m, "blpa_decode", &blpa_args, LB_CPU_LOOP(blpa_decode), LB_CUDA_LOOP(blpa_decode));
+  def_loop(m, "blpa_backward", &blpa_args, LB_CPU_LOOP(blpa_backward), LB_CUDA_LOOP(blpa_backward));
+  def_loop(m, "invact_grad", &invact_grad_args, LB_CPU_LOOP(invact_grad), LB_CUDA_LOOP(invact_grad));
+  def_loop(m, "muon_momentum", &muon_args, LB_CPU_LOOP(muon_momentum), LB_CUDA_LOOP(muon_momentum));
+  def_loop(m, "optimizer_step", &optim_args, LB_CPU_LOOP(optimizer_step), LB_CUDA_LOOP(optimizer_step));
+  def_loop(m, "lpmm_accumulate", &lpmm_accum_args, LB_CPU_LOOP(lpmm_accumulate), LB_CUDA_LOOP(lpmm_accumulate));
+  def_loop(m, "lpmm_step", &lpmm_args, LB_CPU_LOOP(lpmm_step), LB_CUDA_LOOP(lpmm_step));
 }
