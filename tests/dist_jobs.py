@@ -51,6 +51,13 @@ OPTIMIZERS = {
     "Adam8bit-clip": lambda params: lowbit.optim.Adam8bit(params, lr=CFG.lr, min_8bit_size=256, percentile_clipping=50),
     # Norms of the update inside the fused step (LAMB's trust ratio; max_unorm takes the same path).
     "LAMB8bit": lambda params: lowbit.optim.LAMB8bit(params, lr=3e-2, min_8bit_size=256),
+    "SGD4bit": lambda params: lowbit.optim.SGD4bit(params, lr=0.05, momentum=0.9, min_4bit_size=256),
+    "Lion8bit": lambda params: lowbit.optim.Lion8bit(params, lr=3e-4, min_8bit_size=256),
+    "RMSprop8bit": lambda params: lowbit.optim.RMSprop8bit(params, lr=1e-3, min_8bit_size=256),
+    "Adagrad8bit": lambda params: lowbit.optim.Adagrad8bit(params, lr=1e-2, min_8bit_size=256),
+    "AdEMAMix8bit": lambda params: lowbit.optim.AdEMAMix8bit(
+        params, lr=CFG.lr, t_alpha=2, t_beta3=2, min_8bit_size=256
+    ),
     "LPMMSGD": lambda params: lowbit.optim.LPMMSGD(params, lr=0.05, momentum=0.9),
     "LPMMAdamW": lambda params: lowbit.optim.LPMMAdamW(params, lr=CFG.lr),
 }
@@ -227,7 +234,10 @@ def worker(rank: int, world: int, init_file: str, out: str, job: dict[str, Any])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        result = train(rank, world, job)
+        if "optimizers" in job:  # one job per optimizer in the same ranks, which saves their start-up
+            result = {name: train(rank, world, {**job, "optimizer": name}) for name in job["optimizers"]}
+        else:
+            result = train(rank, world, job)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
         dist.barrier()
