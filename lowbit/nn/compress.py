@@ -7,7 +7,8 @@ two values: ReLU6, Hardtanh, LeakyReLU with any slope, Threshold, Hardsigmoid, H
 activation functions stored as module attributes (``self.act_fn = F.silu``), and Hugging Face
 ``transformers.activations`` modules. The forward pass of the model is unchanged bit for bit: a
 Hugging Face Python formula (``QuickGELUActivation``, ``NewGELUActivation``, ...) keeps its own formula
-in a few-bit layer. The inverted layers exist for torch's GELU, SiLU and Mish and for quick_gelu; torch's
+in a few-bit layer. The inverted layers exist for torch's GELU, SiLU and Mish and for quick_gelu, and, saving
+only the output, for the modules ELU, CELU, SELU, LeakyReLU (slope >= 0) and transformers' relu2; torch's
 kernels round differently from the GELU formulas, so they replace ``NewGELUActivation`` and
 ``FastGELUActivation`` only with ``strict=False``. Classes that cannot be replaced (PReLU, RReLU,
 softmax, ...) are listed with the reason.
@@ -34,7 +35,15 @@ from torch import Tensor, nn
 from lowbit.memory import SavedBytes, saved_tensor_bytes
 from lowbit.nn import blpa, blpa_convert, invact
 from lowbit.nn._catalogue import HF_EXACT, HF_FORMULA, hf_formula, hf_pointwise, torch_module
-from lowbit.nn.activations import FewBitActivation, InvActivation
+from lowbit.nn.activations import (
+    FewBitActivation,
+    InvActivation,
+    InvCELU,
+    InvELU,
+    InvLeakyReLU,
+    InvReLUSquared,
+    InvSELU,
+)
 from lowbit.nn.fewbit.tables import WEIGHTS, _check_bits, table_bits
 
 __all__ = ["CompressionReport", "Replacement", "compress_activations"]
@@ -81,6 +90,10 @@ _SIGNATURES: dict[Any, tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]]] 
     torch.relu: ((), (), {}),
 }
 _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
+# What method="invact" can replace, for the reports of what it cannot.
+_INVERTIBLE_NAMES = (
+    "gelu, gelu_tanh, silu, mish, quick_gelu; the modules ELU, CELU, SELU, LeakyReLU with a slope >= 0 and relu2"
+)
 
 
 @dataclass(frozen=True)
@@ -168,7 +181,7 @@ def _module_name(m: nn.Module, strict: bool, method: str) -> tuple[Optional[str]
     # An inverted layer computes torch's function, which rounds differently from the module's formula.
     torch_name = HF_EXACT.get(cls) or HF_FORMULA.get(cls)
     if torch_name is None:
-        return None, f"{cls} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
+        return None, f"{cls} has no inverted form in lowbit ({_INVERTIBLE_NAMES})"
     if strict:
         return None, f"{cls} computes a Python formula that rounds differently from torch's kernel (strict=False)"
     return torch_name, None
@@ -272,12 +285,40 @@ def _fewbit_bits(name: str, bits: int) -> int:
     return 1 if table_bits(name) == (1,) else bits
 
 
+def _exact_inverse(m: nn.Module) -> tuple[Optional[nn.Module], Optional[str]]:
+    """The layer that computes module ``m`` and saves only its output (lowbit.nn.activations: exactly
+    inverted activations); (None, reason) where the output does not name the branch; (None, None) for
+    modules of other classes."""
+    cls = type(m)
+    if cls in (nn.ReLU, nn.Sigmoid, nn.Tanh):
+        # relu' = (y > 0), sigmoid' = y (1 - y), tanh' = 1 - y**2: torch's backward already reads the output.
+        return None, f"torch's backward of {cls.__name__} already reads only its output: it is its own inverted form"
+    if cls is nn.ELU:
+        if m.alpha < 0:
+            return None, "ELU with alpha < 0: positive outputs come from both signs of x, so the output cannot invert"
+        return InvELU(float(m.alpha), m.inplace), None
+    if cls is nn.CELU:
+        return InvCELU(float(m.alpha), m.inplace), None
+    if cls is nn.SELU:
+        return InvSELU(m.inplace), None
+    if cls is nn.LeakyReLU:
+        if m.negative_slope < 0:
+            return None, (
+                "LeakyReLU with a negative slope: positive outputs come from both signs of x, so the inverted "
+                "form would need the sign bit too; method='fewbit' has the exact form that saves only that bit"
+            )
+        return InvLeakyReLU(float(m.negative_slope), m.inplace), None
+    if hf_pointwise(m)[0] == "ReLUSquaredActivation":
+        return InvReLUSquared(), None
+    return None, None
+
+
 def _make(
     name: str, method: str, bits: int, weight: str, device: torch.device
 ) -> tuple[Optional[nn.Module], Optional[str]]:
     if method == "invact":
         if name not in invact.INVERTIBLE:
-            return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
+            return None, f"{name} has no inverted form in lowbit ({_INVERTIBLE_NAMES})"
         return InvActivation(name).to(device), None
     return FewBitActivation(name, _fewbit_bits(name, bits), weight).to(device), None
 
@@ -288,7 +329,7 @@ def _make_call(
     """The layer for function attribute ``fn``; for GELU also the other approximation, which a call may ask
     for with ``approximate=``."""
     if method == "invact" and name not in invact.INVERTIBLE:
-        return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
+        return None, f"function {name} has no inverted form in lowbit ({_INVERTIBLE_NAMES})"
     alternates = {}
     if name in _GELU_APPROXIMATE.values():
         other = "gelu_tanh" if name == "gelu" else "gelu"
@@ -408,7 +449,8 @@ def compress_activations(
         model: any ``nn.Module``; its submodules are replaced, the model object itself is kept.
         method: ``"fewbit"`` (:class:`~lowbit.nn.FewBitActivation`, ``bits`` bits per element; ReLU and
             LeakyReLU take their exact 1-bit form), ``"invact"`` (:class:`~lowbit.nn.InvActivation`, the
-            output plus 1 bit per element; GELU, SiLU, Mish and quick_gelu only) or ``"blpa"``
+            output plus 1 bit per element, for GELU, SiLU, Mish and quick_gelu; the output alone for ELU, CELU,
+            SELU, LeakyReLU with a slope >= 0 and relu2: :class:`~lowbit.nn.InvELU` and friends) or ``"blpa"``
             (approximate activations, :mod:`lowbit.nn.blpa_convert`: each BatchNorm2d -> ReLU/ReLU6 ->
             Conv2d unit saves ``bits`` bits per element of the convolution's input, plus one for ReLU6's
             clip, instead of the BatchNorm input and the activation output; its backward is approximate,
@@ -529,6 +571,13 @@ def _walk(
         if child is None:
             continue
         path = f"{prefix}.{child_name}" if prefix else child_name
+        exact, reason = _exact_inverse(child) if how[0] == "invact" else (None, None)
+        if exact is not None:
+            swaps.append(_Swap(module, child_name, True, path, child, exact, repr(child), repr(exact)))
+            continue
+        if reason is not None:
+            report.skipped.append((path, reason))
+            continue
         name, reason = _module_name(child, strict, how[0])
         if name is None:
             if reason is not None:
