@@ -460,11 +460,19 @@ class _ExactInvActivation(nn.Module):
         super().__init__()
         self.p, self.inplace = p, inplace
 
+    @property
+    def name(self) -> str:
+        """The activation: ``elu``, ``celu``, ``selu``, ``leaky_relu`` or ``relu2``."""
+        return self.kind
+
     def forward(self, x: Tensor) -> Tensor:
         """The activation of ``x``, torch's own, bit for bit."""
+        return self._activation(x, self.inplace)
+
+    def _activation(self, x: Tensor, inplace: bool) -> Tensor:
         if not isinstance(x, Tensor):
             raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
-        if self.inplace:
+        if inplace:
             return self._inplace(x)
         return _ExactInvFunction.apply(x, self.kind, self.p)
 

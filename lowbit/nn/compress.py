@@ -8,7 +8,7 @@ activation functions stored as module attributes (``self.act_fn = F.silu``), and
 ``transformers.activations`` modules. The forward pass of the model is unchanged bit for bit: a
 Hugging Face Python formula (``QuickGELUActivation``, ``NewGELUActivation``, ...) keeps its own formula
 in a few-bit layer. The inverted layers exist for torch's GELU, SiLU and Mish and for quick_gelu, and, saving
-only the output, for the modules ELU, CELU, SELU, LeakyReLU (slope >= 0) and transformers' relu2; torch's
+only the output, for ELU, CELU, SELU, LeakyReLU (slope >= 0; as functions, torch's defaults) and relu2; torch's
 kernels round differently from the GELU formulas, so they replace ``NewGELUActivation`` and
 ``FastGELUActivation`` only with ``strict=False``. Classes that cannot be replaced (PReLU, RReLU,
 softmax, ...) are listed with the reason.
@@ -91,9 +91,7 @@ _SIGNATURES: dict[Any, tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]]] 
 }
 _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
 # What method="invact" can replace, for the reports of what it cannot.
-_INVERTIBLE_NAMES = (
-    "gelu, gelu_tanh, silu, mish, quick_gelu; the modules ELU, CELU, SELU, LeakyReLU with a slope >= 0 and relu2"
-)
+_INVERTIBLE_NAMES = "gelu, gelu_tanh, silu, mish, quick_gelu; ELU, CELU, SELU, LeakyReLU with a slope >= 0 and relu2"
 
 
 @dataclass(frozen=True)
@@ -229,8 +227,9 @@ class _FunctionCall(nn.Module):
         return layer._activation(x, inplace)
 
     def _describe(self) -> str:
-        # The report names the public layer; the alternates are an implementation detail.
-        base = InvActivation if isinstance(self, InvActivation) else FewBitActivation
+        # The report names the public layer (the first public class after this mixin); the alternates are an
+        # implementation detail.
+        base = next(c for c in type(self).__mro__[2:] if not c.__name__.startswith("_"))
         return f"{base.__name__}({self.extra_repr()})"
 
     def _fall_back(self, names: list[str], bound: dict[str, Any]) -> None:
@@ -251,6 +250,27 @@ class _FewBitFunctionCall(_FunctionCall, FewBitActivation):
 
 class _InvFunctionCall(_FunctionCall, InvActivation):
     """An :class:`InvActivation` standing in for a function attribute (see :class:`_FunctionCall`)."""
+
+
+class _InvELUCall(_FunctionCall, InvELU):
+    """An :class:`InvELU` standing in for ``F.elu`` (see :class:`_FunctionCall`)."""
+
+
+class _InvSELUCall(_FunctionCall, InvSELU):
+    """An :class:`InvSELU` standing in for ``F.selu`` or ``torch.selu`` (see :class:`_FunctionCall`)."""
+
+
+class _InvLeakyReLUCall(_FunctionCall, InvLeakyReLU):
+    """An :class:`InvLeakyReLU` standing in for ``F.leaky_relu`` (see :class:`_FunctionCall`)."""
+
+
+# Functions whose inverted form saves only the output, with torch's default parameters (other parameters
+# fall back to the function, as for the few-bit layers).
+_EXACT_CALLS: dict[str, type[_FunctionCall]] = {
+    "elu": _InvELUCall,
+    "selu": _InvSELUCall,
+    "leaky_relu": _InvLeakyReLUCall,
+}
 
 
 def _bind(
@@ -328,14 +348,16 @@ def _make_call(
 ) -> tuple[Optional[nn.Module], Optional[str]]:
     """The layer for function attribute ``fn``; for GELU also the other approximation, which a call may ask
     for with ``approximate=``."""
-    if method == "invact" and name not in invact.INVERTIBLE:
+    if method == "invact" and name not in invact.INVERTIBLE and name not in _EXACT_CALLS:
         return None, f"function {name} has no inverted form in lowbit ({_INVERTIBLE_NAMES})"
     alternates = {}
     if name in _GELU_APPROXIMATE.values():
         other = "gelu_tanh" if name == "gelu" else "gelu"
         alternates[other], _ = _make(other, method, bits, weight, device)
-    if method == "invact":
-        new: _FunctionCall = _InvFunctionCall(name)
+    if method == "invact" and name in _EXACT_CALLS:
+        new: _FunctionCall = _EXACT_CALLS[name]()
+    elif method == "invact":
+        new = _InvFunctionCall(name)
     else:
         new = _FewBitFunctionCall(name, _fewbit_bits(name, bits), weight)
     new._setup(fn, path, report, alternates)
