@@ -257,10 +257,10 @@ def _input_grad(act, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, to
 
 @pytest.mark.parametrize("name", EXACT)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_exact_inverse_forward_is_torchs_and_backward_matches_autograd(name, dtype):
+def test_exact_inverse_forward_is_torchs_and_backward_matches_autograd(device, name, dtype):
     ours, theirs, c = EXACT[name]
-    x = _exact_inputs(dtype)
-    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+    x = _exact_inputs(dtype).to(device)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(dtype).to(device)
     got_y, got = _input_grad(ours, x, g)
     want_y, want = _input_grad(theirs, x, g)
     assert torch.equal(got_y, want_y)  # torch's forward, bit for bit
