@@ -141,6 +141,55 @@ def test_quick_gelu_inverted_as_a_scaled_silu():
     assert torch.equal(torch.sign(got_g[far]), torch.sign(want_g[far]))
 
 
+# What method="invact" replaces, by torch instance repr or ACT2CLS key: the layers of lowbit.nn.invact's tables,
+# and those that save only the output (ELU, CELU, SELU, LeakyReLU with a slope >= 0, relu2). Python formulas
+# (gelu_new, gelu_python, ...) round differently from torch's kernels and are left alone under strict=True.
+_INVERTED = {
+    "GELU(approximate='none')": lnn.InvActivation,
+    "GELU(approximate='tanh')": lnn.InvActivation,
+    "SiLU()": lnn.InvActivation,
+    "Mish()": lnn.InvActivation,
+    "gelu": lnn.InvActivation,
+    "gelu_pytorch_tanh": lnn.InvActivation,
+    "silu": lnn.InvActivation,
+    "swish": lnn.InvActivation,
+    "mish": lnn.InvActivation,
+    "quick_gelu": lnn.InvActivation,
+    "ELU(alpha=1.0)": lnn.InvELU,
+    "ELU(alpha=0.5)": lnn.InvELU,
+    "CELU(alpha=1.0)": lnn.InvCELU,
+    "CELU(alpha=0.7)": lnn.InvCELU,
+    "SELU()": lnn.InvSELU,
+    "LeakyReLU(negative_slope=0.01)": lnn.InvLeakyReLU,
+    "LeakyReLU(negative_slope=0.2)": lnn.InvLeakyReLU,
+    "leaky_relu": lnn.InvLeakyReLU,
+    "relu2": lnn.InvReLUSquared,
+}
+
+
+def test_every_activation_is_inverted_or_listed():
+    """method="invact" over both registries: the activations above are replaced by their inverted layer, with
+    torch's forward bit for bit (their gradients are checked in test_invact.py); every other one is listed
+    with a reason: ReLU's torch backward already reads the output, a negative-slope LeakyReLU's output does
+    not name its branch."""
+    x = _inputs()
+    inverted, reasons = {}, {}
+    for label, act in [(repr(a), a) for a in _torch_instances()] + _hf_instances():
+        model = nn.Sequential(nn.Identity(), act)
+        report = lnn.compress_activations(model, method="invact", when="always")
+        skipped = dict(report.skipped)
+        if "1" in skipped:
+            assert skipped["1"], label
+            reasons[label] = skipped["1"]
+            continue
+        assert [r.path for r in report.replaced] == ["1"], f"{label} was neither replaced nor listed: {report}"
+        assert torch.equal(_grad(model[1], x)[0], _grad(act, x)[0]), label
+        inverted[label] = type(model[1])
+    assert inverted == _INVERTED
+    assert "its own inverted form" in reasons["ReLU()"] and "its own inverted form" in reasons["relu"]
+    assert "both signs of x" in reasons["LeakyReLU(negative_slope=-0.5)"]
+
+
 def test_exact_one_bit_forms():
     got = {repr(a): _check(a, repr(a)) for a in (nn.ReLU6(), nn.Hardtanh(), nn.Threshold(0.5, -1.0), nn.LeakyReLU(0.2))}
     assert set(got.values()) == {"exact"}

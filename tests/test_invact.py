@@ -217,3 +217,130 @@ def test_opcheck():
     torch.library.opcheck(
         ops.invact_grad.default, (torch.randn(100), torch.nn.functional.silu(x), bits, tab.coeffs, tab.params)
     )
+
+
+def _relu_squared(x: torch.Tensor) -> torch.Tensor:
+    # transformers' ReLUSquaredActivation.forward, its two torch ops: an independent reference for relu2.
+    return torch.square(nn.functional.relu(x))
+
+
+# Exactly inverted layers: (lowbit layer, torch's module or function, c = the largest slope on the branch
+# y <= 0, where the backward reads y; None: a slope that does not depend on y, so the gradient is exact).
+EXACT = {
+    "elu": (A.InvELU(), nn.ELU(), 1.0),
+    "elu-0.5": (A.InvELU(0.5), nn.ELU(0.5), 0.5),
+    "elu-0": (A.InvELU(0.0), nn.ELU(0.0), 0.0),
+    "celu-0.7": (A.InvCELU(0.7), nn.CELU(0.7), 1.0),
+    "celu-3": (A.InvCELU(3.0), nn.CELU(3.0), 1.0),
+    "selu": (A.InvSELU(), nn.SELU(), A._SELU_SCALE * A._SELU_ALPHA),
+    "leaky_relu": (A.InvLeakyReLU(), nn.LeakyReLU(), None),
+    "leaky_relu-0.2": (A.InvLeakyReLU(0.2), nn.LeakyReLU(0.2), None),
+    "leaky_relu-0": (A.InvLeakyReLU(0.0), nn.LeakyReLU(0.0), None),
+    "relu2": (A.InvReLUSquared(), _relu_squared, None),
+}
+
+
+def _exact_inputs(dtype: torch.dtype) -> torch.Tensor:
+    """Both branches, exactly 0 (both signs), tiny and large negatives, near-saturation; |x| <= 100, so that
+    relu2's square stays finite in fp16 too."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 4
+    special = [0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, -5.0, -17.0, -20.0, -88.0, -100.0, 20.0, 100.0]
+    return torch.cat([x, torch.tensor(special)]).to(dtype)
+
+
+def _input_grad(act, x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xg = x.clone().requires_grad_(True)
+    y = act(xg * 1.0)  # a non-leaf input, as inside a model (and as torch's in-place forms need)
+    (dx,) = torch.autograd.grad(y, xg, g)
+    return y.detach(), dx
+
+
+@pytest.mark.parametrize("name", EXACT)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_exact_inverse_forward_is_torchs_and_backward_matches_autograd(device, name, dtype):
+    ours, theirs, c = EXACT[name]
+    x = _exact_inputs(dtype).to(device)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(dtype).to(device)
+    got_y, got = _input_grad(ours, x, g)
+    want_y, want = _input_grad(theirs, x, g)
+    assert torch.equal(got_y, want_y)  # torch's forward, bit for bit
+    assert got.dtype == dtype
+    fi = torch.finfo(dtype)
+    if name.startswith("leaky_relu"):
+        # y > 0 exactly where x > 0 for a slope >= 0 (x = 0 and underflowing slope * x give y <= 0 and the
+        # slope, as torch's x > 0 test does): the same product grad * slope, bit for bit.
+        assert torch.equal(got, want)
+        return
+    if name == "relu2":
+        # sqrt of a correctly rounded square is the root itself in binary floating point, so where y is a
+        # normal number grad * 2 sqrt(y) is torch's grad * 2 relu(x), bit for bit. Below, y is subnormal (or 0):
+        # |sqrt(y) - r| <= sqrt(|y - r**2|) <= sqrt(smallest_normal), twice that in the slope, plus the rounding
+        # of both products (eps / 2 of |want| each).
+        normal = got_y >= fi.smallest_normal
+        assert torch.equal(got[normal], want[normal])
+        bound = 2 * g.double().abs() * fi.smallest_normal**0.5 + fi.eps * want.double().abs()
+    else:
+        # On y > 0 both read a constant. On y <= 0 the slope input_scale * (y + alpha * scale) reads y, whose
+        # error is at most 1 ulp of |y| <= alpha * scale (rounding to the dtype, torch's expm1 within 1 ulp
+        # in fp32): eps * c in the slope, times |g|. Both gradients are then rounded (eps / 2 of |want|
+        # each) and torch's exp(x) carries up to 1 ulp: 2 eps |want|. Subnormal results round absolutely:
+        # eps * smallest_normal.
+        bound = fi.eps * (c * g.double().abs() + 2 * want.double().abs()) + fi.eps * fi.smallest_normal
+    err = (got.double() - want.double()).abs()
+    assert torch.all(err <= bound), float((err / bound).max())
+    # Direction as well as size: wherever torch's gradient is larger than the bound, the signs agree.
+    clear = want.double().abs() > bound
+    assert torch.equal(torch.sign(got[clear]), torch.sign(want[clear]))
+
+
+@pytest.mark.parametrize("name", [n for n in EXACT if not n.startswith("relu2")])
+def test_exact_inverse_is_torchs_inplace_backward(name):
+    """torch's in-place ELU, CELU, SELU and LeakyReLU compute their backward from the output too: equal, bit
+    for bit, and inplace=True runs them, writing into the input."""
+    ours, theirs, _ = EXACT[name]
+    inplace_cls = {nn.ELU: A.InvELU, nn.CELU: A.InvCELU, nn.SELU: A.InvSELU, nn.LeakyReLU: A.InvLeakyReLU}
+    args = () if isinstance(theirs, nn.SELU) else (ours.p,)
+    torch_inplace = type(theirs)(*args, inplace=True)
+    ours_inplace = inplace_cls[type(theirs)](*args, inplace=True)
+    x = _exact_inputs(torch.float32)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
+    want_y, want = _input_grad(torch_inplace, x, g)
+    for layer in (ours, ours_inplace):
+        got_y, got = _input_grad(layer, x, g)
+        assert torch.equal(got_y, want_y) and torch.equal(got, want), layer
+    h = x * 1.0
+    assert ours_inplace(h) is h
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_exact_inverse_saves_only_the_shared_output(name):
+    ours, theirs, _ = EXACT[name]
+    n = 1000
+    x = torch.randn(2, n, requires_grad=True)
+    # Only y, which the Linear saves as its input: one fp32 tensor of 2 n elements, no bits.
+    assert saved_tensor_bytes(nn.Sequential(ours, nn.Linear(n, 3)), x).total == 4 * 2 * n
+    # torch's out-of-place forms save their input (relu2: relu's output), beside the Linear's.
+    want = nn.Sequential(theirs, nn.Linear(n, 3)) if isinstance(theirs, nn.Module) else None
+    if want is not None:
+        assert saved_tensor_bytes(want, x).total == 2 * 4 * 2 * n
+
+
+def test_exact_inverses_compile():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), A.InvCELU(0.7), nn.Linear(64, 64), A.InvReLUSquared(), nn.Linear(64, 4))
+    x = torch.randn(8, 16, requires_grad=True)
+    (eager,) = torch.autograd.grad(model(x).sum(), x)
+    (comp,) = torch.autograd.grad(torch.compile(model, backend="aot_eager", fullgraph=True)(x).sum(), x)
+    # aot_eager may decompose the Linear backwards: the fp32 rounding of a few sums, torch's fp32 tolerance.
+    torch.testing.assert_close(comp, eager)
+
+
+def test_exact_inverses_reject_what_the_output_cannot_invert():
+    with pytest.raises(ValueError, match="negative_slope must be a number >= 0"):
+        A.InvLeakyReLU(-0.5)
+    with pytest.raises(ValueError, match="alpha must be a number >= 0"):
+        A.InvELU(-1.0)
+    with pytest.raises(ValueError, match="alpha must be a number > 0"):
+        A.InvCELU(0.0)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        A.InvSELU()([1.0])

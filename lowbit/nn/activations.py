@@ -11,6 +11,14 @@ Inverted activations (inverted-activations.txt). The forward pass is again torch
 its output, which the next layer (a Linear) saves anyway, so autograd keeps one tensor for both, plus one
 bit per element naming the monotone branch of ``f`` the input came from: ``ceil(N / 8)`` bytes on top of
 the shared output. The backward pass evaluates ``f'(f^-1(y))`` by the tables of :mod:`lowbit.nn.invact`.
+
+Exactly inverted activations. Where ``f'`` is a closed form of the output alone, the layer saves only the
+output, with no branch bit, and its backward is that closed form in torch ops (CPU and CUDA alike): ELU,
+``y > 0 -> 1, else y + alpha``; CELU, ``1, else y / alpha + 1``; SELU, ``scale, else y + scale * alpha``;
+LeakyReLU with ``negative_slope >= 0``, ``1, else negative_slope``; relu2 (``relu(x) ** 2``),
+``2 sqrt(y)``. For ELU, CELU, SELU and LeakyReLU these are the kernels torch's own ``inplace=True`` forms
+run backward (``elu_backward`` and ``leaky_relu_backward`` on the result); a negative slope leaves
+``y > 0`` ambiguous (both signs of ``x`` give positive ``y``), which torch's in-place LeakyReLU refuses too.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Optional, TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lowbit import _ops
@@ -39,8 +48,13 @@ __all__ = [
     "FewBitSoftplus",
     "FewBitTanh",
     "InvActivation",
+    "InvCELU",
+    "InvELU",
     "InvGELU",
+    "InvLeakyReLU",
     "InvMish",
+    "InvReLUSquared",
+    "InvSELU",
     "InvSiLU",
     "few_bit",
     "inv_act",
@@ -371,3 +385,216 @@ class InvMish(InvActivation):
 
     def __init__(self) -> None:
         super().__init__("mish")
+
+
+# torch's SELU constants (aten/src/ATen/native/Activation.cpp, SELU_ALPHA and SELU_SCALE): torch's SELU is
+# elu(x, alpha=SELU_ALPHA, scale=SELU_SCALE), so its backward from the output needs them.
+_SELU_ALPHA = 1.6732632423543772848170429916717
+_SELU_SCALE = 1.0507009873554804934193349852946
+
+
+def _exact_forward(kind: str, x: Tensor, p: float) -> Tensor:
+    """Torch's own forward of activation ``kind`` with parameter ``p`` (alpha or negative_slope)."""
+    if kind == "elu":
+        return F.elu(x, p)
+    if kind == "celu":
+        return F.celu(x, p)
+    if kind == "selu":
+        return F.selu(x)
+    if kind == "leaky_relu":
+        return F.leaky_relu(x, p)
+    # transformers' ReLUSquaredActivation, its own two ops, so the output is bit-identical.
+    return torch.square(F.relu(x))
+
+
+def _exact_grad(kind: str, grad: Tensor, y: Tensor, p: float) -> Tensor:
+    """``grad * f'(x)`` from ``y = f(x)`` alone (see the module docstring)."""
+    # elu_backward(grad, alpha, scale, input_scale, is_result=True, y): y <= 0 -> grad * input_scale *
+    # (y + alpha * scale), else grad * scale.
+    if kind == "elu":
+        return torch.ops.aten.elu_backward(grad, p, 1.0, 1.0, True, y)
+    if kind == "celu":  # celu(x, a) = elu(x, a, input_scale=1/a): (y + a) / a = y / a + 1
+        return torch.ops.aten.elu_backward(grad, p, 1.0, 1.0 / p, True, y)
+    if kind == "selu":
+        return torch.ops.aten.elu_backward(grad, _SELU_ALPHA, _SELU_SCALE, 1.0, True, y)
+    if kind == "leaky_relu":  # y > 0 -> grad, else grad * slope: exact for a slope >= 0
+        return torch.ops.aten.leaky_relu_backward(grad, y, p, True)
+    # relu(x) ** 2: 2 relu(x) = 2 sqrt(y); 0 where y <= 0 (threshold_backward, as torch's ReLU backward). In
+    # place on the fresh sqrt: one buffer fewer, the same roundings as grad * (2 * sqrt(y)).
+    return torch.ops.aten.threshold_backward(y.sqrt().mul_(2).mul_(grad), y, 0)
+
+
+class _ExactInvFunction(torch.autograd.Function):
+    """y = f(x) by torch; saves y alone, from which the backward computes f'(x) exactly."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, kind: str, p: float) -> Tensor:
+        y = _exact_forward(kind, x, p)
+        ctx.save_for_backward(y)
+        ctx.kind, ctx.p = kind, p
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        (y,) = ctx.saved_tensors
+        return _exact_grad(ctx.kind, grad, y, ctx.p), None, None
+
+
+def _check_alpha(value: object, zero: bool) -> float:
+    """alpha as a float: > 0, or >= 0 where ``zero`` (ELU's alpha = 0 is ReLU; a negative alpha makes the
+    negative branch's output positive, so the output no longer names the branch, as torch's in-place ELU says)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value >= 0 if zero else value > 0):
+        raise ValueError(f"lowbit: alpha must be a number {'>=' if zero else '>'} 0, got {value!r}")
+    return float(value)
+
+
+class _ExactInvActivation(nn.Module):
+    """An activation whose backward reads only its output (see the module docstring); no tensors of its own.
+
+    ``inplace=True`` runs torch's in-place function, whose backward already reads the output: it is torch's
+    own inverted form, so the layer adds nothing to it.
+    """
+
+    kind: ClassVar[str]
+
+    def __init__(self, p: float = 0.0, inplace: bool = False) -> None:
+        super().__init__()
+        self.p, self.inplace = p, inplace
+
+    @property
+    def name(self) -> str:
+        """The activation: ``elu``, ``celu``, ``selu``, ``leaky_relu`` or ``relu2``."""
+        return self.kind
+
+    def forward(self, x: Tensor) -> Tensor:
+        """The activation of ``x``, torch's own, bit for bit."""
+        return self._activation(x, self.inplace)
+
+    def _activation(self, x: Tensor, inplace: bool) -> Tensor:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"lowbit: x must be a torch.Tensor, got {type(x).__name__}")
+        if inplace:
+            return self._inplace(x)
+        return _ExactInvFunction.apply(x, self.kind, self.p)
+
+    def _inplace(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+
+class InvELU(_ExactInvActivation):
+    """torch.nn.ELU(alpha, inplace) whose backward reads only the output: ``y > 0 -> 1, else y + alpha``.
+
+    Args:
+        alpha: the negative branch's saturation, >= 0 (where the output names the branch).
+        inplace: run torch's in-place ELU, which already saves only its output.
+    """
+
+    kind = "elu"
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False) -> None:
+        super().__init__(_check_alpha(alpha, zero=True), inplace)
+
+    @property
+    def alpha(self) -> float:
+        """torch.nn.ELU's ``alpha``."""
+        return self.p
+
+    def _inplace(self, x: Tensor) -> Tensor:
+        return F.elu(x, self.p, inplace=True)
+
+    def extra_repr(self) -> str:
+        """As torch.nn.ELU's."""
+        return f"alpha={self.p}" + (", inplace=True" if self.inplace else "")
+
+
+class InvCELU(_ExactInvActivation):
+    """torch.nn.CELU(alpha, inplace) whose backward reads only the output: ``y > 0 -> 1, else y / alpha + 1``.
+
+    Args:
+        alpha: the negative branch's saturation, > 0 (torch refuses 0 too).
+        inplace: run torch's in-place CELU, which already saves only its output.
+    """
+
+    kind = "celu"
+
+    def __init__(self, alpha: float = 1.0, inplace: bool = False) -> None:
+        super().__init__(_check_alpha(alpha, zero=False), inplace)
+
+    @property
+    def alpha(self) -> float:
+        """torch.nn.CELU's ``alpha``."""
+        return self.p
+
+    def _inplace(self, x: Tensor) -> Tensor:
+        return F.celu(x, self.p, inplace=True)
+
+    def extra_repr(self) -> str:
+        """As torch.nn.CELU's."""
+        return f"alpha={self.p}" + (", inplace=True" if self.inplace else "")
+
+
+class InvSELU(_ExactInvActivation):
+    """torch.nn.SELU(inplace) whose backward reads only the output: ``y > 0 -> scale, else y + scale * alpha``.
+
+    Args:
+        inplace: run torch's in-place SELU, which already saves only its output.
+    """
+
+    kind = "selu"
+
+    def __init__(self, inplace: bool = False) -> None:
+        super().__init__(0.0, inplace)
+
+    def _inplace(self, x: Tensor) -> Tensor:
+        return F.selu(x, inplace=True)
+
+    def extra_repr(self) -> str:
+        """As torch.nn.SELU's."""
+        return "inplace=True" if self.inplace else ""
+
+
+class InvLeakyReLU(_ExactInvActivation):
+    """torch.nn.LeakyReLU(negative_slope, inplace) whose backward reads only the output:
+    ``y > 0 -> 1, else negative_slope``.
+
+    Args:
+        negative_slope: the slope for x < 0, >= 0. A negative slope makes ``y > 0`` hold on both sides of 0, so
+            the output no longer names the branch: use :class:`FewBitActivation`'s exact 1-bit form
+            (``compress_activations(method="fewbit")``), which saves only that bit.
+        inplace: run torch's in-place LeakyReLU, which already saves only its output.
+    """
+
+    kind = "leaky_relu"
+
+    def __init__(self, negative_slope: float = 0.01, inplace: bool = False) -> None:
+        s = negative_slope
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0:
+            raise ValueError(
+                f"lowbit: negative_slope must be a number >= 0, got {s!r} (a negative slope needs the sign bit "
+                "of x: FewBitActivation's exact 1-bit form saves only that)"
+            )
+        super().__init__(float(s), inplace)
+
+    @property
+    def negative_slope(self) -> float:
+        """torch.nn.LeakyReLU's ``negative_slope``."""
+        return self.p
+
+    def _inplace(self, x: Tensor) -> Tensor:
+        return F.leaky_relu(x, self.p, inplace=True)
+
+    def extra_repr(self) -> str:
+        """As torch.nn.LeakyReLU's."""
+        return f"negative_slope={self.p}" + (", inplace=True" if self.inplace else "")
+
+
+class InvReLUSquared(_ExactInvActivation):
+    """transformers' ReLUSquaredActivation (``relu2``, ``relu(x) ** 2``) whose backward reads only the output:
+    ``2 sqrt(y)``. No ``inplace``: the module has none. Exact wherever ``y`` is a normal number (sqrt of a
+    correctly rounded square returns the root); where ``relu(x) ** 2`` overflows the forward is already inf.
+    """
+
+    kind = "relu2"
+
+    def __init__(self) -> None:
+        super().__init__()

@@ -7,7 +7,8 @@ two values: ReLU6, Hardtanh, LeakyReLU with any slope, Threshold, Hardsigmoid, H
 activation functions stored as module attributes (``self.act_fn = F.silu``), and Hugging Face
 ``transformers.activations`` modules. The forward pass of the model is unchanged bit for bit: a
 Hugging Face Python formula (``QuickGELUActivation``, ``NewGELUActivation``, ...) keeps its own formula
-in a few-bit layer. The inverted layers exist for torch's GELU, SiLU and Mish and for quick_gelu; torch's
+in a few-bit layer. The inverted layers exist for torch's GELU, SiLU and Mish and for quick_gelu, and, saving
+only the output, for ELU, CELU, SELU, LeakyReLU (slope >= 0; as functions, torch's defaults) and relu2; torch's
 kernels round differently from the GELU formulas, so they replace ``NewGELUActivation`` and
 ``FastGELUActivation`` only with ``strict=False``. Classes that cannot be replaced (PReLU, RReLU,
 softmax, ...) are listed with the reason.
@@ -34,7 +35,15 @@ from torch import Tensor, nn
 from lowbit.memory import SavedBytes, saved_tensor_bytes
 from lowbit.nn import blpa, blpa_convert, invact
 from lowbit.nn._catalogue import HF_EXACT, HF_FORMULA, hf_formula, hf_pointwise, torch_module
-from lowbit.nn.activations import FewBitActivation, InvActivation
+from lowbit.nn.activations import (
+    FewBitActivation,
+    InvActivation,
+    InvCELU,
+    InvELU,
+    InvLeakyReLU,
+    InvReLUSquared,
+    InvSELU,
+)
 from lowbit.nn.fewbit.tables import WEIGHTS, _check_bits, table_bits
 
 __all__ = ["CompressionReport", "Replacement", "compress_activations"]
@@ -81,6 +90,8 @@ _SIGNATURES: dict[Any, tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]]] 
     torch.relu: ((), (), {}),
 }
 _GELU_APPROXIMATE = {"none": "gelu", "tanh": "gelu_tanh"}
+# What method="invact" can replace, for the reports of what it cannot.
+_INVERTIBLE_NAMES = "gelu, gelu_tanh, silu, mish, quick_gelu; ELU, CELU, SELU, LeakyReLU with a slope >= 0 and relu2"
 
 
 @dataclass(frozen=True)
@@ -168,7 +179,7 @@ def _module_name(m: nn.Module, strict: bool, method: str) -> tuple[Optional[str]
     # An inverted layer computes torch's function, which rounds differently from the module's formula.
     torch_name = HF_EXACT.get(cls) or HF_FORMULA.get(cls)
     if torch_name is None:
-        return None, f"{cls} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
+        return None, f"{cls} has no inverted form in lowbit ({_INVERTIBLE_NAMES})"
     if strict:
         return None, f"{cls} computes a Python formula that rounds differently from torch's kernel (strict=False)"
     return torch_name, None
@@ -216,8 +227,9 @@ class _FunctionCall(nn.Module):
         return layer._activation(x, inplace)
 
     def _describe(self) -> str:
-        # The report names the public layer; the alternates are an implementation detail.
-        base = InvActivation if isinstance(self, InvActivation) else FewBitActivation
+        # The report names the public layer (the first public class after this mixin); the alternates are an
+        # implementation detail.
+        base = next(c for c in type(self).__mro__[2:] if not c.__name__.startswith("_"))
         return f"{base.__name__}({self.extra_repr()})"
 
     def _fall_back(self, names: list[str], bound: dict[str, Any]) -> None:
@@ -238,6 +250,27 @@ class _FewBitFunctionCall(_FunctionCall, FewBitActivation):
 
 class _InvFunctionCall(_FunctionCall, InvActivation):
     """An :class:`InvActivation` standing in for a function attribute (see :class:`_FunctionCall`)."""
+
+
+class _InvELUCall(_FunctionCall, InvELU):
+    """An :class:`InvELU` standing in for ``F.elu`` (see :class:`_FunctionCall`)."""
+
+
+class _InvSELUCall(_FunctionCall, InvSELU):
+    """An :class:`InvSELU` standing in for ``F.selu`` or ``torch.selu`` (see :class:`_FunctionCall`)."""
+
+
+class _InvLeakyReLUCall(_FunctionCall, InvLeakyReLU):
+    """An :class:`InvLeakyReLU` standing in for ``F.leaky_relu`` (see :class:`_FunctionCall`)."""
+
+
+# Functions whose inverted form saves only the output, with torch's default parameters (other parameters
+# fall back to the function, as for the few-bit layers).
+_EXACT_CALLS: dict[str, type[_FunctionCall]] = {
+    "elu": _InvELUCall,
+    "selu": _InvSELUCall,
+    "leaky_relu": _InvLeakyReLUCall,
+}
 
 
 def _bind(
@@ -272,12 +305,40 @@ def _fewbit_bits(name: str, bits: int) -> int:
     return 1 if table_bits(name) == (1,) else bits
 
 
+def _exact_inverse(m: nn.Module) -> tuple[Optional[nn.Module], Optional[str]]:
+    """The layer that computes module ``m`` and saves only its output (lowbit.nn.activations: exactly
+    inverted activations); (None, reason) where the output does not name the branch; (None, None) for
+    modules of other classes."""
+    cls = type(m)
+    if cls in (nn.ReLU, nn.Sigmoid, nn.Tanh):
+        # relu' = (y > 0), sigmoid' = y (1 - y), tanh' = 1 - y**2: torch's backward already reads the output.
+        return None, f"torch's backward of {cls.__name__} already reads only its output: it is its own inverted form"
+    if cls is nn.ELU:
+        if m.alpha < 0:
+            return None, "ELU with alpha < 0: positive outputs come from both signs of x, so the output cannot invert"
+        return InvELU(float(m.alpha), m.inplace), None
+    if cls is nn.CELU:
+        return InvCELU(float(m.alpha), m.inplace), None
+    if cls is nn.SELU:
+        return InvSELU(m.inplace), None
+    if cls is nn.LeakyReLU:
+        if m.negative_slope < 0:
+            return None, (
+                "LeakyReLU with a negative slope: positive outputs come from both signs of x, so the inverted "
+                "form would need the sign bit too; method='fewbit' has the exact form that saves only that bit"
+            )
+        return InvLeakyReLU(float(m.negative_slope), m.inplace), None
+    if hf_pointwise(m)[0] == "ReLUSquaredActivation":
+        return InvReLUSquared(), None
+    return None, None
+
+
 def _make(
     name: str, method: str, bits: int, weight: str, device: torch.device
 ) -> tuple[Optional[nn.Module], Optional[str]]:
     if method == "invact":
         if name not in invact.INVERTIBLE:
-            return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
+            return None, f"{name} has no inverted form in lowbit ({_INVERTIBLE_NAMES})"
         return InvActivation(name).to(device), None
     return FewBitActivation(name, _fewbit_bits(name, bits), weight).to(device), None
 
@@ -287,14 +348,16 @@ def _make_call(
 ) -> tuple[Optional[nn.Module], Optional[str]]:
     """The layer for function attribute ``fn``; for GELU also the other approximation, which a call may ask
     for with ``approximate=``."""
-    if method == "invact" and name not in invact.INVERTIBLE:
-        return None, f"{name} has no inverted form in lowbit (gelu, gelu_tanh, silu, mish, quick_gelu)"
+    if method == "invact" and name not in invact.INVERTIBLE and name not in _EXACT_CALLS:
+        return None, f"function {name} has no inverted form in lowbit ({_INVERTIBLE_NAMES})"
     alternates = {}
     if name in _GELU_APPROXIMATE.values():
         other = "gelu_tanh" if name == "gelu" else "gelu"
         alternates[other], _ = _make(other, method, bits, weight, device)
-    if method == "invact":
-        new: _FunctionCall = _InvFunctionCall(name)
+    if method == "invact" and name in _EXACT_CALLS:
+        new: _FunctionCall = _EXACT_CALLS[name]()
+    elif method == "invact":
+        new = _InvFunctionCall(name)
     else:
         new = _FewBitFunctionCall(name, _fewbit_bits(name, bits), weight)
     new._setup(fn, path, report, alternates)
@@ -408,7 +471,8 @@ def compress_activations(
         model: any ``nn.Module``; its submodules are replaced, the model object itself is kept.
         method: ``"fewbit"`` (:class:`~lowbit.nn.FewBitActivation`, ``bits`` bits per element; ReLU and
             LeakyReLU take their exact 1-bit form), ``"invact"`` (:class:`~lowbit.nn.InvActivation`, the
-            output plus 1 bit per element; GELU, SiLU, Mish and quick_gelu only) or ``"blpa"``
+            output plus 1 bit per element, for GELU, SiLU, Mish and quick_gelu; the output alone for ELU, CELU,
+            SELU, LeakyReLU with a slope >= 0 and relu2: :class:`~lowbit.nn.InvELU` and friends) or ``"blpa"``
             (approximate activations, :mod:`lowbit.nn.blpa_convert`: each BatchNorm2d -> ReLU/ReLU6 ->
             Conv2d unit saves ``bits`` bits per element of the convolution's input, plus one for ReLU6's
             clip, instead of the BatchNorm input and the activation output; its backward is approximate,
@@ -529,6 +593,13 @@ def _walk(
         if child is None:
             continue
         path = f"{prefix}.{child_name}" if prefix else child_name
+        exact, reason = _exact_inverse(child) if how[0] == "invact" else (None, None)
+        if exact is not None:
+            swaps.append(_Swap(module, child_name, True, path, child, exact, repr(child), repr(exact)))
+            continue
+        if reason is not None:
+            report.skipped.append((path, reason))
+            continue
         name, reason = _module_name(child, strict, how[0])
         if name is None:
             if reason is not None:

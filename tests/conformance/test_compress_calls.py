@@ -69,9 +69,12 @@ def _assert_same(got: tuple[Tensor, list[Tensor]], want: tuple[Tensor, list[Tens
         assert torch.equal(a, b)
 
 
+_EXACT_INVERSES = {"elu": lnn.InvELU, "selu": lnn.InvSELU, "leaky_relu": lnn.InvLeakyReLU}
+
+
 def _layer(method: str, name: str) -> nn.Module:
     if method == "invact":
-        return lnn.InvActivation(name)
+        return _EXACT_INVERSES[name]() if name in _EXACT_INVERSES else lnn.InvActivation(name)
     return lnn.FewBitActivation(name, 1 if name in ("relu", "leaky_relu") else BITS)
 
 
@@ -93,6 +96,11 @@ SUPPORTED = [
     (F.hardswish, (), {"inplace": True}, "fewbit", "hardswish"),
     (F.selu, (True,), {}, "fewbit", "selu"),
     (torch.sigmoid, (), {"out": None}, "fewbit", "sigmoid"),
+    (F.elu, (), {"alpha": 1.0}, "invact", "elu"),
+    (F.elu, (1.0, True), {}, "invact", "elu"),
+    (F.selu, (), {}, "invact", "selu"),
+    (torch.selu, (), {}, "invact", "selu"),
+    (F.leaky_relu, (0.01,), {"inplace": True}, "invact", "leaky_relu"),
 ]
 
 
@@ -134,6 +142,8 @@ FALLBACK = [
     (F.leaky_relu, (), {"negative_slope": 0.2}, "fewbit"),
     (F.leaky_relu, (0.2, True), {}, "fewbit"),
     (F.elu, (0.5,), {}, "fewbit"),
+    (F.elu, (0.5,), {}, "invact"),
+    (F.leaky_relu, (), {"negative_slope": 0.2}, "invact"),
     (F.softplus, (), {"beta": 2.0}, "fewbit"),
     (F.softplus, (1.0, 5.0), {}, "fewbit"),
 ]

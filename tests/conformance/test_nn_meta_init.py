@@ -54,6 +54,11 @@ _SPECIAL: dict[type, tuple[list[tuple[tuple, dict]], Factory]] = {
         _float_input,
     ),
     lnn.InvActivation: ([((name,), {}) for name in invact.INVERTIBLE], _float_input),
+    # The exactly inverted layers hold no tensors; non-default parameters too (the in-place forms, like
+    # torch's, refuse the leaf inputs used here: test_invact runs them on non-leaf ones).
+    lnn.InvELU: ([((), {}), ((0.5,), {})], _float_input),
+    lnn.InvCELU: ([((), {}), ((0.7,), {})], _float_input),
+    lnn.InvLeakyReLU: ([((), {}), ((0.2,), {}), ((0.0,), {})], _float_input),
     lnn.ApproxBNReLULinear: (
         [((9, 5), {}), ((9, 5), {"bias": False, "bits": 4})],
         lambda g, a: torch.randn(8, a[0], generator=g),
