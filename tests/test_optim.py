@@ -179,10 +179,11 @@ def test_4bit_states_drift_over_100_steps(name, tcls, kw):
 
 def test_4bit_states_hold_two_codes_per_byte_on_gpt_like_matrices():
     # The GPT-like set: 4 x 1024x1024, 2 x 4096x1024, 2 x 1024x4096, four biases of 1024 (below
-    # min_4bit_size: fp32 states). Each quantized state is ceil(n / 2) bytes of codes and one fp32 absmax per
-    # block of 128 (Adam's two: 2 * (1/2 + 4/128) = 1.0625 bytes per parameter); the biases add 8 bytes each
-    # per parameter, 32768 / 25198592 of the total: 1.0625 + 0.0104 = 1.0729 as measured through
-    # lowbit.memory.memory_report, which reads the storage.
+    # min_4bit_size: fp32 states). Each quantized state is ceil(n / 2) bytes of codes; exp_avg has one fp32
+    # absmax per block of 128 (1/2 + 4/128 bytes per parameter), exp_avg_sq of a matrix R + C fp32 rank-1
+    # statistics (1/2 + 4 (R + C) / (R C)): 1.0313 + 0.0068 for the matrices; the biases add 8 bytes each per
+    # parameter (32768 / 25198592 of the total), all as measured through lowbit.memory.memory_report, which
+    # reads the storage. The target is <= 1.04; block-wise exp_avg_sq took 1.0729.
     shapes = [(1024, 1024)] * 4 + [(4096, 1024)] * 2 + [(1024, 4096)] * 2 + [(1024,)] * 4
     model = nn.ParameterList([nn.Parameter(torch.zeros(s)) for s in shapes])
     opt = O.AdamW4bit(model.parameters())
@@ -193,15 +194,18 @@ def test_4bit_states_hold_two_codes_per_byte_on_gpt_like_matrices():
         state = opt.state[p]
         if p.numel() >= 4096:
             assert state["state1"].dtype == torch.uint8 and state["state1"].shape == ((p.numel() + 1) // 2,)
-            assert state["absmax2"].shape == ((p.numel() + 127) // 128,)
+            assert state["state2"].shape == ((p.numel() + 1) // 2,) and "absmax2" not in state
+            assert state["axis_max2"].shape == (sum(p.shape),)
         else:
             assert state["state1"].dtype == torch.float32
     report = memory_report(model, opt)
     n = sum(p.numel() for p in model)
-    quantized = sum(p.numel() for p in model if p.numel() >= 4096)
-    want = (quantized * 2 * (0.5 + 4 / 128) + (n - quantized) * 8 + len(shapes) * 4) / n  # + the step counters
+    quantized = [p for p in model if p.numel() >= 4096]
+    codes = sum(p.numel() * (0.5 + 4 / 128) + p.numel() * 0.5 + 4 * sum(p.shape) for p in quantized)
+    rest = sum(p.numel() for p in model if p.numel() < 4096) * 8
+    want = (codes + rest + len(shapes) * 4) / n  # + the step counters
     assert report.optimizer_state / n == pytest.approx(want, rel=1e-12)
-    assert report.optimizer_state / n < 1.075
+    assert report.optimizer_state / n <= 1.04
 
 
 @pytest.mark.parametrize("n", [2, 3, 127, 129, 4097])
