@@ -132,8 +132,11 @@ def o8_bits(cls: type) -> int:
     return 4 if cls in (O.Adam4bit, O.AdamW4bit, O.SGD4bit) else 8
 
 
-# Muon steps 2-D parameters only: its cases run on the tensor reshaped by _as_matrix.
-MATRIX_ONLY = (O.Muon8bit,)
+# Cases run on the tensor reshaped by _as_matrix: Muon steps 2-D parameters only; Adam4bit's second moment is
+# then normalised rank-1 (include/lowbit/rank1.h), within the same bound (the decoded root is its nearest code
+# times a scale that bounds it, or the map's floor above it, as block-wise), while AdamW4bit keeps the 1-D,
+# block-wise case.
+MATRIX_ONLY = (O.Muon8bit, O.Adam4bit)
 KINDS = ["dense", "rare_rows", "zero", "decades", "outlier", "nonfinite"]
 
 
