@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import io
 import math
 from typing import Any
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 
 import lowbit.optim as O
 from lowbit._reference.ademamix import ReferenceAdEMAMix
+from lowbit.optim.state_storage import optimizer_state_map
 from tests.blocks import half_code_gap
 from tests.test_optim import DEFAULT_BOUNDS, FOUR_BIT_BOUNDS, _grad, _relative
 
@@ -238,7 +240,8 @@ class Run:
 
     def _check_restart(self, p: nn.Parameter, i: int) -> None:
         # optimizer.py: a quantized state element that becomes non-finite restarts from zero (a second moment,
-        # on the zero-free map, at its block's smallest value); the rest of the block keeps finite values.
+        # on the zero-free map, at its block's smallest value, or the floor of its rank-1 scale); the rest of
+        # the block keeps finite values.
         state = self.main.dequantized_state(p)
         block = slice(i - i % self.block_size, i - i % self.block_size + self.block_size)
         for name, signed in zip(self.main._state_names, self.main._state_signed, strict=True):
@@ -246,8 +249,17 @@ class Run:
                 continue
             value = state[name].view(-1)
             assert bool(value[block].isfinite().all()), name
+            k = self.main._state_names.index(name)
             if signed:
                 assert float(value[i]) == 0.0, name
+            elif f"axis_max{k + 1}" in self.main.state[p]:
+                # Rank-1 (include/lowbit/rank1.h): at the map's floor of its own scale, the min over the axes
+                # of its axis maxima: (scale / 16)^2.
+                stats = self.main.state[p][f"axis_max{k + 1}"].split(list(p.shape))
+                index = torch.unravel_index(torch.tensor(i), p.shape)
+                scale = min(float(m[int(a)]) for m, a in zip(stats, index, strict=True))
+                floor = float(optimizer_state_map(False, torch.device("cpu"), 4)[0]) * scale
+                assert float(value[i]) == pytest.approx(floor * floor, rel=1e-6), name
             else:
                 assert float(value[i]) == float(value[block].min()), name
 
@@ -311,7 +323,15 @@ class Run:
         p = self.main_params[j]
         k = self.main._state_names.index(name)
         signed = self.main._state_signed[k]
-        absmax = self.main.state[p][f"absmax{k + 1}"].repeat_interleave(self.block_size)[: p.numel()]
+        state = self.main.state[p]
+        if f"axis_max{k + 1}" in state:
+            # A rank-1 normalised second moment (include/lowbit/rank1.h): each element's scale is the min over
+            # the axes of its axis maxima, which takes the place of the block absmax.
+            parts = state[f"axis_max{k + 1}"].split(list(p.shape))
+            views = [m.view([-1 if a == i else 1 for i in range(p.dim())]) for a, m in enumerate(parts)]
+            absmax = functools.reduce(torch.minimum, views).expand(p.shape).reshape(-1)
+        else:
+            absmax = state[f"absmax{k + 1}"].repeat_interleave(self.block_size)[: p.numel()]
         d = ((half_code_gap(signed, self.case.bits) + ENCODE_ROUNDING) * absmax).view(p.shape)
         if signed:
             return d
