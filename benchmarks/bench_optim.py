@@ -16,7 +16,8 @@ beta3 warm-ups), AdEMAMix32bit, the baseline of that table, and AdamW8bit and Ad
 ``--warmup`` (untimed steps per optimizer before timing, 3, at least 1), ``--threads``
 (``torch.set_num_threads``), ``--dtype`` (parameter and gradient dtype, float32 or bfloat16), ``--device``
 (cpu or cuda), ``--json PATH`` (also write the results as JSON). ``LOWBIT_CPU_AVX512=0`` in the environment
-times lowbit's AVX2 and portable CPU loops on an AVX-512 CPU (the environment line shows ``cpu_avx512``).
+times lowbit's AVX2 kernels on an AVX-512 CPU, and with ``LOWBIT_CPU_AVX2=0`` too its portable loops (the
+environment line shows ``cpu_avx512`` and ``cpu_avx2``).
 
 The ``many`` workload is a GPT-style stack of 24 layers of hidden size d (the largest multiple of 16
 that fits ``--numel``), each with four d x d attention matrices, a d x 4d and a 4d x d MLP matrix, their

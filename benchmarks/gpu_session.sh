@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh sanitize   # compute-sanitizer memcheck, then racecheck and synccheck, on tests/test_cuda.py
 #   bash benchmarks/gpu_session.sh demo       # python -m lowbit (self-check) and the demo with --device cuda
 #   bash benchmarks/gpu_session.sh bench      # benchmarks/bench_gpu.py at full size
+#   bash benchmarks/gpu_session.sh memory     # every demo configuration at 1B parameters (bench_demo_memory.py)
 #   bash benchmarks/gpu_session.sh profile    # Nsight Compute on benchmarks/profile_gpu_kernels.py
 #   bash benchmarks/gpu_session.sh resources  # nvcc -Xptxas -v for the device's architecture (no GPU needed)
 #   bash benchmarks/gpu_session.sh report     # benchmarks/RESULTS.md from what the stages above wrote
@@ -226,6 +227,29 @@ stage_demo() {
   to_out "$logs/selfcheck.log" "$logs/demo.log" "$logs/demo.md"
 }
 
+# Every configuration of the demo on a GPT of about 1B parameters (LOWBIT_MEMORY_PARAMS), a few steps each:
+# bytes per parameter from storage, their peak during the step and torch.cuda.max_memory_allocated. Not part
+# of `device` (its budget is spent); run it as its own command on a warm machine after `build`.
+stage_memory() {
+  local status=0
+  local -a size=(--device cuda --params "${LOWBIT_MEMORY_PARAMS:-1e9}")
+  if ((dry_run)); then size=(--device cpu --params 1e5 --steps 2); fi
+  run_logged memory "${limit_memory:-540}" "$py" benchmarks/bench_demo_memory.py "${size[@]}" \
+    --json "$logs/demo_memory.json" || status=$?
+  ((status == 0)) || failures=$((failures + 1))
+  {
+    echo "## Every demo configuration at scale (benchmarks/bench_demo_memory.py ${size[*]}, exit status $status)"
+    echo
+    echo '```'
+    # The table and the header, without the progress lines; the Markdown rows go below the block.
+    grep -v '\] [0-9]*/[0-9]*  loss\|^|\|^wrote ' "$logs/memory.log" || true
+    echo '```'
+    echo
+    grep '^|' "$logs/memory.log" || true
+  } >"$logs/memory.md"
+  to_out "$logs/memory.log" "$logs/memory.md" "$logs/demo_memory.json"
+}
+
 stage_bench() {
   local status=0
   local -a mode=()
@@ -322,7 +346,7 @@ stage_report() {
     if [[ -f "$logs/commands.tsv" ]]; then
       awk -F'\t' '{gsub(/\|/, "/", $2); printf "| %s | `%s` | %s | %s |\n", $1, $2, $3, $4}' "$logs/commands.tsv"
     fi
-    for part in build test sanitize demo bench profile resources; do
+    for part in build test sanitize demo bench memory profile resources; do
       if [[ -f "$logs/$part.md" ]]; then
         echo
         cat "$logs/$part.md"
@@ -340,6 +364,9 @@ stage_device() {
   pack_outputs=1
   limit_build=240 limit_test=150 limit_memcheck=120 limit_demo=90 limit_bench=150 limit_profile=90
   limit_sanitize_other=60
+  # The CPU dry run checks this script's logic, not the device's speed: its demo trains each configuration in a
+  # fresh process (torch imported eight times), which a loaded 2-core CI machine cannot do in the device's 90 s.
+  if ((dry_run)); then limit_demo=240; fi
   # pytest-xdist spreads the tests over the device machine's cores; the dry run's venv may lack it.
   if ((!dry_run)); then parallel=(-n 8); fi
   stage_build
@@ -360,12 +387,12 @@ stage_device() {
 }
 
 case "$stage" in
-  build | test | sanitize | demo | bench | profile | resources | report | device) "stage_$stage" "$@" ;;
+  build | test | sanitize | demo | bench | memory | profile | resources | report | device) "stage_$stage" "$@" ;;
   all)
-    for s in build test sanitize demo bench profile resources report; do "stage_$s"; done
+    for s in build test sanitize demo bench memory profile resources report; do "stage_$s"; done
     ;;
   *)
-    echo "usage: bash benchmarks/gpu_session.sh [--cpu-dry-run] [build|test|sanitize|demo|bench|profile|resources|report|all|device]" >&2
+    echo "usage: bash benchmarks/gpu_session.sh [--cpu-dry-run] [build|test|sanitize|demo|bench|memory|profile|resources|report|all|device]" >&2
     exit 2
     ;;
 esac

@@ -269,6 +269,7 @@ py::dict build_info() {
   info["omp_max_threads"] = omp_get_max_threads();
   info["compiler"] = __VERSION__;
   info["cpu_avx512"] = lowbit::cpu::avx512_active();
+  info["cpu_avx2"] = lowbit::cpu::avx2_active();
   info["cpu_gather_encode"] = lowbit::cpu::gather_encode_active();
 #ifdef LOWBIT_WITH_CUDA
   info["cuda"] = true;
@@ -358,6 +359,7 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
   m.attr("SEED_SALT") = lowbit::kSeedSalt;
   // Private: tests run the optimizer step with and without the AVX-512 kernels and compare.
   m.def("_set_cpu_avx512", &lowbit::cpu::set_avx512_enabled);
+  m.def("_set_cpu_avx2", &lowbit::cpu::set_avx2_enabled);
   m.def("_set_cpu_gather_encode", &lowbit::cpu::set_gather_encode);
   m.def("_set_cpu_vbmi_decode", &lowbit::cpu::set_vbmi_decode);
 

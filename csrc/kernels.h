@@ -302,6 +302,9 @@ bool set_avx512_enabled(bool enabled);
 bool gather_encode_active();
 void set_gather_encode(int mode);
 bool set_vbmi_decode(bool enabled);
+// The AVX2 kernels of the step and the map encoders (cpu/avx2.h), where AVX-512 is not in use.
+bool avx2_active();
+bool set_avx2_enabled(bool enabled);
 }  // namespace cpu
 
 #ifdef LOWBIT_WITH_CUDA

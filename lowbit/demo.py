@@ -79,6 +79,9 @@ RELEASED = ("release", "minimal")
 MINIMAL_GROUP = 512
 #: Its accumulators' width (see make_config).
 MINIMAL_GRAD_BITS = 4
+#: Muon's learning rate in ``muon8bit`` (its AdamW part takes ModelConfig.lr). The minimum of a sweep on
+#: seed 0 (benchmarks/sweep_demo_muon_lr.py, README): 0.014 and 0.028 end 1.1-1.2% higher in train loss,
+#: 0.01 and 0.04 2.5-8%.
 MUON_LR = 0.02
 
 
@@ -122,6 +125,19 @@ def load_text(path: Optional[Path] = None, max_bytes: int = DATA_BYTES) -> torch
             break
     data = b"".join(chunks)[:max_bytes]
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def split_and_sample(
+    data: torch.Tensor, cfg: ModelConfig, steps: int, seed: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training and held-out parts of ``data`` (the last ``HOLDOUT`` of it) on ``device``, and the
+    window starts of ``steps`` training batches drawn from ``seed``: every configuration sees the same."""
+    split = int(len(data) * (1 - HOLDOUT))
+    if split < 2 * (cfg.context + 1) or len(data) - split < cfg.context + 1:
+        raise SystemExit(f"lowbit demo: {len(data)} bytes of data is too little; give at least 2 KB")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, split - cfg.context - 1, (steps, cfg.batch), generator=g).to(device)
+    return data[:split].to(device), data[split:].to(device), starts
 
 
 def windows(data: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,8 +402,10 @@ def train_config(
     train_data: torch.Tensor,
     heldout: torch.Tensor,
     starts: torch.Tensor,
+    eval_windows: int = EVAL_WINDOWS,
 ) -> RunResult:
-    """Train configuration ``name`` for ``len(starts)`` steps and measure it."""
+    """Train configuration ``name`` for ``len(starts)`` steps and measure it; the held-out loss is the
+    mean over ``eval_windows`` windows (:func:`evaluate`)."""
     _warm_up(cfg, device)
     peak = _PeakMemory(device)
     model, opt = make_config(name, cfg, seed, device)
@@ -433,7 +451,7 @@ def train_config(
         peak_model_bytes=model_peak.peak,
         step_ms=statistics.median(times) * 1e3,
         train_loss=sum(last) / len(last),
-        heldout_loss=evaluate(model, heldout, cfg.context, cfg.batch),
+        heldout_loss=evaluate(model, heldout, cfg.context, cfg.batch, eval_windows),
         seconds=seconds,
         losses=losses,
     )
@@ -442,6 +460,23 @@ def train_config(
 def _train_in_subprocess(*args: Any) -> RunResult:
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
         return pool.submit(train_config, *args).result()
+
+
+def train_configs(
+    names: list[str],
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device,
+    train_data: torch.Tensor,
+    heldout: torch.Tensor,
+    starts: torch.Tensor,
+    eval_windows: int = EVAL_WINDOWS,
+) -> list[RunResult]:
+    """:func:`train_config` for each of ``names`` in turn. On the CPU each configuration trains in a fresh
+    process, so that its resident-set rise is its own and not shaped by what earlier configurations left in
+    the allocator."""
+    train = train_config if device.type == "cuda" else _train_in_subprocess
+    return [train(n, cfg, seed, device, train_data, heldout, starts, eval_windows) for n in names]
 
 
 # -- report -----------------------------------------------------------------------------------------------
@@ -516,7 +551,8 @@ def write_figure(results: list[RunResult], path: Path) -> bool:
     return True
 
 
-def _parse_configs(text: str) -> list[str]:
+def parse_configs(text: str) -> list[str]:
+    """The configuration names of a comma-separated ``--configs`` value, each a key of CONFIGS."""
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown or not names:
@@ -530,7 +566,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     parser.add_argument("--out", type=Path, default=Path("lowbit-demo"), help="folder for report.json, report.png")
     parser.add_argument(
-        "--configs", type=_parse_configs, default=list(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}"
+        "--configs", type=parse_configs, default=list(CONFIGS), help=f"comma-separated subset of {','.join(CONFIGS)}"
     )
     parser.add_argument("--data", type=Path, default=None, help="a text file or folder (default: the stdlib sources)")
     parser.add_argument("--seed", type=int, default=0)
@@ -545,22 +581,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("lowbit demo: --device cuda, but torch sees no CUDA device")
     cfg = ModelConfig()
     data = load_text(args.data)
-    split = int(len(data) * (1 - HOLDOUT))
-    if split < 2 * (cfg.context + 1) or len(data) - split < cfg.context + 1:
-        raise SystemExit(f"lowbit demo: {len(data)} bytes of data is too little; give at least 2 KB")
-    train_data, heldout = data[:split].to(device), data[split:].to(device)
-    g = torch.Generator().manual_seed(args.seed)
-    starts = torch.randint(0, split - cfg.context - 1, (args.steps, cfg.batch), generator=g).to(device)
+    train_data, heldout, starts = split_and_sample(data, cfg, args.steps, args.seed, device)
+    split = len(train_data)
     source = args.data if args.data is not None else f"{stdlib_sources()}/*.py"
     print(
         f"lowbit demo: {len(data):,} bytes of {source} ({split:,} train / {len(data) - split:,} held out); "
         f"{args.steps} steps of {cfg.batch} x {cfg.context} bytes on {device}; "
         f"{cfg.layers}-layer GPT, d_model {cfg.d_model}; seed {args.seed}"
     )
-    # On the CPU each configuration trains in a fresh process, so that its resident-set rise is its
-    # own and not shaped by what earlier configurations left in the allocator.
-    train = train_config if device.type == "cuda" else _train_in_subprocess
-    results = [train(n, cfg, args.seed, device, train_data, heldout, starts) for n in args.configs]
+    results = train_configs(args.configs, cfg, args.seed, device, train_data, heldout, starts)
     print()
     print(format_table(results, device))
     args.out.mkdir(parents=True, exist_ok=True)
@@ -571,6 +600,7 @@ def run(args: argparse.Namespace) -> int:
         "lowbit": lowbit.__version__,
         "model": asdict(cfg),
         "steps": args.steps,
+        "seed": args.seed,
         "data": str(source),
         "results": [asdict(r) | {"model_bytes": r.model_bytes} for r in results],
     }

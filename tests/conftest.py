@@ -47,22 +47,28 @@ def device(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture(params=["avx512-gather-vbmi", "avx512", "portable"])
+@pytest.fixture(params=["avx512-gather-vbmi", "avx512", "avx2", "portable"])
 def cpu_kernels(request):
     """Runs a test with the CPU's AVX-512 kernels (where it has them) in both variants of the 8-bit
     state coders (gather encoder and VBMI decoder, normally chosen by timing and CPU features; scalar
-    table encoder and permute decoder), and with the portable loops."""
+    table encoder and permute decoder), with the AVX2 kernels (AVX-512 off; gather encoder and gather
+    decoder), and with the portable loops (both off)."""
     avx512 = request.param.startswith("avx512")
+    avx2 = request.param != "portable"
     has_avx512 = lowbit._C._set_cpu_avx512(avx512)
-    fast = request.param == "avx512-gather-vbmi"
-    lowbit._C._set_cpu_gather_encode(1 if fast else 0)
-    lowbit._C._set_cpu_vbmi_decode(fast)
+    has_avx2 = lowbit._C._set_cpu_avx2(avx2)
+    gather = request.param in ("avx512-gather-vbmi", "avx2")
+    lowbit._C._set_cpu_gather_encode(1 if gather else 0)
+    lowbit._C._set_cpu_vbmi_decode(request.param == "avx512-gather-vbmi")
     try:
         if avx512 and not has_avx512:
-            pytest.skip("this CPU has no AVX-512F: only the portable loops run")
+            pytest.skip("this CPU has no AVX-512F")
+        if avx2 and not has_avx2:
+            pytest.skip("this CPU has no AVX2: only the portable loops run")
         yield request.param
     finally:
         lowbit._C._set_cpu_avx512(True)
+        lowbit._C._set_cpu_avx2(True)
         lowbit._C._set_cpu_gather_encode(-1)
         lowbit._C._set_cpu_vbmi_decode(True)
 

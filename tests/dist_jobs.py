@@ -9,6 +9,7 @@ world sizes are comparable. Rank 0 writes the result as JSON.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import hashlib
 import json
 import os
@@ -309,6 +310,7 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
 def worker(rank: int, world: int, init_file: str, out: str, job: dict[str, Any]) -> None:
     """Process entry point: one rank of a gloo group running train(); rank 0 writes the result to out."""
+    faulthandler.enable()  # a native abort (heap corruption, gloo) prints where each rank was
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

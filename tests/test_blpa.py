@@ -403,3 +403,15 @@ def test_in_place_relu_unit_is_converted_and_matches_the_twin():
     )
     for a, b in zip(got, twin, strict=True):  # tolerance as in the twin test above
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_activations_outside_the_units_are_listed_as_left_alone():
+    # MobileNetV2's habit: the last BatchNorm -> ReLU6 feeds pooling, not a convolution. Before the fix the
+    # report named only the unit and passed over that activation (and any other) silently.
+    torch.manual_seed(0)
+    model = nn.Sequential(_unit(True, (0, 0, 0, 0), groups=1), nn.BatchNorm2d(4), nn.ReLU6(), nn.GELU())
+    report = lnn.compress_activations(model, method="blpa", bits=4, sample_args=(_input("conv"),))
+    assert [r.path for r in report.replaced] == ["0.0 -> 0.1 -> 0.3"]
+    assert [p for p, _ in report.skipped] == ["2", "3"]
+    assert all("in no BatchNorm2d -> ReLU/ReLU6 -> Conv2d unit" in why for _, why in report.skipped)
+    assert type(model[2]) is nn.ReLU6 and type(model[3]) is nn.GELU

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,12 +70,27 @@ def test_demo_writes_table_json_and_figure(tmp_path):
     assert all(len(row["losses"]) == 4 and row["peak_bytes"] is not None for row in r.values())
 
 
+def _default_run(tmp_path: Path, configs: list[str]) -> dict:
+    """The report of ``python -m lowbit demo`` at its defaults (300 steps, seed 0, the stdlib sources) for at
+    least ``configs``: the report that $LOWBIT_DEMO_REPORT names (CI sets it to the quickstart's own demo run,
+    so that the same 300-step trainings are not run twice), else a fresh run of ``configs``."""
+    given = os.environ.get("LOWBIT_DEMO_REPORT")
+    if given:
+        report = json.loads(Path(given).read_text())
+        names = [row["name"] for row in report["results"]]
+        # A report of other arguments would test something else: refuse it rather than fall back.
+        assert report["steps"] == 300 and report["seed"] == 0, given
+        assert report["data"] == f"{demo.stdlib_sources()}/*.py" and set(configs) <= set(names), (given, names)
+        return report
+    _run("--configs", ",".join(configs), "--out", str(tmp_path))
+    return json.loads((tmp_path / "report.json").read_text())
+
+
 def test_demo_losses_stay_within_two_percent_of_fp32(tmp_path):
     # The issue's bound, at the default 300 steps. Measured (train / held-out loss vs fp32, seeds
     # 0/1/2): lpmm -1.55% / -0.21% / +0.73% and -1.61% / -0.08% / -0.99%; minimal (one thread)
     # +1.12% / -0.00% / +1.26% and +1.26% / +0.81% / +0.20%.
-    _run("--configs", "fp32,lpmm,minimal", "--out", str(tmp_path))
-    r = {row["name"]: row for row in json.loads((tmp_path / "report.json").read_text())["results"]}
+    r = {row["name"]: row for row in _default_run(tmp_path, ["fp32", "lpmm", "minimal"])["results"]}
     for name in ("lpmm", "minimal"):
         for key in ("train_loss", "heldout_loss"):
             assert abs(r[name][key] / r["fp32"][key] - 1) < 0.02, (name, key, r)

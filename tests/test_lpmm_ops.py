@@ -120,7 +120,7 @@ def test_accumulate_into_empty_accumulator_is_the_quantized_gradient():
     assert torch.equal(codes, expected[0]) and torch.equal(absmax, expected[1])
 
 
-@pytest.mark.parametrize("cpu_kernels", ["avx512-gather-vbmi", "portable"], indirect=True)
+@pytest.mark.parametrize("cpu_kernels", ["avx512-gather-vbmi", "avx2", "portable"], indirect=True)
 @pytest.mark.parametrize("rule,n_states", [(SGD, 1), (SGD, 0), (ADAM, 2)])
 @pytest.mark.parametrize("bits", [(12, 8, 8), (8, 8, 8), (16, 4, 4), (5, 13, 6)])
 @pytest.mark.parametrize("group", [64, 2048])

@@ -270,14 +270,17 @@ def test_property_matches_reference_and_oracle(case, dtype, blocksize, bits, sig
     # Both roundings of every array: a drawn flag would leave many tie cases to stochastic rounding.
     for stochastic in (False, True):
         ref_packed, ref_absmax = R.quantize_blockwise(x, code, bits, bs, stochastic, seed, 0)
-        # AVX-512 with both state coders (gather, scalar table) where the CPU has it; the portable loops.
-        for avx512, gather in ((True, 0), (True, 1), (False, -1)):
+        # AVX-512 with both state coders (gather, scalar table) where the CPU has it; the AVX2 gather
+        # encoder; the portable loops.
+        for avx512, avx2, gather in ((True, True, 0), (True, True, 1), (False, True, 1), (False, False, -1)):
             lowbit._C._set_cpu_avx512(avx512)
+            lowbit._C._set_cpu_avx2(avx2)
             lowbit._C._set_cpu_gather_encode(gather)
             try:
                 packed, absmax = _ops.quantize_blockwise(x, code, bits, bs, stochastic, seed, 0)
             finally:
                 lowbit._C._set_cpu_avx512(True)
+                lowbit._C._set_cpu_avx2(True)
                 lowbit._C._set_cpu_gather_encode(-1)
             assert torch.equal(packed, ref_packed)
             _exact(absmax, ref_absmax)

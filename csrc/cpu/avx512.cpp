@@ -5,6 +5,8 @@
 // binary search over the 255 step keys measured slower than it.
 #include "avx512.h"
 
+#include "avx2.h"
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -40,9 +42,11 @@ bool enabled_by_environment() {
 
 std::atomic<bool> g_enabled{enabled_by_environment()};
 std::atomic<bool> g_vbmi{true};
-std::atomic<int> g_gather{-1};  // -1: not yet calibrated
+// The gather encoder's choice for the AVX-512 and the AVX2 encoders; -1: not yet calibrated.
+std::atomic<int> g_gather{-1};
+std::atomic<int> g_gather_avx2{-1};
 
-bool calibrate_gather();
+bool calibrate_gather(bool wide);
 
 }  // namespace
 
@@ -54,11 +58,13 @@ bool set_avx512_enabled(bool enabled) {
 }
 
 bool gather_encode_active() {
-  if (!avx512_active()) return false;
-  int v = g_gather.load(std::memory_order_relaxed);
+  const bool wide = avx512_active();
+  if (!wide && !avx2_active()) return false;
+  std::atomic<int>& choice = wide ? g_gather : g_gather_avx2;
+  int v = choice.load(std::memory_order_relaxed);
   if (v < 0) {
-    v = calibrate_gather() ? 1 : 0;
-    g_gather.store(v, std::memory_order_relaxed);
+    v = calibrate_gather(wide) ? 1 : 0;
+    choice.store(v, std::memory_order_relaxed);
   }
   return v == 1;
 }
@@ -78,7 +84,11 @@ bool set_vbmi_decode(bool enabled) {
   return kHasVbmi;
 }
 
-void set_gather_encode(int mode) { g_gather.store(mode < 0 ? -1 : (mode > 0 ? 1 : 0), std::memory_order_relaxed); }
+void set_gather_encode(int mode) {
+  const int v = mode < 0 ? -1 : (mode > 0 ? 1 : 0);
+  g_gather.store(v, std::memory_order_relaxed);
+  g_gather_avx2.store(v, std::memory_order_relaxed);
+}
 
 #ifdef LB_AVX512
 
@@ -302,11 +312,11 @@ LB_TARGET void stochastic_tile_avx512(const MapIndex& index, const float* xn, co
 
 namespace {
 
-// Whether the gather encoder beats the scalar-table one on this CPU: gathers are fast on some
-// x86 cores and slow on others (microcode mitigations, AMD's split gathers), and only timing tells.
-// Both return the same codes, so the choice affects speed only. Best of several alternated runs on
-// an L1-resident tile, once per process.
-bool calibrate_gather() {
+// Whether the gather encoder (AVX-512 where wide, else AVX2) beats the scalar-table one on this CPU:
+// gathers are fast on some x86 cores and slow on others (microcode mitigations, AMD's split gathers),
+// and only timing tells. Both return the same codes, so the choice affects speed only. Best of
+// several alternated runs on an L1-resident tile, once per process and encoder.
+bool calibrate_gather(bool wide) {
   constexpr int kN = 4096;
   std::vector<float> map(256);
   for (int i = 0; i < 256; ++i) map[i] = -1.f + 2.f * static_cast<float>(i) / 255.f;
@@ -325,8 +335,10 @@ bool calibrate_gather() {
       const auto t0 = std::chrono::steady_clock::now();
       if (which == 0) {
         nearest_codes_u8(*index, x.data(), kN, 1.f, out.data());
-      } else {
+      } else if (wide) {
         nearest_codes_u8_avx512(*index, x.data(), kN, 1.f, out.data());
+      } else {
+        nearest_codes_u8_avx2(*index, x.data(), kN, 1.f, out.data());
       }
       const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
       best[which] = std::min(best[which], dt.count());
@@ -346,7 +358,7 @@ void nearest_tile_avx512(const MapIndex&, const float*, const uint32_t*, int, ui
 void stochastic_tile_avx512(const MapIndex&, const float*, const uint32_t*, RngKey, uint64_t, int, uint32_t*) {}
 
 namespace {
-bool calibrate_gather() { return false; }
+bool calibrate_gather(bool) { return false; }
 }  // namespace
 
 #endif

@@ -16,11 +16,12 @@ bool avx512_active();
 // Turns the AVX-512 kernels on or off (tests compare both paths); returns whether the CPU has them.
 bool set_avx512_enabled(bool enabled);
 
-// Whether the optimizer's state encode uses the AVX-512 gather encoder: AVX-512 is active and a
-// timing at first use found it faster than the scalar-table encoder on this CPU.
+// Whether the optimizer's state encode uses a gather encoder: the AVX-512 one where AVX-512 is active,
+// else the AVX2 one (avx2.h) where AVX2 is, and a timing at first use found it faster than the
+// scalar-table encoder on this CPU.
 bool gather_encode_active();
 
-// Forces the choice (tests run both encoders): 1 gather, 0 scalar table, -1 time it again.
+// Forces the choice for both encoders (tests run them all): 1 gather, 0 scalar table, -1 time it again.
 void set_gather_encode(int mode);
 
 class MapIndex;

@@ -11,6 +11,7 @@
 #include "lowbit/pack.h"
 #include "lowbit/qmap.h"
 #include "lowbit/rounding.h"
+#include "avx2.h"
 #include "avx512.h"
 #include "map_index.h"
 
@@ -64,7 +65,8 @@ void normalise_buckets(const T* x, int cnt, float absmax, float* xn, uint32_t* b
 
 struct MapSpan {
   const MapIndex& index;
-  bool gather = false;  // the AVX-512 gather tiles (avx512.h), where gather_encode_active()
+  // The gather tiles where gather_encode_active(): AVX-512 (avx512.h) where active, else AVX2 (avx2.h).
+  bool gather = false;
 
   template <bool kSR, typename T>
   void encode(const T* x, int cnt, float absmax, RngKey key, uint64_t counter, uint32_t* codes) const {
@@ -72,11 +74,17 @@ struct MapSpan {
     uint32_t bucket[kTile];
     normalise_buckets(x, cnt, absmax, xn, bucket);
     if (!kSR && index.nearest_direct()) {
-      if (gather) return nearest_tile_avx512(index, xn, bucket, cnt, codes);
+      if (gather) {
+        if (avx512_active()) return nearest_tile_avx512(index, xn, bucket, cnt, codes);
+        return nearest_tile_avx2(index, xn, bucket, cnt, codes);
+      }
       return nearest_tile(index, xn, bucket, cnt, codes);
     }
     if (kSR && index.steps() <= 1) {
-      if (gather) return stochastic_tile_avx512(index, xn, bucket, key, counter, cnt, codes);
+      if (gather) {
+        if (avx512_active()) return stochastic_tile_avx512(index, xn, bucket, key, counter, cnt, codes);
+        return stochastic_tile_avx2(index, xn, bucket, key, counter, cnt, codes);
+      }
       return stochastic_tile(index, xn, bucket, key, counter, cnt, codes);
     }
     // The step count is a template argument so the common one-step search is fully unrolled.

@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "avx2.h"
 #include "avx512.h"
 #include "encode.h"
 #include "kernels.h"
@@ -44,6 +45,7 @@ void decode_linear(const uint8_t* codes, int64_t lo, int cnt, int bits, float ab
 
 void decode_map(const uint8_t* codes, int64_t lo, int cnt, int bits, const float* map, float absmax, float* out) {
   if (bits == 8 && avx512_active()) return decode_u8_avx512(map, codes + lo, cnt, absmax, out);
+  if (bits == 8 && avx2_active()) return decode_u8_avx2(map, codes + lo, cnt, absmax, out);
   decode_group(
       codes, lo, cnt, bits,
       [&](const uint32_t* t, int m, float* o) {

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "avx2.h"
 #include "avx512.h"
 #include "encode.h"
 #include "kernels.h"
@@ -62,8 +63,10 @@ void muon_8bit(const MuonArgs& a, int threads) {
     }
     const float amax = absmax_from_bits(max_bits);
     a.absmax[b] = amax;
-    if (gather) {
+    if (gather && avx512_active()) {
       nearest_codes_u8_avx512(*index, m, cnt, amax, codes + lo);
+    } else if (gather) {
+      nearest_codes_u8_avx2(*index, m, cnt, amax, codes + lo);
     } else if (direct) {
       nearest_codes_u8(*index, m, cnt, amax, codes + lo);
     } else {  // a map whose index needs refinement steps: the exact search

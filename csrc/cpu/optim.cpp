@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "avx2.h"
 #include "avx512.h"
 #include "encode.h"
 #include "kernels.h"
@@ -104,7 +105,9 @@ void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, 
   if (t.bits == 4) {
     const uint8_t* packed = static_cast<const uint8_t*>(t.state[k]) + lo / 2;
     uint32_t tile[kTile];
-    const int done = avx512_active() ? decode_u4_avx512(map, packed, cnt, amax, out) : 0;
+    const int done = avx512_active() ? decode_u4_avx512(map, packed, cnt, amax, out)
+                     : avx2_active()   ? decode_u4_avx2(map, packed, cnt, amax, out)
+                                       : 0;
     for (int j = done; j < cnt; j += kTile) {
       const int m = std::min(kTile, cnt - j);
       unpack_chunk(packed + j / 2, m, std::integral_constant<int, 4>{}, tile);
@@ -115,6 +118,7 @@ void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, 
   const uint8_t* codes = static_cast<const uint8_t*>(t.state[k]) + lo;
   if (planes != nullptr) return decode_u8_vbmi(*planes, map, codes, cnt, amax, out);
   if (avx512_active()) return decode_u8_avx512(map, codes, cnt, amax, out);
+  if (avx2_active()) return decode_u8_avx2(map, codes, cnt, amax, out);
   for (int i = 0; i < cnt; ++i) out[i] = map[codes[i]] * amax;
 }
 
@@ -128,7 +132,9 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
     uint8_t* packed = static_cast<uint8_t*>(t.state[k]) + lo / 2;
     uint32_t tile[kTile];
     const MapSpan span{*index, gather};
-    const int done = avx512_active() ? nearest_codes_u4_avx512(index->padded(), in, cnt, amax, packed) : 0;
+    const int done = avx512_active() ? nearest_codes_u4_avx512(index->padded(), in, cnt, amax, packed)
+                     : avx2_active()   ? nearest_codes_u4_avx2(index->padded(), in, cnt, amax, packed)
+                                       : 0;
     for (int j = done; j < cnt; j += kTile) {
       const int m = std::min(kTile, cnt - j);
       span.encode<false>(in + j, m, amax, RngKey{0, 0}, 0, tile);
@@ -138,7 +144,8 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
   }
   uint8_t* codes = static_cast<uint8_t*>(t.state[k]) + lo;
   if (index->nearest_direct()) {
-    if (gather) return nearest_codes_u8_avx512(*index, in, cnt, amax, codes);
+    if (gather && avx512_active()) return nearest_codes_u8_avx512(*index, in, cnt, amax, codes);
+    if (gather) return nearest_codes_u8_avx2(*index, in, cnt, amax, codes);
     return nearest_codes_u8(*index, in, cnt, amax, codes);
   }
   uint32_t tile[kTile];
@@ -308,7 +315,6 @@ __attribute__((target("avx512f"))) void update_avx512(const StepHyper& h, const 
   });
 }
 
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #endif
 
 // The update of one block, compiled for the widest vector unit in use.
@@ -317,7 +323,7 @@ void update(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, 
             int cnt, uint32_t* max_bits) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if (avx512_active()) return update_avx512<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
-  if (kHasAvx2) return update_avx2<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
+  if (avx2_active()) return update_avx2<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
 #endif
   update_baseline<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
 }
@@ -480,7 +486,7 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
 #if defined(__x86_64__) && defined(__GNUC__)
     if (avx512_active()) {
       norm_terms_avx512<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, p_val, u_val);
-    } else if (kHasAvx2) {
+    } else if (avx2_active()) {
       norm_terms_avx2<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, p_val, u_val);
     } else {
       norm_terms_baseline<kRule, kStates, kRoot>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, p_val, u_val);

@@ -550,6 +550,21 @@ def _convert_units(
     :mod:`lowbit.nn.blpa_convert` where that lowers the bytes saved (every unit for ``when="always"``)."""
     units, left = _on_sample(model, sample, lambda m, *a, **k: blpa_convert.find_units(m, a, k))
     report.skipped += left
+    # Every other activation the model holds is named too, so that none is passed over silently.
+    named = {
+        p
+        for where in [f"{u.bn} -> {u.act} -> {u.conv}" for u in units] + [w for w, _ in left]
+        for p in where.split(" -> ")
+    }
+    for path, m in model.named_modules():
+        if path and path not in named and _module_name(m, True, "fewbit") != (None, None):
+            report.skipped.append(
+                (
+                    path,
+                    f"{type(m).__name__} is in no BatchNorm2d -> ReLU/ReLU6 -> Conv2d unit on the sample, the only "
+                    "activations method='blpa' converts (compress the model with 'fewbit' or 'invact' for the rest)",
+                )
+            )
     modules = dict(model.named_modules())
     groups: list[tuple[blpa_convert.Unit, list[_Swap]]] = []
     for unit in units:

@@ -92,6 +92,10 @@ class GradientRelease:
         optimizer._lowbit_release = self  # type: ignore[attr-defined]
 
     def _hook(self, gi: int, j: int) -> Callable[[Tensor], None]:
+        # Not traced, as LowbitOptimizer.step is not: the backward of a torch.compile'd training step runs
+        # its hooks inside dynamo's frame evaluation, which would otherwise trace the optimizer's Python
+        # (AdEMAMix's schedules failed its float guards, and each step would recompile).
+        @torch._disable_dynamo
         def step_and_free(param: Tensor) -> None:
             if self._accumulating:
                 return

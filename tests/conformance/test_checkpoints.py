@@ -111,6 +111,16 @@ def _step(opt: torch.optim.Optimizer, p: nn.Parameter, grad: torch.Tensor) -> to
     return p.detach().clone()
 
 
+def _stepped(opt: torch.optim.Optimizer, p: nn.Parameter, grad: torch.Tensor, released: bool) -> torch.Tensor:
+    """:func:`_step`, or for an optimizer under gradient release (lowbit.optim.step_in_backward) a backward
+    pass whose gradient is ``grad`` (d/dp sum(p * grad) = grad exactly), which steps ``p`` and frees it."""
+    if not released:
+        return _step(opt, p, grad)
+    (p * grad).sum().backward()
+    assert p.grad is None
+    return p.detach().clone()
+
+
 def _assert_step(got: torch.Tensor, want: torch.Tensor, before: torch.Tensor, exact: bool, bits: int = 8) -> None:
     if exact:
         # The same fp32 formulas as torch's single-tensor path (tests/test_optim.py).
@@ -197,48 +207,65 @@ def test_torch_muon_state_dict_loads_into_the_lowbit_twin_and_back(bits):
     assert torch.equal(_step(mine, m, grads[7]), _step(back, twin, grads[7]))
 
 
+@pytest.mark.parametrize("release", [False, True], ids=["loop", "release"])
 @pytest.mark.parametrize("bits", [8, 32])
-def test_muon_state_dict_round_trips_and_resumes_bit_for_bit(bits):
+def test_muon_state_dict_round_trips_and_resumes_bit_for_bit(bits, release):
+    # With release, the checkpoint is written and resumed under gradient release: the run must still be the
+    # ordinary loop's (opt) bit for bit.
     shape = (64, 96)
     gen = torch.Generator().manual_seed(1)
     grads = [_grad(gen, shape[0] * shape[1], step).reshape(shape) for step in range(6)]
     p = nn.Parameter(torch.randn(shape, generator=gen))
+    mine = nn.Parameter(p.detach().clone())
     opt = getattr(O, f"Muon{bits}bit")([p], lr=0.02, min_8bit_size=0)
+    saving = getattr(O, f"Muon{bits}bit")([mine], lr=0.02, min_8bit_size=0)
+    if release:
+        O.step_in_backward(saving)
     for g in grads[:3]:
-        _step(opt, p, g)
+        assert torch.equal(_step(opt, p, g), _stepped(saving, mine, g, release))
     saved = io.BytesIO()
-    torch.save(opt.state_dict(), saved)
-    q = nn.Parameter(p.detach().clone())
+    torch.save(saving.state_dict(), saved)
+    q = nn.Parameter(mine.detach().clone())
     resumed = getattr(O, f"Muon{bits}bit")([q], **OTHERS, min_8bit_size=0)
     resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    if release:
+        O.step_in_backward(resumed)
     for g in grads[3:]:
-        assert torch.equal(_step(opt, p, g), _step(resumed, q, g))
+        assert torch.equal(_step(opt, p, g), _stepped(resumed, q, g, release))
     assert torch.equal(opt.state[p]["state1"], resumed.state[q]["state1"])
     assert float(resumed.state[q]["step"]) == 6
 
 
+@pytest.mark.parametrize("release", [False, True], ids=["loop", "release"])
 @pytest.mark.parametrize("bits", [4, 8, 32])
-def test_ademamix_state_dict_round_trips_and_resumes_bit_for_bit(bits):
+def test_ademamix_state_dict_round_trips_and_resumes_bit_for_bit(bits, release):
     # bitsandbytes#1382: AdEMAMix8bit gave NaN after load_state_dict with t_alpha / t_beta3 set. The resumed
     # optimizer is built without the warm-ups and with other hyperparameters: the checkpoint's come back, and
-    # its three states and step count continue the run exactly (the same codes, the same parameters).
+    # its three states and step count continue the run exactly (the same codes, the same parameters). With
+    # release, the checkpoint is written and resumed under gradient release, against the ordinary loop (opt).
     n = 5000
     gen = torch.Generator().manual_seed(2)
     grads = [_grad(gen, n, step) for step in range(8)]
     p = nn.Parameter(torch.randn(n, generator=gen))
+    mine = nn.Parameter(p.detach().clone())
     kw = dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=4.0, t_alpha=6, t_beta3=6, weight_decay=0.1)
     size = {"min_4bit_size": 0} if bits == 4 else {}
     opt = O.AdEMAMix([p], optim_bits=bits, **kw, **size)
+    saving = O.AdEMAMix([mine], optim_bits=bits, **kw, **size)
+    if release:
+        O.step_in_backward(saving)
     for g in grads[:3]:
-        _step(opt, p, g)
+        assert torch.equal(_step(opt, p, g), _stepped(saving, mine, g, release))
     saved = io.BytesIO()
-    torch.save(opt.state_dict(), saved)
-    q = nn.Parameter(p.detach().clone())
+    torch.save(saving.state_dict(), saved)
+    q = nn.Parameter(mine.detach().clone())
     resumed = O.AdEMAMix([q], optim_bits=bits, **OTHERS, **size)
     resumed.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
     _assert_same_hyperparameters(resumed, kw)
+    if release:
+        O.step_in_backward(resumed)
     for g in grads[3:]:
-        got = _step(resumed, q, g)
+        got = _stepped(resumed, q, g, release)
         assert bool(got.isfinite().all())
         assert torch.equal(_step(opt, p, g), got)
     for key in ("state1", "state2", "state3"):

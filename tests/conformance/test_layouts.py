@@ -1,5 +1,6 @@
 """Non-contiguous and channels_last parameters step exactly like contiguous ones and keep their layout,
-and a step that raises leaves the optimizer as it was."""
+also under gradient release (lowbit.optim.step_in_backward, which steps on the gradient in the layout
+autograd gives it), and a step that raises leaves the optimizer as it was."""
 
 from __future__ import annotations
 
@@ -57,28 +58,39 @@ def _like(value: torch.Tensor, strides_of: torch.Tensor) -> torch.Tensor:
 
 
 def _train(
-    cls: type, value: torch.Tensor, grads: list[torch.Tensor], **kw
+    cls: type, value: torch.Tensor, grads: list[torch.Tensor], release: bool = False, **kw
 ) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+    """The parameter after a step on each of ``grads``, and its optimizer. ``release``: under gradient
+    release, each gradient comes from a backward pass (d/dp sum(p * g) = g exactly), in the layout
+    autograd's AccumulateGrad gives it (the parameter's strides where they are dense, else contiguous)."""
     p = nn.Parameter(_like(value, value))
     opt = cls([p], **kw)
+    if release:
+        O.step_in_backward(opt)
     for g in grads:
-        p.grad = _like(g, value)
-        opt.step()
+        if release:
+            (p * _like(g, value)).sum().backward()
+            assert p.grad is None
+        else:
+            p.grad = _like(g, value)
+            opt.step()
     return p.detach(), opt
 
 
+@pytest.mark.parametrize("release", [False, True], ids=["loop", "release"])
 @pytest.mark.parametrize("bits", [8, 4, 32])
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("layout", ["channels_last", "transposed", "sliced"])
-def test_strided_parameters_step_like_contiguous_ones(layout, name, bits):
+def test_strided_parameters_step_like_contiguous_ones(layout, name, bits, release):
     # Used to raise "parameters must be contiguous" (without naming the parameter), after the step
-    # had already created state and counted the step.
+    # had already created state and counted the step. The reference is the ordinary loop on a contiguous
+    # copy.
     value = _layouts()[layout]
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(value.shape, generator=gen) for _ in range(3)]
     cls = getattr(O, name.split("-")[0])
     kw = dict(KW.get(name, {}), optim_bits=bits, min_8bit_size=0, min_4bit_size=0)
-    got, opt = _train(cls, value, grads, **kw)
+    got, opt = _train(cls, value, grads, release, **kw)
     want, _ = _train(cls, value.contiguous(), grads, **kw)
     assert got.stride() == value.stride()
     assert torch.equal(got, want)
@@ -111,15 +123,16 @@ def test_failed_step_leaves_the_optimizer_as_it_was():
     assert torch.equal(a.detach(), value_a) and torch.equal(b.detach(), value_b)
 
 
+@pytest.mark.parametrize("release", [False, True], ids=["loop", "release"])
 @pytest.mark.parametrize("cls", [O.Muon8bit, O.Muon32bit], ids=lambda c: c.__name__)
 @pytest.mark.parametrize("layout", ["transposed", "sliced"])
-def test_strided_matrices_step_like_contiguous_ones_with_muon(layout, cls):
+def test_strided_matrices_step_like_contiguous_ones_with_muon(layout, cls, release):
     # Muon takes matrices only, so the two matrix layouts; its orthogonalization reads the whole matrix.
     value = _layouts()[layout]
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(value.shape, generator=gen) for _ in range(3)]
     kw = dict(lr=0.02, weight_decay=0.1) | (dict(min_8bit_size=0) if cls is O.Muon8bit else {})
-    got, opt = _train(cls, value, grads, **kw)
+    got, opt = _train(cls, value, grads, release, **kw)
     want, _ = _train(cls, value.contiguous(), grads, **kw)
     assert got.stride() == value.stride()
     assert torch.equal(got, want)

@@ -3,10 +3,13 @@ with fresh, partly zero or non-finite gradients, ``zero_grad`` both ways, hyperp
 ``param_groups`` (refused ones included), tensor learning rates, state dict round trips (in memory and
 through ``torch.save``) into fresh optimizers, and loading the reference's state dict.
 
-Each run keeps three optimizers on three copies of the parameters: ``main`` takes every operation,
-``plain`` the same ones except the round trips of its own state and the refused edits, and ``ref`` is
-torch.optim. ``main`` must stay bit-identical to ``plain`` (a round trip or a refused step changes
-nothing), and both must follow ``ref``: fp32 states to rounding; quantized (8- and 4-bit) parameters within
+Each run keeps four optimizers on four copies of the parameters: ``main`` takes every operation,
+``plain`` the same ones except the round trips of its own state and the refused edits, ``released`` the
+same as ``plain`` under gradient release (:func:`lowbit.optim.step_in_backward`: each step's gradients
+come from a backward pass, which steps each parameter in its hook and frees its gradient; its round trips
+load its own state dict while release is on), and ``ref`` is torch.optim. ``main`` and ``released`` must
+stay bit-identical to ``plain`` (a round trip or a refused step changes nothing; release is the ordinary
+loop), and all must follow ``ref``: fp32 states to rounding; quantized (8- and 4-bit) parameters within
 the measured drift bound of their width, and quantized states, decoded, element by element within the bound
 their map's code gaps give (``Run._advance_bounds``), with the same step counters and state names.
 """
@@ -154,6 +157,16 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _reloaded(state_dict: dict[str, Any], via_bytes: bool) -> dict[str, Any]:
+    """``state_dict``, or what ``torch.load`` reads back from it after ``torch.save``."""
+    if not via_bytes:
+        return state_dict
+    buf = io.BytesIO()
+    torch.save(state_dict, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
 class Run:
     """The three optimizers of one scenario and the step counts torch.optim would keep."""
 
@@ -166,11 +179,13 @@ class Run:
         gen = torch.Generator().manual_seed(scenario["seed"])
         self.p0 = [torch.randn(s, generator=gen) * 0.1 for s in scenario["shapes"]]
         self.tensor_lr = scenario["tensor_lr"]
-        self.main_params, self.plain_params, self.ref_params = (
-            [nn.Parameter(p.clone()) for p in self.p0] for _ in range(3)
+        self.main_params, self.plain_params, self.released_params, self.ref_params = (
+            [nn.Parameter(p.clone()) for p in self.p0] for _ in range(4)
         )
         self.main = self._make(case.cls, self.main_params, self.options)
         self.plain = self._make(case.cls, self.plain_params, self.options)
+        self.released = self._make(case.cls, self.released_params, self.options)
+        self.release = O.step_in_backward(self.released)
         self.ref = self._make(case.tcls, self.ref_params, {} if case.matrices else dict(foreach=False))
         self.steps = [0] * len(self.p0)
         # Per parameter and torch state name: the bound on |decoded quantized state - torch's| per element.
@@ -225,6 +240,7 @@ class Run:
         ]
         for opt, _ in self._all():
             opt.step()
+        self._released_step()
         if self.quantized:
             for j, p in enumerate(self.main_params):
                 if p.grad is not None:
@@ -237,6 +253,17 @@ class Run:
                 assert not bool(self.main_params[j].view(-1)[i].isfinite())
             if self.quantized:
                 self._check_restart(self.main_params[j], i)
+
+    def _released_step(self) -> None:
+        """The step of ``released``: one backward pass whose gradient for each parameter is the one the
+        ordinary optimizers stepped on (fresh, or kept from before: then zeros or the last one), and none
+        for a parameter without one. d/dp sum(p * g) = 1 * g, exactly g, non-finite elements included."""
+        pairs = zip(self.released_params, self.plain_params, strict=True)
+        terms = [(p * q.grad).sum() for p, q in pairs if q.grad is not None]
+        if terms:
+            torch.stack(terms).sum().backward()
+        assert all(p.grad is None for p in self.released_params)  # each freed after its step
+        self.released.step()  # a no-op under release, as in a user's unchanged loop
 
     def _check_restart(self, p: nn.Parameter, i: int) -> None:
         # optimizer.py: a quantized state element that becomes non-finite restarts from zero (a second moment,
@@ -266,12 +293,13 @@ class Run:
     def _zero_grad(self, set_to_none: bool) -> None:
         for opt, _ in self._all():
             opt.zero_grad(set_to_none=set_to_none)
+        self.released.zero_grad(set_to_none=set_to_none)  # a no-op under release: no gradient to clear
 
     def _edit(self, index: int, edit: tuple[str, Any]) -> None:
         key, value = edit
         if key == "lr":
             value = self.case.kw["lr"] * value
-        for opt, _ in self._all():
+        for opt, _ in [*self._all(), (self.released, self.released_params)]:
             group = opt.param_groups[index]
             if key == "lr" and isinstance(group["lr"], Tensor):
                 group["lr"].fill_(value)
@@ -290,17 +318,16 @@ class Run:
         group[key] = old
 
     def _round_trip(self, via_bytes: bool) -> None:
-        sd = self.main.state_dict()
-        if via_bytes:
-            buf = io.BytesIO()
-            torch.save(sd, buf)
-            buf.seek(0)
-            sd = torch.load(buf, weights_only=True)
-        self.main = self._fresh(self.main_params, sd)
+        self.main = self._fresh(self.main_params, _reloaded(self.main.state_dict(), via_bytes))
+        # The released optimizer reloads its own state dict in place, its hooks still registered.
+        self.released.load_state_dict(_reloaded(self.released.state_dict(), via_bytes))
 
     def _load_torch(self) -> None:
         self.main = self._fresh(self.main_params, self.ref.state_dict())
         self.plain = self._fresh(self.plain_params, self.ref.state_dict())
+        self.release.remove()
+        self.released = self._fresh(self.released_params, self.ref.state_dict())
+        self.release = O.step_in_backward(self.released)
         for j, p in enumerate(self.ref_params):
             state = self.ref.state[p]
             # torch.optim.SGD keeps no step count: lowbit counts a loaded momentum buffer as one step.
@@ -398,14 +425,18 @@ class Run:
             self._check_param(j, a.detach(), b.detach())
 
     def _check_main_is_plain(self) -> None:
-        for a, b in zip(self.main_params, self.plain_params, strict=True):
+        for opt, params in ((self.main, self.main_params), (self.released, self.released_params)):
+            self._check_is_plain(opt, params)
+
+    def _check_is_plain(self, opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> None:
+        for a, b in zip(params, self.plain_params, strict=True):
             assert _same(a.detach(), b.detach())
-            sa = self.main.state[a] if a in self.main.state else {}
+            sa = opt.state[a] if a in opt.state else {}
             sb = self.plain.state[b] if b in self.plain.state else {}
             assert set(sa) == set(sb)
             for key in sa:
                 assert _same(sa[key], sb[key]), key
-        for ga, gb in zip(self.main.param_groups, self.plain.param_groups, strict=True):
+        for ga, gb in zip(opt.param_groups, self.plain.param_groups, strict=True):
             # torch.optim.Optimizer.load_state_dict adds torch's "differentiable" (False) to loaded groups.
             assert set(gb) <= set(ga) <= set(gb) | {"differentiable"}
             for key in gb:
