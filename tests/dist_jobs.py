@@ -46,6 +46,10 @@ OPTIMIZERS = {
     "SGD8bit": lambda params: lowbit.optim.SGD8bit(params, lr=0.05, momentum=0.9, min_8bit_size=256),
     "AdamW32bit": lambda params: lowbit.optim.AdamW32bit(params, lr=CFG.lr),
     "AdamW4bit": lambda params: lowbit.optim.AdamW4bit(params, lr=CFG.lr, min_4bit_size=256),
+    # The opt-in rank-1 second moments of matrices (the MAX all-reduce of their statistics).
+    "AdamW4bit-rank1": lambda params: lowbit.optim.AdamW4bit(
+        params, lr=CFG.lr, min_4bit_size=256, rank1_normalization=True
+    ),
     # Whole-tensor norms of sharded tensors: LARS's trust ratio, percentile clipping's gradient norms,
     "LARS8bit": lambda params: lowbit.optim.LARS8bit(params, lr=5.0, weight_decay=1e-4, min_8bit_size=256),
     "Adam8bit-clip": lambda params: lowbit.optim.Adam8bit(params, lr=CFG.lr, min_8bit_size=256, percentile_clipping=50),

@@ -19,8 +19,9 @@ Launchers (csrc/cuda) and the tests that run them:
   test_optimizer_norms_then_step_with_update_scales (its norm_sums and update_scales entries),
   test_norm_sums_in_the_shared_order (include/lowbit/norm_order.h: passes of a thread block, lanes of a
   tensor's block sums); its rank-1 statistics pass (stats_only, include/lowbit/rank1.h) and the step that
-  encodes against it: test_optimizer_step's 4-bit cases with min_4bit_size=0 (the (64, 7) matrix and the
-  (2, 3, 50) tensor, whose second moments are normalised rank-1; Adam, RMSprop's slot 0, LAMB, AdEMAMix)
+  encodes against it: test_optimizer_step's 4-bit cases with min_4bit_size=0 and rank1_normalization=True (the (64, 7)
+  matrix and the (2, 3, 50) tensor, whose second moments are normalised rank-1; Adam, RMSprop's slot 0, LAMB,
+  AdEMAMix)
 - lpmm.cu: lpmm_accumulate: test_lpmm_accumulate; lpmm_step: test_lpmm_step,
   test_lpmm_step_blocks_of_several_groups (small groups sharing a thread block)
 - muon.cu: muon_momentum: test_muon_momentum (8-bit buffers at block sizes 64..4096 and fp32 buffers,
@@ -290,17 +291,19 @@ _OPTIMIZERS = [
     ("LAMB8bit", {}),
     ("LARS8bit", {}),
     ("AdamW4bit", {"weight_decay": 0.1}),
-    ("AdamW4bit", {"weight_decay": 0.1, "min_4bit_size": 0}),
-    ("RMSprop", {"optim_bits": 4, "min_4bit_size": 0, "momentum": 0.9}),
+    ("AdamW4bit", {"weight_decay": 0.1, "min_4bit_size": 0, "rank1_normalization": True}),
+    ("RMSprop", {"optim_bits": 4, "min_4bit_size": 0, "momentum": 0.9, "rank1_normalization": True}),
     ("Adam4bit", {"max_unorm": 0.02, "amsgrad": True}),
     ("SGD4bit", {"lr": 1e-2, "momentum": 0.9}),
     ("LAMB", {"optim_bits": 4, "min_4bit_size": 0}),
+    ("LAMB", {"optim_bits": 4, "min_4bit_size": 0, "rank1_normalization": True}),
     ("Adam32bit", {"amsgrad": True}),
     ("AdamW32bit", {}),
     ("LAMB32bit", {}),
     ("RMSprop32bit", {}),
     ("AdEMAMix8bit", {"t_alpha": 2, "t_beta3": 2}),
     ("AdEMAMix", {"optim_bits": 4, "min_4bit_size": 0, "max_unorm": 0.02}),
+    ("AdEMAMix", {"optim_bits": 4, "min_4bit_size": 0, "max_unorm": 0.02, "rank1_normalization": True}),
     ("AdEMAMix32bit", {}),
 ]
 

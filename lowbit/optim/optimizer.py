@@ -79,7 +79,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         min_8bit_size: with ``optim_bits=8``, parameters with fewer elements keep fp32 states.
         min_4bit_size: with ``optim_bits=4``, parameters with fewer elements keep fp32 states (as do
             one-element shards of FSDP2 parameters).
-        rank1_normalization: with ``optim_bits=4``, the second moment of a parameter of 2 to 8 axes is
+        rank1_normalization: opt-in (default False, until it measures better than block-wise: README,
+            Limitations); with ``optim_bits=4``, the second moment of a parameter of 2 to 8 axes is
             normalised rank-1 (Li, Chen, Zhu 2023, section 4.2; include/lowbit/rank1.h): element (i, j)
             by min(max of row i, max of column j), N-d tensors by the min over every axis of that axis'
             maxima, which cost ``sum(shape)`` floats (``axis_max{k+1}`` in the state, in place of the
@@ -111,7 +112,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         block_size: Optional[int] = None,
         min_8bit_size: int = 4096,
         min_4bit_size: int = 4096,
-        rank1_normalization: bool = True,
+        rank1_normalization: bool = False,
         max_unorm: float = 0.0,
         percentile_clipping: int = 100,
     ) -> None:

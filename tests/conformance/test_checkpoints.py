@@ -46,6 +46,8 @@ TWINS = [
 # Hyperparameters of the optimizer that loads, none of them the checkpoint's: a load that kept them would
 # step differently from torch.
 OTHERS = dict(lr=0.5, weight_decay=0.3)
+# The opt-in rank-1 normalised second moments of 4-bit matrices (include/lowbit/rank1.h).
+RANK1 = {"rank1_normalization": True}
 
 
 def _grad(gen: torch.Generator, n: int, step: int) -> torch.Tensor:
@@ -439,12 +441,10 @@ def _assert_rank1_encoded(got: torch.Tensor, want: torch.Tensor) -> None:
     assert bool((err <= d * (2 * w + d) * (1 + 1e-5) + 1e-6 * want).all()), float((err - d * (2 * w + d)).max())
 
 
-@pytest.mark.parametrize(
-    ("src_bits", "src_kw"), [(32, {}), (8, {}), (4, {"rank1_normalization": False}), (4, {})], ids=str
-)
+@pytest.mark.parametrize(("src_bits", "src_kw"), [(32, {}), (8, {}), (4, {}), (4, RANK1)], ids=str)
 def test_rank1_second_moments_load_from_every_layout_and_back(src_bits, src_kw):
-    """A matrix's 4-bit second moment is normalised rank-1 (``axis_max2`` in place of ``absmax2``): a state
-    dict of any layout, block-wise 4-bit ones (every 4-bit state dict before rank-1) included, loads into it
+    """With ``rank1_normalization=True`` a matrix's 4-bit second moment is normalised rank-1 (``axis_max2`` in
+    place of ``absmax2``): a state dict of any layout, block-wise 4-bit ones (the default's) included, loads into it
     as one encode of what the checkpoint held, and steps as torch from that state; a rank-1 state dict resumes
     bit for bit and loads into the 32-bit class exactly."""
     shape = (40, 130)
@@ -455,13 +455,13 @@ def test_rank1_second_moments_load_from_every_layout_and_back(src_bits, src_kw):
     for step in range(3):
         _step(src, p, _grad(gen, p.numel(), step).view(shape))
     saved = src.state_dict()
-    assert ("axis_max2" in saved["state"][0]) == (src_bits == 4 and not src_kw)
+    assert ("axis_max2" in saved["state"][0]) == (src_kw == RANK1)
     q = nn.Parameter(p.detach().clone())
-    opt = O.AdamW4bit([q], **OTHERS)
+    opt = O.AdamW4bit([q], **OTHERS, **RANK1)
     opt.load_state_dict(saved)
     assert opt.state[q]["axis_max2"].shape == (sum(shape),) and "absmax2" not in opt.state[q]
     held, got = src.dequantized_state(p), opt.dequantized_state(q)
-    if src_bits == 4 and not src_kw:
+    if src_kw == RANK1:
         assert all(torch.equal(got[k], v) for k, v in held.items())
     else:
         _assert_encoded(got["exp_avg"], held["exp_avg"], True, 128, 4)
@@ -470,7 +470,7 @@ def test_rank1_second_moments_load_from_every_layout_and_back(src_bits, src_kw):
     want = _torch_step(torch.optim.AdamW, src.param_groups[0], p.detach(), held, grad)
     stepped = _step(opt, q, grad)
     _assert_step(stepped, want, p.detach(), exact=False, bits=4)
-    if src_bits == 4 and not src_kw:
+    if src_kw == RANK1:
         assert torch.equal(_step(src, p, grad), stepped)
         assert torch.equal(src.state[p]["axis_max2"], opt.state[q]["axis_max2"])
     back = O.AdamW32bit([nn.Parameter(q.detach().clone())], **OTHERS)

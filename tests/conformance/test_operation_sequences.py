@@ -44,6 +44,8 @@ class Case:
     edits: tuple[str, ...]
     bits: int = 8  # the width of the quantized states (unused by the fp32 twins)
     matrices: bool = False  # Muon: both parameters are matrices
+    # lowbit-only layout options of the quantized optimizer (torch's takes none), part of the case's name.
+    layout: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # Muon's reference, torch.optim.Muon, takes no foreach option and decays the weights decoupled, as AdamW.
@@ -71,6 +73,15 @@ QUANTIZED = [
     Case(O.SGD8bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), ("lr", "weight_decay")),
     Case(O.Adam4bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas"), bits=4),
     Case(O.AdamW4bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), ("lr", "weight_decay", "betas"), bits=4),
+    # The opt-in rank-1 second moment (include/lowbit/rank1.h) of the first parameter, a matrix.
+    Case(
+        O.AdamW4bit,
+        torch.optim.AdamW,
+        dict(lr=1e-3, weight_decay=0.1),
+        ("lr", "weight_decay", "betas"),
+        bits=4,
+        layout={"rank1_normalization": True},
+    ),
     Case(O.SGD4bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), ("lr", "weight_decay"), bits=4),
     Case(O.Muon8bit, torch.optim.Muon, MUON, ("lr", "weight_decay"), matrices=True),
     Case(O.AdEMAMix8bit, ReferenceAdEMAMix, dict(lr=1e-3, t_alpha=6, t_beta3=6), ("lr", "weight_decay")),
@@ -176,6 +187,8 @@ class Run:
         self.options = dict(min_8bit_size=0, block_size=self.block_size) if quantized else {}
         if quantized and case.bits == 4:
             self.options["min_4bit_size"] = 0
+        if quantized:
+            self.options |= case.layout
         gen = torch.Generator().manual_seed(scenario["seed"])
         self.p0 = [torch.randn(s, generator=gen) * 0.1 for s in scenario["shapes"]]
         self.tensor_lr = scenario["tensor_lr"]
@@ -351,7 +364,10 @@ class Run:
         k = self.main._state_names.index(name)
         signed = self.main._state_signed[k]
         state = self.main.state[p]
-        if f"axis_max{k + 1}" in state:
+        # The layout the case asked for: rank-1 exactly for the second moment of the matrix when opted in.
+        ranked = bool(self.case.layout.get("rank1_normalization")) and not signed and p.dim() >= 2
+        assert (f"axis_max{k + 1}" in state) == ranked, (name, sorted(state))
+        if ranked:
             # A rank-1 normalised second moment (include/lowbit/rank1.h): each element's scale is the min over
             # the axes of its axis maxima, which takes the place of the block absmax.
             parts = state[f"axis_max{k + 1}"].split(list(p.shape))
@@ -498,7 +514,7 @@ def _run(case: Case, quantized: bool, scenario: dict[str, Any]) -> None:
 
 
 def _name(case: Case) -> str:
-    return case.cls.__name__
+    return case.cls.__name__ + "".join(f"-{k}" for k in case.layout)
 
 
 @pytest.mark.parametrize("case", TWINS, ids=_name)
