@@ -51,6 +51,13 @@ __device__ StepScalars tensor_scalars(const OptimArgs& a, int64_t t, const float
                      update_scales != nullptr ? update_scales[t] : 1.f);
 }
 
+// The rank-1 scale (lowbit/rank1.h) of element e of a tensor, from `stats`.
+__device__ float rank1_scale_at(const Rank1View& r, const float* stats, int64_t e) {
+  int64_t idx[kMaxRank1Dims];
+  rank1_index(r, e, idx);
+  return rank1_scale(stats, r, idx);
+}
+
 // Norm pre-pass: per-block sums of p^2 and u^2 from copies of the states (nothing is written), in
 // norm_order.h's order. Each pass over blockDim.x elements stages its squares in shared memory; then
 // 2 * kSquareLanes threads add them into their lane in element order (blockDim.x is a multiple of
@@ -65,6 +72,9 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
   const T* param = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kParam])) + task.lo;
   const T* grad = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kGrad])) + task.lo;
   const int which = static_cast<int>(threadIdx.x) / kSquareLanes;  // 0: p^2, 1: u^2 (threads that add)
+  // The state slot normalised rank-1 (lowbit/rank1.h), or -1: it has no absmax, its scale is per element.
+  const Rank1View r1 = rank1_row(a.rank1, task.tensor);
+  const int ranked = quantized && r1.ndim > 0 ? second_moment_slot(kRule) : -1;
   double acc = 0.0;
   for (int base = 0; base < task.cnt; base += blockDim.x) {
     const int i = base + static_cast<int>(threadIdx.x);
@@ -74,9 +84,10 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
       for (int k = 0; k < kMaxStates; ++k) {
         if (k >= a.n_states) continue;
         const int64_t ptr = m[kState1 + k];
-        s[k] = quantized ? state_value(maps[k][state_code(ptr, task.lo + i, a.state_bits)] *
-                                           reinterpret_cast<const float*>(m[kAbsmax1 + k])[block],
-                                       root_slot(kRule, k))
+        const float scale = !quantized    ? 0.f
+                            : k == ranked ? rank1_scale_at(r1, r1.stats, task.lo + i)
+                                          : reinterpret_cast<const float*>(m[kAbsmax1 + k])[block];
+        s[k] = quantized ? state_value(maps[k][state_code(ptr, task.lo + i, a.state_bits)] * scale, root_slot(kRule, k))
                          : reinterpret_cast<const float*>(ptr)[task.lo + i];
       }
       const float p = to_float(param[i]);
@@ -98,13 +109,6 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
     sums[0] = add_lanes(lanes, kSquareLanes);
     sums[1] = add_lanes(lanes + kSquareLanes, kSquareLanes);
   }
-}
-
-// The rank-1 scale (lowbit/rank1.h) of element e of a tensor, from `stats`.
-__device__ float rank1_scale_at(const Rank1View& r, const float* stats, int64_t e) {
-  int64_t idx[kMaxRank1Dims];
-  rank1_index(r, e, idx);
-  return rank1_scale(stats, r, idx);
 }
 
 // The rank-1 statistics pass over one block: the step's new states from copies (nothing else is
