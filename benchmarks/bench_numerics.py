@@ -29,7 +29,8 @@ deep-copied for each run) and fed the same batches:
   (``lowbit/_reference/ademamix.py``, fp32 states; torch has no AdEMAMix);
 - bitsandbytes' Adam8bit, AdamW8bit, SGD8bit, RMSprop8bit, Adagrad8bit and Lion8bit against the same
   references, when ``import bitsandbytes`` works (the columns are skipped with a note otherwise);
-- lowbit Adam4bit, AdamW4bit, SGD4bit, and torchao's ``torchao.optim.Adam4bit`` and ``AdamW4bit`` when
+- lowbit Adam4bit, AdamW4bit (block-wise, the default, and with its matrices' second moments normalised
+  rank-1: ``AdamW4bit r1``), SGD4bit, and torchao's ``torchao.optim.Adam4bit`` and ``AdamW4bit`` when
   ``import torchao.optim`` works, against the same ``torch.optim`` references (a table of their own).
 
 Hyperparameters: Adam/AdamW lr 1e-3 (AdamW weight_decay 1e-2), SGD lr 1e-2 momentum 0.9, RMSprop lr
@@ -178,6 +179,7 @@ def make_columns(bnb: Optional[ModuleType], torchao_optim: Optional[ModuleType] 
     cols += [
         Column("Adam4bit", O.Adam4bit, torch.optim.Adam, "torch Adam", adam, "lowbit", adam=True, bits=4),
         Column("AdamW4bit", O.AdamW4bit, torch.optim.AdamW, "torch AdamW", adamw, "lowbit", bits=4),
+        Column("AdamW4bit r1", _rank1_v(O.AdamW4bit), torch.optim.AdamW, "torch AdamW", adamw, "lowbit", bits=4),
         Column("SGD4bit", O.SGD4bit, torch.optim.SGD, "torch SGD", sgdm, "lowbit", bits=4),
     ]
     if torchao_optim is not None:
@@ -187,6 +189,11 @@ def make_columns(bnb: Optional[ModuleType], torchao_optim: Optional[ModuleType] 
             Column("ao AdamW4bit", ao_adamw, torch.optim.AdamW, "torch AdamW", adamw, "torchao", bits=4),
         ]
     return cols
+
+
+def _rank1_v(cls: Any) -> OptFactory:
+    """``cls`` with ``rank1_normalization=True``: the second moments of matrices normalised rank-1."""
+    return lambda params, **kw: cls(params, rank1_normalization=True, **kw)
 
 
 # -- scenarios ----------------------------------------------------------------------------------------

@@ -5,13 +5,14 @@ Run from the repository root::
     python benchmarks/bench_optim.py
     python benchmarks/bench_optim.py --numel 1000000 --repeats 3 --threads 2 --json out/optim.json
 
-Options: ``--numel`` (parameters per workload, default 16 * 2**20), ``--workload`` (``single``: one
-tensor of ``--numel`` parameters; ``many``: transformer-like tensors totalling about ``--numel``;
-``both``, the default; ``muon``: the 1024x1024, 4096x1024 and 1024x4096 matrices of issue 29, stepped by
-Muon8bit, Muon32bit and torch.optim.Muon, the baseline of that table, also with ``ns_steps=0``, which
-times the momentum step and the update alone; ``ademamix``: one tensor of ``--numel`` parameters stepped
-by AdEMAMix8bit (without and with the alpha and beta3 warm-ups), AdEMAMix32bit, the baseline of that
-table, and AdamW8bit and AdamW32bit, which keep one state fewer), ``--repeats`` (timed steps per optimizer, 10),
+Options: ``--numel`` (parameters per workload, default 16 * 2**20), ``--workload`` (``single``: one tensor of
+``--numel`` parameters; ``many``: transformer-like tensors totalling about ``--numel``; ``both``, the default;
+``gpt``: issue 28's GPT-like matrices, 4 x 1024x1024, 2 x 4096x1024, 2 x 1024x4096 and four biases of 1024, whatever
+``--numel``; ``muon``: the 1024x1024, 4096x1024 and 1024x4096 matrices of issue 29, stepped by Muon8bit, Muon32bit and
+torch.optim.Muon, the baseline of that table, also with ``ns_steps=0``, which times the momentum step and the update
+alone; ``ademamix``: one tensor of ``--numel`` parameters stepped by AdEMAMix8bit (without and with the alpha and
+beta3 warm-ups), AdEMAMix32bit, the baseline of that table, and AdamW8bit and AdamW32bit, which keep one state fewer),
+``--repeats`` (timed steps per optimizer, 10),
 ``--warmup`` (untimed steps per optimizer before timing, 3, at least 1), ``--threads``
 (``torch.set_num_threads``), ``--dtype`` (parameter and gradient dtype, float32 or bfloat16), ``--device``
 (cpu or cuda), ``--json PATH`` (also write the results as JSON). ``LOWBIT_CPU_AVX512=0`` in the environment
@@ -31,7 +32,9 @@ the median and fastest step, the median per parameter, and the ratio of each med
 to read, and absolute times mean something only on a GPU. State bytes per parameter are counted after
 the first step: the storage bytes of every tensor in ``optimizer.state`` except the ``step`` counters,
 shared storages counted once, divided by the number of parameters. The 4-bit rows (blocks of 128,
-``min_4bit_size`` 4096) also give their median over that of their 8-bit twin from the same run (``x 8-bit``).
+``min_4bit_size`` 4096) also give their median over that of their 8-bit twin from the same run (``x 8-bit``);
+``AdamW4bit (rank-1 v)`` is AdamW4bit with ``rank1_normalization=True``: the second moments of matrices
+normalised rank-1 instead of in blocks of 128.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ BASELINE = "torch AdamW fused"
 MUON_BASELINE = "torch Muon"
 MUON_LR = 0.02
 MUON_SHAPES = [(1024, 1024), (4096, 1024), (1024, 4096)]
+# Issue 28's GPT-like set, whose AdamW4bit state is to take <= 1.04 bytes per parameter.
+GPT_SHAPES = [(1024, 1024)] * 4 + [(4096, 1024)] * 2 + [(1024, 4096)] * 2 + [(1024,)] * 4
 ADEMAMIX_BASELINE = "lowbit AdEMAMix32bit"
 HEADLINE = "lowbit Adam8bit"
 # Each 4-bit row and the 8-bit row it is compared with.
@@ -68,6 +73,7 @@ FOUR_BIT_TWINS = {
     "lowbit Adam4bit": HEADLINE,
     "lowbit AdamW4bit": "lowbit AdamW8bit",
     "lowbit SGD4bit (momentum 0.9)": "lowbit SGD8bit (momentum 0.9)",
+    "lowbit AdamW4bit (rank-1 v)": "lowbit AdamW8bit",
 }
 FOUR_BIT_HEADLINE = "lowbit AdamW4bit"
 LAYERS = 24
@@ -134,6 +140,8 @@ def make_workloads(kind: str, numel: int) -> list[Workload]:
         workloads.append(Workload("single", [(numel,)]))
     if kind in ("many", "both"):
         workloads.append(many_workload(numel))
+    if kind == "gpt":
+        workloads.append(Workload("gpt", list(GPT_SHAPES)))
     if kind == "muon":
         workloads.append(Workload("muon", list(MUON_SHAPES), baseline=MUON_BASELINE))
     if kind == "ademamix":
@@ -192,6 +200,7 @@ def make_factories(
         "lowbit SGD8bit (momentum 0.9)": lambda ps: lowbit.optim.SGD8bit(ps, lr=LR, momentum=MOMENTUM),
         "lowbit Adam4bit": lambda ps: lowbit.optim.Adam4bit(ps, lr=LR),
         FOUR_BIT_HEADLINE: lambda ps: lowbit.optim.AdamW4bit(ps, lr=LR),
+        "lowbit AdamW4bit (rank-1 v)": lambda ps: lowbit.optim.AdamW4bit(ps, lr=LR, rank1_normalization=True),
         "lowbit SGD4bit (momentum 0.9)": lambda ps: lowbit.optim.SGD4bit(ps, lr=LR, momentum=MOMENTUM),
         "lowbit AdamW32bit": lambda ps: lowbit.optim.AdamW32bit(ps, lr=LR),
         BASELINE: lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),
@@ -345,7 +354,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     """Command-line options (see the module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--numel", type=int, default=16 * 2**20, help="parameters per workload (default 16M)")
-    p.add_argument("--workload", choices=("single", "many", "both", "muon", "ademamix"), default="both")
+    p.add_argument("--workload", choices=("single", "many", "both", "gpt", "muon", "ademamix"), default="both")
     p.add_argument("--repeats", type=int, default=10, help="timed steps per optimizer (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per optimizer first (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads(THREADS)")

@@ -6,6 +6,7 @@
 
 #include "lowbit/momentum_rule.h"
 #include "lowbit/optim_rules.h"
+#include "lowbit/rank1.h"
 #include "lowbit/rounding.h"
 
 namespace lowbit {
@@ -181,6 +182,12 @@ struct OptimArgs {
   // (the CPU keeps its per-tensor scales in its own tensor views).
   double* block_sums;
   float* tensor_scales;
+  // Rank-1 normalised 4-bit second moments (lowbit/rank1.h): a count x kRank1Cols table, or null when no
+  // tensor of the call has one. With stats_only set, the call only raises each such tensor's new
+  // statistics (kR1NewStats, zeros from the caller) to the maxima over its elements and updates nothing;
+  // otherwise the step decodes with kR1Stats and encodes with kR1NewStats.
+  const int64_t* rank1;
+  bool stats_only;
 };
 
 // The last row r of an int64 table (count rows of `cols` columns) with table[r][col] <= b: the

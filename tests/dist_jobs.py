@@ -46,6 +46,10 @@ OPTIMIZERS = {
     "SGD8bit": lambda params: lowbit.optim.SGD8bit(params, lr=0.05, momentum=0.9, min_8bit_size=256),
     "AdamW32bit": lambda params: lowbit.optim.AdamW32bit(params, lr=CFG.lr),
     "AdamW4bit": lambda params: lowbit.optim.AdamW4bit(params, lr=CFG.lr, min_4bit_size=256),
+    # The opt-in rank-1 second moments of matrices (the MAX all-reduce of their statistics).
+    "AdamW4bit-rank1": lambda params: lowbit.optim.AdamW4bit(
+        params, lr=CFG.lr, min_4bit_size=256, rank1_normalization=True
+    ),
     # Whole-tensor norms of sharded tensors: LARS's trust ratio, percentile clipping's gradient norms,
     "LARS8bit": lambda params: lowbit.optim.LARS8bit(params, lr=5.0, weight_decay=1e-4, min_8bit_size=256),
     "Adam8bit-clip": lambda params: lowbit.optim.Adam8bit(params, lr=CFG.lr, min_8bit_size=256, percentile_clipping=50),
@@ -134,6 +138,86 @@ def _lpmm_digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return digest.hexdigest()
 
 
+def _rank1_inputs(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """What the statistics pass of the next step reads, for each parameter with rank-1 statistics whose local
+    shards are even and whole blocks of 128 (so the ranks' exp_avg blocks, concatenated, are the whole
+    tensor's; the same parameters on every rank)."""
+    out = []
+    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+        state = opt.state.get(p, {})
+        shard = p.to_local() if isinstance(p, DTensor) else p
+        if "axis_max2" not in state or p.shape[0] % dist.get_world_size() or shard.numel() % 128:
+            continue
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        local = {k: state[k].to_local() if isinstance(state[k], DTensor) else state[k] for k in ("state1", "state2")}
+        out.append(
+            {"index": i, "shape": list(p.shape), "param": shard.detach().clone(), "grad": grad.detach().clone()}
+            | {k: v.clone() for k, v in local.items()}
+            | {"absmax1": state["absmax1"].clone(), "axis_max2": state["axis_max2"].clone(), "step": int(state["step"])}
+        )
+    return out
+
+
+def _statistics(
+    t: dict[str, Any], offset: int, dims: list[int], old: torch.Tensor, scalars: list[float], hyper: Any, flags: int
+) -> torch.Tensor:
+    """The rank-1 statistics pass of AdamW4bit's step on ``t``'s tensors, elements ``offset ..`` of ``dims``."""
+    maps = [lowbit.optim.state_storage.optimizer_state_map(s, torch.device("cpu"), 4) for s in (True, False, False)]
+    new = torch.zeros(sum(dims))
+    none: list[torch.Tensor] = []
+    args = lowbit._ops.StepArgs(
+        params=[t["param"].clone()],
+        grads=[t["grad"]],
+        state1=[t["state1"]],
+        state2=[t["state2"]],
+        state3=none,
+        absmax1=[t["absmax1"]],
+        absmax2=[torch.empty(0)],
+        absmax3=none,
+        scalars=scalars,
+        grad_scales=None,
+        map1=maps[0],
+        map2=maps[1],
+        map3=maps[2],
+        rule=0,
+        hyper=hyper.values(),
+        flags=flags,
+        norm_mode=0,
+        n_states=2,
+        block_size=128,
+        state_bits=4,
+        rank1=[len(dims), offset, *dims],
+        axis_max=old,
+        new_axis_max=new,
+    )
+    lowbit._ops.rank1_statistics_(*args)
+    return new
+
+
+def _rank1_check(opt: torch.optim.Optimizer, inputs: list[dict[str, Any]]) -> dict[str, int]:
+    """The statistics every rank holds after the step against those of one process: the statistics pass on
+    the whole tensors (the ranks' shards concatenated, offset 0), bit for bit; and how many differ from the
+    rank's own shard's maxima (those the all-reduce had to complete)."""
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, inputs)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    config = opt._config(opt.param_groups[0], params[0])
+    hyper, flags = opt._hyper(config)
+    equal = partial_differs = 0
+    for j, mine in enumerate(inputs):
+        parts = [r[j] for r in ranks]
+        whole = {k: torch.cat([part[k] for part in parts]) for k in ("param", "grad", "state1", "state2", "absmax1")}
+        dims = mine["shape"]
+        scalars = list(opt._step_scalars(config, mine["step"] + 1))
+        held = opt.state[params[mine["index"]]]["axis_max2"]
+        equal += int(torch.equal(_statistics(whole, 0, dims, mine["axis_max2"], scalars, hyper, flags), held))
+        rank = dist.get_rank()
+        offset = sum(parts[r]["param"].numel() for r in range(rank))
+        partial = _statistics(mine, offset, dims, mine["axis_max2"], scalars, hyper, flags)
+        partial_differs += int(not torch.equal(partial, held))
+    return {"checked": len(inputs), "equal": equal, "partial_differs": partial_differs}
+
+
 def _digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     """A hash of the parameters and the optimizer states (every rank must call it)."""
     digest = hashlib.sha256()
@@ -177,6 +261,7 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     digests = {}
     if job.get("lpmm") and job.get("load"):
         digests["loaded"] = _lpmm_digest(model, opt)
+    rank1: dict[str, int] = {}
     losses = []
     per_rank = CFG.batch // world
     for step, (x, y) in enumerate(_batches(start + job["steps"])[start:], start=start):
@@ -189,7 +274,11 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                 part.backward()
             loss += part.detach()
         grads_left = max(grads_left, sum(p.grad is not None for p in model.parameters()))
+        last = step + 1 == start + job["steps"]
+        rank1_inputs = _rank1_inputs(opt) if job.get("rank1_check") and last else None
         opt.step()
+        if rank1_inputs is not None:
+            rank1 = _rank1_check(opt, rank1_inputs)
         opt.zero_grad()
         total = loss.detach().clone()
         dist.all_reduce(total)
@@ -225,6 +314,8 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         "model_bytes": lowbit.lpmm.memory_report(model, opt).total,
         # LPMM storage digests after saving and after loading a checkpoint.
         "digests": digests,
+        # job["rank1_check"]: rank-1 statistics after the last step against one process's (_rank1_check).
+        "rank1": rank1,
     }
 
 

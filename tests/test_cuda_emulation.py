@@ -18,7 +18,10 @@ Launchers (csrc/cuda) and the tests that run them:
   parameters, uneven tensors in one call; LAMB, LARS and max_unorm run the norm pre-pass kernels),
   test_optimizer_norms_then_step_with_update_scales (its norm_sums and update_scales entries),
   test_norm_sums_in_the_shared_order (include/lowbit/norm_order.h: passes of a thread block, lanes of a
-  tensor's block sums)
+  tensor's block sums); its rank-1 statistics pass (stats_only, include/lowbit/rank1.h) and the step that
+  encodes against it: test_optimizer_step's 4-bit cases with min_4bit_size=0 and rank1_normalization=True (the (64, 7)
+  matrix and the (2, 3, 50) tensor, whose second moments are normalised rank-1; Adam, RMSprop's slot 0, LAMB,
+  AdEMAMix)
 - lpmm.cu: lpmm_accumulate: test_lpmm_accumulate; lpmm_step: test_lpmm_step,
   test_lpmm_step_blocks_of_several_groups (small groups sharing a thread block)
 - muon.cu: muon_momentum: test_muon_momentum (8-bit buffers at block sizes 64..4096 and fp32 buffers,
@@ -288,15 +291,19 @@ _OPTIMIZERS = [
     ("LAMB8bit", {}),
     ("LARS8bit", {}),
     ("AdamW4bit", {"weight_decay": 0.1}),
+    ("AdamW4bit", {"weight_decay": 0.1, "min_4bit_size": 0, "rank1_normalization": True}),
+    ("RMSprop", {"optim_bits": 4, "min_4bit_size": 0, "momentum": 0.9, "rank1_normalization": True}),
     ("Adam4bit", {"max_unorm": 0.02, "amsgrad": True}),
     ("SGD4bit", {"lr": 1e-2, "momentum": 0.9}),
     ("LAMB", {"optim_bits": 4, "min_4bit_size": 0}),
+    ("LAMB", {"optim_bits": 4, "min_4bit_size": 0, "rank1_normalization": True}),
     ("Adam32bit", {"amsgrad": True}),
     ("AdamW32bit", {}),
     ("LAMB32bit", {}),
     ("RMSprop32bit", {}),
     ("AdEMAMix8bit", {"t_alpha": 2, "t_beta3": 2}),
     ("AdEMAMix", {"optim_bits": 4, "min_4bit_size": 0, "max_unorm": 0.02}),
+    ("AdEMAMix", {"optim_bits": 4, "min_4bit_size": 0, "max_unorm": 0.02, "rank1_normalization": True}),
     ("AdEMAMix32bit", {}),
 ]
 
@@ -309,7 +316,10 @@ def test_optimizer_step(name, options, dtype):
     def run() -> list:
         gen = torch.Generator().manual_seed(0)
         # Uneven tensors in one fused call: partial last blocks, a single element, more than one block.
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in [(300,), (1,), (64, 7), (4097,)]]
+        params = [
+            torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))
+            for s in [(300,), (1,), (64, 7), (4097,), (2, 3, 50)]
+        ]
         opt = getattr(O, name)(params, **options)
         for _ in range(3):
             for p in params:

@@ -177,15 +177,19 @@ def test_4bit_states_drift_over_100_steps(name, tcls, kw):
     assert _relative(a.detach() - p0, b.detach() - p0) < FOUR_BIT_BOUNDS[1]
 
 
-def test_4bit_states_hold_two_codes_per_byte_on_gpt_like_matrices():
+@pytest.mark.parametrize("rank1", [False, True], ids=["blockwise", "rank1"])
+def test_4bit_states_hold_two_codes_per_byte_on_gpt_like_matrices(rank1):
     # The issue's GPT-like set: 4 x 1024x1024, 2 x 4096x1024, 2 x 1024x4096, four biases of 1024 (below
-    # min_4bit_size: fp32 states). Each quantized state is ceil(n / 2) bytes of codes and one fp32 absmax per
-    # block of 128 (Adam's two: 2 * (1/2 + 4/128) = 1.0625 bytes per parameter); the biases add 8 bytes each
-    # per parameter, 32768 / 25198592 of the total: 1.0625 + 0.0104 = 1.0729 as measured through
-    # lowbit.memory.memory_report, which reads the storage.
+    # min_4bit_size: fp32 states). Each quantized state is ceil(n / 2) bytes of codes; exp_avg has one fp32
+    # absmax per block of 128 (1/2 + 4/128 bytes per parameter). exp_avg_sq, by default, too (Adam's two:
+    # 1.0625); with rank1_normalization=True a matrix's has R + C fp32 rank-1 statistics instead
+    # (1/2 + 4 (R + C) / (R C)): 1.0313 + 0.0055 for the matrices. The biases' fp32 states add 32768 bytes
+    # (0.0016 per parameter, 0.0104 of the 1-D tensors' share): 1.0729 block-wise, 1.0381 rank-1 in all
+    # (with the step counters), as measured through lowbit.memory.memory_report, which reads the storage.
+    # The issue's target for rank-1 is <= 1.04.
     shapes = [(1024, 1024)] * 4 + [(4096, 1024)] * 2 + [(1024, 4096)] * 2 + [(1024,)] * 4
     model = nn.ParameterList([nn.Parameter(torch.zeros(s)) for s in shapes])
-    opt = O.AdamW4bit(model.parameters())
+    opt = O.AdamW4bit(model.parameters(), **({"rank1_normalization": True} if rank1 else {}))
     for p in model:
         p.grad = torch.ones_like(p)
     opt.step()
@@ -193,15 +197,22 @@ def test_4bit_states_hold_two_codes_per_byte_on_gpt_like_matrices():
         state = opt.state[p]
         if p.numel() >= 4096:
             assert state["state1"].dtype == torch.uint8 and state["state1"].shape == ((p.numel() + 1) // 2,)
-            assert state["absmax2"].shape == ((p.numel() + 127) // 128,)
+            assert state["state2"].shape == ((p.numel() + 1) // 2,)
+            if rank1:
+                assert "absmax2" not in state and state["axis_max2"].shape == (sum(p.shape),)
+            else:
+                assert "axis_max2" not in state and state["absmax2"].shape == ((p.numel() + 127) // 128,)
         else:
             assert state["state1"].dtype == torch.float32
     report = memory_report(model, opt)
     n = sum(p.numel() for p in model)
-    quantized = sum(p.numel() for p in model if p.numel() >= 4096)
-    want = (quantized * 2 * (0.5 + 4 / 128) + (n - quantized) * 8 + len(shapes) * 4) / n  # + the step counters
+    quantized = [p for p in model if p.numel() >= 4096]
+    second = [p.numel() * 0.5 + (4 * sum(p.shape) if rank1 else 4 * p.numel() / 128) for p in quantized]
+    codes = sum(p.numel() * (0.5 + 4 / 128) for p in quantized) + sum(second)
+    rest = sum(p.numel() for p in model if p.numel() < 4096) * 8
+    want = (codes + rest + len(shapes) * 4) / n  # + the step counters
     assert report.optimizer_state / n == pytest.approx(want, rel=1e-12)
-    assert report.optimizer_state / n < 1.075
+    assert report.optimizer_state / n <= (1.04 if rank1 else 1.075)
 
 
 @pytest.mark.parametrize("n", [2, 3, 127, 129, 4097])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
 from lowbit import _ops
 from lowbit import _reference as R
+from lowbit._reference.quantize import _normalise, _store, map_codes
 from lowbit.functional import quantize_blockwise
 from lowbit.optim.state_storage import optimizer_state_map
 
@@ -172,3 +174,104 @@ def test_4bit_codes_of_exact_ties_and_block_edges_match_reference(cpu_kernels):
     tie_at = torch.isin(grad, ties) & (torch.arange(n) // block != 5)
     lower = torch.searchsorted(signed_map, grad[tie_at], right=True) - 1
     assert torch.equal(codes[tie_at], lower)
+
+
+def _rank1_case(rule: int, n_states: int, shape: tuple[int, ...], seed: int, nan: bool = False) -> tuple:
+    """One fp32 tensor of ``shape`` with 4-bit states whose second moment is normalised rank-1 (statistics
+    from the twin's maxima of the stored roots), as the op's arguments."""
+    gen = torch.Generator().manual_seed(seed)
+    n = math.prod(shape)
+    # Rows and columns of very different scales, as rank-1 normalisation assumes (Li, Chen, Zhu 2023, 4.2).
+    spread = torch.logspace(-3, 0, shape[0])[:, None] * torch.logspace(0, -2, n // shape[0])[None, :]
+    params = [torch.randn(n, generator=gen)]
+    grads = [(torch.randn(n, generator=gen) * spread.reshape(-1)).contiguous()]
+    if nan:
+        grads[0][n // 3] = float("nan")
+    maps = [optimizer_state_map(s, torch.device("cpu"), 4) for s in (True, False)]
+    slot = _ops.optim.SECOND_MOMENT_SLOTS[rule]
+    states, absmax = [[], [], []], [[], [], []]
+    axis_max = new_axis_max = torch.empty(0)
+    for k in range(n_states):
+        signed = SIGNED[rule][k]
+        value = torch.randn(n, generator=gen) * 0.1 * spread.reshape(-1)
+        if k == slot:
+            w = value.abs()
+            axis_max = R.optim._rank1_maxima(w, 0, list(shape))
+            scale = R.optim._rank1_scales(axis_max, 0, list(shape), n)
+            states[k].append(_store(map_codes(_normalise(w, scale), maps[1]), 4))
+            absmax[k].append(torch.empty(0))
+            new_axis_max = torch.zeros_like(axis_max)
+            continue
+        codes, qs = quantize_blockwise(
+            value if signed else value.abs(), code=maps[0] if signed else maps[1], blocksize=128
+        )
+        states[k].append(codes)
+        absmax[k].append(qs.absmax)
+    signed = [k < len(SIGNED[rule]) and SIGNED[rule][k] for k in range(3)]
+    map1, map2, map3 = (maps[0] if s else maps[1] for s in signed)
+    scalars = [1e-3 / (1 - 0.9**3), (1 - 0.999**3) ** 0.5, 0.0]
+    return params, grads, states, absmax, scalars, (map1, map2, map3), axis_max, new_axis_max
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "nan"),
+    [
+        ("adamw", (96, 130), False),
+        ("adamw", (96, 130), True),
+        ("adam-max", (7, 1, 33, 5), False),
+        ("rmsprop", (40, 3, 50), False),
+        ("adagrad", (130, 96), False),
+        ("adam-amsgrad", (33, 65), False),
+    ],
+)
+def test_rank1_statistics_and_step_are_bit_identical_to_reference(name, shape, nan, cpu_kernels):
+    """Rank-1 normalised 4-bit second moments (include/lowbit/rank1.h): the statistics pass and the step that
+    encodes against its statistics, against the twin's (whose maxima are a reshape and amax per axis and whose
+    scales a torch.minimum: a max in place of the min, or one axis left out, changes codes)."""
+    rule, n_states, flags, hyper = RULES[name]
+    params, grads, states, absmax, scalars, maps, axis_max, new_axis_max = _rank1_case(
+        rule, n_states, shape, len(name), nan
+    )
+    rank1 = [len(shape), 0, *shape]
+    ours = copy.deepcopy((params, *states, *absmax, [new_axis_max]))
+    ref = copy.deepcopy((params, *states, *absmax, [new_axis_max]))
+    for impl, t in ((_ops, ours), (R, ref)):
+        args = (scalars, None, *maps, rule, hyper, flags, 0, n_states, 128, None, 4, rank1, axis_max, t[7][0])
+        impl.rank1_statistics_(t[0], grads, *t[1:7], *args)
+        impl.optimizer_step_(t[0], grads, *t[1:7], *args)
+    assert bool((ours[7][0] > 0).all()), "every row and column has a non-zero second moment"
+    for got, want in zip(ours, ref, strict=True):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
+def test_rank1_statistics_of_shards_max_to_the_whole_tensor(cpu_kernels):
+    """FSDP2's reduction on one process: the statistics of two row shards (each at its offset in the global
+    tensor), MAX'd elementwise, equal the whole tensor's bit for bit, and each shard's step then writes the
+    whole tensor's codes for its elements."""
+    rule, n_states, flags, hyper = RULES["adamw"]
+    shape = (50, 130)
+    params, grads, states, absmax, scalars, maps, axis_max, new_axis_max = _rank1_case(rule, n_states, shape, 1)
+    whole = copy.deepcopy((params, *states, *absmax, [new_axis_max]))
+    args = (scalars, None, *maps, rule, hyper, flags, 0, n_states, 128, None, 4, [2, 0, *shape], axis_max, whole[7][0])
+    _ops.rank1_statistics_(whole[0], grads, *whole[1:7], *args)
+    cut = 23 * shape[1]  # not a multiple of the block: the second shard's blocks start mid-row
+    cut -= cut % 128
+    parts = []
+    for lo, hi in ((0, cut), (cut, math.prod(shape))):
+        p = [params[0][lo:hi].clone()]
+        s = [[states[k][0][lo // 2 : (hi + 1) // 2].clone()] if k < n_states else [] for k in range(3)]
+        a = [[absmax[0][0][lo // 128 : -(-hi // 128)].clone()], [torch.empty(0)], []]
+        new = torch.zeros_like(axis_max)
+        part = (scalars, None, *maps, rule, hyper, flags, 0, n_states, 128, None, 4, [2, lo, *shape], axis_max, new)
+        _ops.rank1_statistics_(p, [grads[0][lo:hi].contiguous()], *s, *a, *part)
+        parts.append((p, s, a, new, part, lo, hi))
+    reduced = torch.maximum(parts[0][3], parts[1][3])
+    assert torch.equal(reduced, whole[7][0])
+    assert not torch.equal(parts[0][3], whole[7][0]), "a shard alone sees only part of the columns' maxima"
+    _ops.optimizer_step_(whole[0], grads, *whole[1:7], *args)
+    for p, s, a, new, part, lo, hi in parts:
+        new.copy_(reduced)
+        _ops.optimizer_step_(p, [grads[0][lo:hi].contiguous()], *s, *a, *part)
+        assert torch.equal(p[0], whole[0][0][lo:hi])
+        assert torch.equal(s[1][0], whole[2][0][lo // 2 : hi // 2])

@@ -104,7 +104,8 @@ class Bounds:
 CASES = [
     (O.Adam8bit, O.Adam32bit, dict(lr=LR), lambda b: b.rho * _adam_step_bound(b.t)),
     (O.AdamW8bit, O.AdamW32bit, dict(lr=LR, weight_decay=0.1), lambda b: b.rho * _adam_step_bound(b.t)),
-    (O.Adam4bit, O.Adam32bit, dict(lr=LR), lambda b: b.rho * _adam_step_bound(b.t)),
+    # With its opt-in rank-1 second moments (run as a matrix: MATRIX_ONLY).
+    (O.Adam4bit, O.Adam32bit, dict(lr=LR, rank1_normalization=True), lambda b: b.rho * _adam_step_bound(b.t)),
     (O.AdamW4bit, O.AdamW32bit, dict(lr=LR, weight_decay=0.1), lambda b: b.rho * _adam_step_bound(b.t)),
     (O.AdEMAMix8bit, O.AdEMAMix32bit, dict(lr=LR, weight_decay=0.1), lambda b: b.rho * _ademamix_step_bound(b.t)),
     # |buf| <= the block's max |g| / (1 - momentum).
@@ -132,8 +133,11 @@ def o8_bits(cls: type) -> int:
     return 4 if cls in (O.Adam4bit, O.AdamW4bit, O.SGD4bit) else 8
 
 
-# Muon steps 2-D parameters only: its cases run on the tensor reshaped by _as_matrix.
-MATRIX_ONLY = (O.Muon8bit,)
+# Cases run on the tensor reshaped by _as_matrix: Muon steps 2-D parameters only; Adam4bit's second moment is
+# then normalised rank-1 (its case opts in; include/lowbit/rank1.h), within the same bound (the decoded root is
+# its nearest code times a scale that bounds it, or the map's floor above it, as block-wise), while AdamW4bit
+# keeps the 1-D, block-wise case.
+MATRIX_ONLY = (O.Muon8bit, O.Adam4bit)
 KINDS = ["dense", "rare_rows", "zero", "decades", "outlier", "nonfinite"]
 
 

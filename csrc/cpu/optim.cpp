@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <omp.h>
 #include <type_traits>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "lowbit/dispatch.h"
 #include "lowbit/norm_order.h"
 #include "lowbit/optim_rules.h"
+#include "lowbit/rank1.h"
 #include "lowbit/state_form.h"
 #include "map_index.h"
 #include "pack_chunk.h"
@@ -37,6 +39,8 @@ struct TensorView {
   int bits;        // 8 or 4: codes into the call's maps (kernels.h: kStateBits); 32: fp32 states
   bool quantized;  // bits != 32
   StepScalars scalars;
+  Rank1View rank1;  // ndim 0: every quantized state is block-wise
+  int rank1_slot;   // the state slot normalised rank-1 (the second moment), or -1
 };
 
 TensorView view(const OptimArgs& a, int64_t t) {
@@ -50,7 +54,45 @@ TensorView view(const OptimArgs& a, int64_t t) {
                     static_cast<int>(m[kDtype]),
                     static_cast<int>(m[kStateBits]),
                     m[kStateBits] != 32,
-                    scalars_row(a.scalars, t, a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f)};
+                    scalars_row(a.scalars, t, a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f),
+                    rank1_row(a.rank1, t),
+                    a.rank1 != nullptr && a.rank1[t * kRank1Cols + kR1Ndim] > 0 ? second_moment_slot(a.rule) : -1};
+}
+
+// Decodes the rank-1 normalised 4-bit state k (lowbit/rank1.h) of the block at element lo into out,
+// with the scales of `stats`.
+void load_rank1(const TensorView& t, int k, int64_t lo, int cnt, const float* map, float* out) {
+  const uint8_t* packed = static_cast<const uint8_t*>(t.state[k]) + lo / 2;
+  int64_t idx[kMaxRank1Dims];
+  rank1_index(t.rank1, lo, idx);
+  uint32_t tile[kTile];
+  for (int j = 0; j < cnt; j += kTile) {
+    const int m = std::min(kTile, cnt - j);
+    unpack_chunk(packed + j / 2, m, std::integral_constant<int, 4>{}, tile);
+    for (int i = 0; i < m; ++i, rank1_next(t.rank1, idx)) out[j + i] = map[tile[i]] * rank1_scale(t.rank1.stats, t.rank1, idx);
+  }
+}
+
+// Encodes the stored values `in` of the rank-1 normalised state k of a block against the new statistics:
+// each is normalised by its own scale, and the normalised values are encoded like a block of absmax 1
+// (normalise(x, 1) is x, so this is the nearest code of x / scale).
+void store_rank1(const TensorView& t, int k, int64_t lo, int cnt, const MapIndex* index, bool gather,
+                 const float* in) {
+  float normalised[kMaxBlock];
+  int64_t idx[kMaxRank1Dims];
+  rank1_index(t.rank1, lo, idx);
+  for (int i = 0; i < cnt; ++i, rank1_next(t.rank1, idx)) {
+    normalised[i] = rank1_normalise(in[i], rank1_scale(t.rank1.new_stats, t.rank1, idx));
+  }
+  uint8_t* packed = static_cast<uint8_t*>(t.state[k]) + lo / 2;
+  uint32_t tile[kTile];
+  const MapSpan span{*index, gather};
+  const int done = avx512_active() ? nearest_codes_u4_avx512(index->padded(), normalised, cnt, 1.f, packed) : 0;
+  for (int j = done; j < cnt; j += kTile) {
+    const int m = std::min(kTile, cnt - j);
+    span.encode<false>(normalised + j, m, 1.f, RngKey{0, 0}, 0, tile);
+    pack_chunk(tile, m, std::integral_constant<int, 4>{}, packed + j / 2);
+  }
 }
 
 // Decodes quantized state k of a block into out: the stored forms of state_form.h, which the update
@@ -58,6 +100,7 @@ TensorView view(const OptimArgs& a, int64_t t) {
 // the block size, at least 64).
 void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, const float* map,
                 const BytePlanes* planes, float* out) {
+  if (k == t.rank1_slot) return load_rank1(t, k, lo, cnt, map, out);
   const float amax = t.absmax[k][block];
   if (t.bits == 4) {
     const uint8_t* packed = static_cast<const uint8_t*>(t.state[k]) + lo / 2;
@@ -82,6 +125,7 @@ void load_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, 
 // Requantizes quantized state k of a block from in, against the block absmax of bit pattern max_bits.
 void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt, uint32_t max_bits,
                  const MapIndex* index, bool gather, const float* in) {
+  if (k == t.rank1_slot) return store_rank1(t, k, lo, cnt, index, gather, in);
   const float amax = absmax_from_bits(max_bits);
   t.absmax[k][block] = amax;
   if (t.bits == 4) {
@@ -323,6 +367,34 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   }
 }
 
+// The rank-1 statistics pass over one block (lowbit/rank1.h): step_block's update on copies of the
+// parameter and the states, whose new stored second moments (after the non-finite restart) raise the
+// axis maxima of stat_bits, the tensor's statistics as bit patterns.
+template <Rule kRule, int kStates, typename T>
+void stats_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders,
+                 uint32_t* stat_bits) {
+  const int64_t lo = block * a.block_size;
+  const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
+  float decoded[kMaxStates][kMaxBlock];
+  float* s[kMaxStates];
+  block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
+  T param[kMaxBlock];
+  std::copy_n(static_cast<const T*>(t.param) + lo, cnt, param);
+  const T* grad = static_cast<const T*>(t.grad) + lo;
+  uint32_t max_bits[kMaxStates];
+  with_root<kRule>(true, [&](auto root) {
+    update<kRule, kStates, decltype(root)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, max_bits);
+  });
+  if (max_bits[0] >= kNonFiniteBits || max_bits[1] >= kNonFiniteBits || max_bits[2] >= kNonFiniteBits) {
+    restart_nonfinite3(s, kStates, cnt, max_bits);
+  }
+  if (t.rank1_slot >= kStates) return;
+  const float* w = s[t.rank1_slot];
+  int64_t idx[kMaxRank1Dims];
+  rank1_index(t.rank1, lo, idx);
+  for (int i = 0; i < cnt; ++i, rank1_next(t.rank1, idx)) rank1_raise(stat_bits, t.rank1, idx, abs_bits(w[i]));
+}
+
 // p and the step u of the rule for one block, from copies of the states (the norm pre-pass writes
 // nothing). Inlined into per-target entry points like update_body.
 template <bool kFirst, bool kNesterov, typename T>
@@ -445,6 +517,40 @@ void with_states(int n_states, Fn&& fn) {
   }
 }
 
+// The statistics pass of a call (OptimArgs::stats_only): each thread raises its own copy of the maxima,
+// which are then merged (an exact max, so the result does not depend on the thread count).
+template <Rule kRule>
+void rank1_stats(const OptimArgs& a, const std::vector<TensorView>& tensors, const StateCoders& coders, int threads,
+                 bool par) {
+  std::vector<int64_t> base(a.count + 1, 0);
+  for (int64_t t = 0; t < a.count; ++t) {
+    int64_t len = 0;
+    for (int d = 0; d < tensors[t].rank1.ndim && tensors[t].rank1_slot >= 0; ++d) len += tensors[t].rank1.dims[d];
+    base[t + 1] = base[t] + len;
+  }
+  const int64_t width = base[a.count];
+  const int team = par ? threads : 1;
+  std::vector<uint32_t> bits(static_cast<size_t>(team) * width, 0u);
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+  for (int64_t b = 0; b < a.total_blocks; ++b) {
+    const int64_t t = tensor_of_block(a, b);
+    const TensorView& tv = tensors[t];
+    if (tv.rank1_slot < 0) continue;
+    const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
+    uint32_t* mine = bits.data() + static_cast<int64_t>(omp_get_thread_num()) * width + base[t];
+    with_states<kRule>(a.n_states, [&](auto states) {
+      LB_DISPATCH_DTYPE(tv.dtype, stats_block<kRule, decltype(states)::value, scalar_t>(a, tv, block, coders, mine));
+    });
+  }
+  for (int64_t t = 0; t < a.count; ++t) {
+    for (int64_t j = 0; j < base[t + 1] - base[t]; ++j) {
+      uint32_t m = abs_bits(tensors[t].rank1.new_stats[j]);  // raised, as the CUDA pass's atomic max
+      for (int th = 0; th < team; ++th) m = std::max(m, bits[th * width + base[t] + j]);
+      tensors[t].rank1.new_stats[j] = bits_to_float(m);
+    }
+  }
+}
+
 template <Rule kRule>
 void step_all(const OptimArgs& a, int threads) {
   std::vector<TensorView> tensors;
@@ -471,6 +577,7 @@ void step_all(const OptimArgs& a, int threads) {
     }
   }
   const bool par = run_parallel(threads, elements);
+  if (a.stats_only) return rank1_stats<kRule>(a, tensors, coders, threads, par);
   if (a.hyper.norm_mode != kNormNone && a.update_scales == nullptr) {
     // Per-block partial sums (in the caller's scratch), then per-tensor sums in norm_order.h's lanes:
     // deterministic for any thread count, and the CUDA kernels' order.

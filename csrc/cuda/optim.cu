@@ -15,6 +15,7 @@
 #include "lowbit/norm_order.h"
 #include "lowbit/optim_rules.h"
 #include "lowbit/qmap.h"
+#include "lowbit/rank1.h"
 #include "lowbit/state_form.h"
 #include "reduce.cuh"
 
@@ -50,6 +51,13 @@ __device__ StepScalars tensor_scalars(const OptimArgs& a, int64_t t, const float
                      update_scales != nullptr ? update_scales[t] : 1.f);
 }
 
+// The rank-1 scale (lowbit/rank1.h) of element e of a tensor, from `stats`.
+__device__ float rank1_scale_at(const Rank1View& r, const float* stats, int64_t e) {
+  int64_t idx[kMaxRank1Dims];
+  rank1_index(r, e, idx);
+  return rank1_scale(stats, r, idx);
+}
+
 // Norm pre-pass: per-block sums of p^2 and u^2 from copies of the states (nothing is written), in
 // norm_order.h's order. Each pass over blockDim.x elements stages its squares in shared memory; then
 // 2 * kSquareLanes threads add them into their lane in element order (blockDim.x is a multiple of
@@ -64,6 +72,9 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
   const T* param = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kParam])) + task.lo;
   const T* grad = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kGrad])) + task.lo;
   const int which = static_cast<int>(threadIdx.x) / kSquareLanes;  // 0: p^2, 1: u^2 (threads that add)
+  // The state slot normalised rank-1 (lowbit/rank1.h), or -1: it has no absmax, its scale is per element.
+  const Rank1View r1 = rank1_row(a.rank1, task.tensor);
+  const int ranked = quantized && r1.ndim > 0 ? second_moment_slot(kRule) : -1;
   double acc = 0.0;
   for (int base = 0; base < task.cnt; base += blockDim.x) {
     const int i = base + static_cast<int>(threadIdx.x);
@@ -73,9 +84,10 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
       for (int k = 0; k < kMaxStates; ++k) {
         if (k >= a.n_states) continue;
         const int64_t ptr = m[kState1 + k];
-        s[k] = quantized ? state_value(maps[k][state_code(ptr, task.lo + i, a.state_bits)] *
-                                           reinterpret_cast<const float*>(m[kAbsmax1 + k])[block],
-                                       root_slot(kRule, k))
+        const float scale = !quantized    ? 0.f
+                            : k == ranked ? rank1_scale_at(r1, r1.stats, task.lo + i)
+                                          : reinterpret_cast<const float*>(m[kAbsmax1 + k])[block];
+        s[k] = quantized ? state_value(maps[k][state_code(ptr, task.lo + i, a.state_bits)] * scale, root_slot(kRule, k))
                          : reinterpret_cast<const float*>(ptr)[task.lo + i];
       }
       const float p = to_float(param[i]);
@@ -99,6 +111,40 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
   }
 }
 
+// The rank-1 statistics pass over one block: the step's new states from copies (nothing else is
+// written), and each element's new stored second moment raised into the axis maxima with an atomic max
+// on the bit patterns (non-negative floats order like them; the pass's caller zeroes the maxima).
+template <Rule kRule, typename T>
+__device__ void stats_block(const OptimArgs& a, const BlockTask& task, const float (*maps)[256]) {
+  constexpr int kSlot = second_moment_slot(kRule);
+  const Rank1View r1 = rank1_row(a.rank1, task.tensor);
+  if (kSlot < 0 || kSlot >= a.n_states || r1.ndim == 0) return;
+  const int64_t* m = a.meta + task.tensor * kMetaCols;
+  const StepScalars scalars = tensor_scalars(a, task.tensor, nullptr);
+  const int64_t block = task.lo / a.block_size;
+  const T* param = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kParam])) + task.lo;
+  const T* grad = reinterpret_cast<const T*>(static_cast<uintptr_t>(m[kGrad])) + task.lo;
+  for (int i = threadIdx.x; i < task.cnt; i += blockDim.x) {
+    float s[kMaxStates] = {0.f, 0.f, 0.f};
+    for (int k = 0; k < a.n_states; ++k) {
+      const float scale = k == kSlot ? rank1_scale_at(r1, r1.stats, task.lo + i)
+                                     : reinterpret_cast<const float*>(m[kAbsmax1 + k])[block];
+      s[k] = state_value(maps[k][state_code(m[kState1 + k], task.lo + i, a.state_bits)] * scale, root_slot(kRule, k));
+    }
+    float p = to_float(param[i]);
+    apply_rule(kRule, a.hyper, scalars, p, to_float(grad[i]), s[0], s[1], s[2]);
+    restart_if_nonfinite(s[0], s[1], s[2]);
+    const uint32_t w = abs_bits(stored_form(s[kSlot], true));
+    int64_t idx[kMaxRank1Dims];
+    rank1_index(r1, task.lo + i, idx);
+    int64_t base = 0;
+    for (int ax = 0; ax < r1.ndim; ++ax) {
+      atomicMax(reinterpret_cast<unsigned int*>(r1.new_stats) + base + idx[ax], w);
+      base += r1.dims[ax];
+    }
+  }
+}
+
 // nibbles: one 4-bit code per element of the block, staged so that a thread writes whole bytes of codes.
 template <Rule kRule, typename T>
 __device__ void step_block(const OptimArgs& a, const BlockTask& task, const float (*maps)[256], uint32_t* scratch,
@@ -116,15 +162,19 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
     absmax[k] = reinterpret_cast<float*>(static_cast<uintptr_t>(m[kAbsmax1 + k]));
   }
 
+  // The state slot normalised rank-1 (lowbit/rank1.h), or -1: it has no absmax.
+  const Rank1View r1 = rank1_row(a.rank1, task.tensor);
+  const int ranked = quantized && r1.ndim > 0 ? second_moment_slot(kRule) : -1;
   float s[kMaxStates][kMaxPerThread];
   uint32_t max_bits[kMaxStates] = {0, 0, 0};
   const int per = (task.cnt + blockDim.x - 1) / blockDim.x;
   for (int k = 0; k < a.n_states; ++k) {
-    const float amax = quantized ? absmax[k][block] : 0.f;
+    const float amax = quantized && k != ranked ? absmax[k][block] : 0.f;
     for (int j = 0; j < per; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
       if (i < task.cnt) {
-        s[k][j] = quantized ? state_value(maps[k][state_code(m[kState1 + k], task.lo + i, a.state_bits)] * amax,
+        const float scale = k == ranked ? rank1_scale_at(r1, r1.stats, task.lo + i) : amax;
+        s[k][j] = quantized ? state_value(maps[k][state_code(m[kState1 + k], task.lo + i, a.state_bits)] * scale,
                                           root_slot(kRule, k))
                             : static_cast<const float*>(state[k])[task.lo + i];
       }
@@ -156,14 +206,15 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
     }
     const bool root = root_slot(kRule, k);
     const float amax = stored_absmax(block_max(max_bits[k], scratch), root);
-    if (threadIdx.x == 0) absmax[k][block] = amax;
+    if (threadIdx.x == 0 && k != ranked) absmax[k][block] = amax;
     const uint32_t map_n = 1u << a.state_bits;
     uint8_t* codes = static_cast<uint8_t*>(state[k]) + (a.state_bits == 8 ? task.lo : task.lo / 2);
     for (int j = 0; j < per; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
       if (i < task.cnt) {
+        const float scale = k == ranked ? rank1_scale_at(r1, r1.new_stats, task.lo + i) : amax;
         const auto code = static_cast<uint8_t>(
-            map_encode_nearest(maps[k], map_n, normalise(stored_form(s[k][j], root), amax)));
+            map_encode_nearest(maps[k], map_n, normalise(stored_form(s[k][j], root), scale)));
         if (a.state_bits == 8) {
           codes[i] = code;
         } else {
@@ -236,6 +287,17 @@ __global__ void scale_kernel(OptimArgs a, const double* sums, float* update_scal
 }
 
 template <Rule kRule>
+__global__ void stats_kernel(OptimArgs a) {
+  __shared__ float smap[kMaxStates][256];
+  load_maps(a, smap);
+  for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
+    const BlockTask task = find_block(a, b);
+    visit_dtype(static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype]),
+                [&](auto dtype) { stats_block<kRule, typename decltype(dtype)::type>(a, task, smap); });
+  }
+}
+
+template <Rule kRule>
 __global__ void optimizer_kernel(OptimArgs a, const float* update_scales) {
   __shared__ float smap[kMaxStates][256];
   __shared__ uint32_t scratch[kMaxThreads / 32];
@@ -254,6 +316,11 @@ void launch(const OptimArgs& a, cudaStream_t stream) {
   const int threads = static_cast<int>(std::min<int64_t>(a.block_size, kMaxThreads));
   // Grid-stride loop over quantization blocks, so a capped grid covers any number of them.
   const auto grid = static_cast<unsigned int>(std::min<int64_t>(a.total_blocks, int64_t{1} << 20));
+  if (a.stats_only) {
+    LB_LAUNCH(grid, threads, 0, stream, stats_kernel<kRule>)(a);
+    LB_CUDA_LAUNCH_CHECK();
+    return;
+  }
   const float* update_scales = a.update_scales;
   if (a.hyper.norm_mode != kNormNone && a.update_scales == nullptr) {
     // The pre-pass writes the caller's scratch (OptimArgs::block_sums, tensor_scales), which torch's

@@ -29,6 +29,8 @@ from lowbit._ops.optim import (
     optimizer_norms,
     optimizer_step_,
     optimizer_step_eager,
+    rank1_statistics_,
+    rank1_statistics_eager,
 )
 from lowbit._ops.quantize import (
     dequantize_blockwise,
@@ -67,6 +69,8 @@ __all__ = [
     "optimizer_step_",
     "optimizer_step_eager",
     "pack_bits",
+    "rank1_statistics_",
+    "rank1_statistics_eager",
     "packed_bytes",
     "quantize_blockwise",
     "quantize_linear",

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -17,6 +18,9 @@ from lowbit._ops._common import DTYPE_CODES, FLOAT_DTYPES, Kernel, launch
 META_COLS = _C.META_COLS
 MAX_STATES = _C.MAX_STATES
 SCALAR_COLS = _C.SCALAR_COLS
+RANK1_COLS, MAX_RANK1_DIMS = _C.RANK1_COLS, _C.MAX_RANK1_DIMS
+# include/lowbit/state_form.h: second_moment_slot of each rule code (-1: the rule has none).
+SECOND_MOMENT_SLOTS: list[int] = list(_C.SECOND_MOMENT_SLOTS)
 
 _STEP = Kernel(_C.optimizer_step_cpu, lambda: _C.optimizer_step_cuda)
 
@@ -72,6 +76,15 @@ class StepArgs(NamedTuple):
     ``2i`` in the low nibble: ``ceil(n / 2)`` bytes for ``n`` elements). ``update_scales`` (optional, fp32, one
     per tensor, on the params' device) replaces the norm mode's own per-tensor scales: the step of tensors
     whose norms span ranks (see :func:`optimizer_norms`).
+
+    ``rank1`` (optional) gives, for each tensor in turn, 0 where its second moment is block-wise, or the
+    entries ``ndim, offset, *dims`` of a 4-bit second moment normalised rank-1 (include/lowbit/rank1.h): the
+    tensor holds elements ``offset .. offset + numel`` of a global tensor of shape ``dims`` (2 to
+    ``MAX_RANK1_DIMS`` axes; a shard under FSDP2). Such a tensor's second moment has no absmax (its
+    ``absmax`` entry is ignored): its statistics are ``sum(dims)`` fp32 values, axis 0's maxima first, held
+    in ``axis_max`` (flat fp32, the statistics of every such tensor in turn), and ``new_axis_max`` (laid out
+    alike) holds the statistics of the step's new values, to which :func:`rank1_statistics_` raises it
+    (pass zeros) and which the step encodes against.
     """
 
     params: list[Tensor]
@@ -95,6 +108,9 @@ class StepArgs(NamedTuple):
     block_size: int
     update_scales: Optional[Tensor] = None
     state_bits: int = 8
+    rank1: Optional[list[int]] = None
+    axis_max: Optional[Tensor] = None
+    new_axis_max: Optional[Tensor] = None
 
     def written(self) -> list[Tensor]:
         """The tensors a step writes in place."""
@@ -111,6 +127,8 @@ def _tensor_widths(
     absmaxes: list[list[Any]],
     block_size: int,
     state_bits: int,
+    rank1: dict[int, tuple[int, list[int]]],
+    rank1_slot: int,
 ) -> list[int]:
     """Checks every tensor of a step (parameters, gradients, and the states and absmaxes in use) and returns
     each one's state width, ``state_bits`` or 32. Each rule is one condition, written out inline (this runs for every
@@ -160,12 +178,16 @@ def _tensor_widths(
                 )
                 _common.check(False, f"the states of params[{i}] must all be {state_bits}-bit or all 32-bit")
             a = absmaxes[k][i]
-            if eight and not (
-                isinstance(a, Tensor)
-                and a.dtype == torch.float32
-                and a.numel() == num_blocks(n, block_size)
-                and a.device == device
-                and a.is_contiguous()
+            if (
+                eight
+                and not (k == rank1_slot and i in rank1)
+                and not (
+                    isinstance(a, Tensor)
+                    and a.dtype == torch.float32
+                    and a.numel() == num_blocks(n, block_size)
+                    and a.device == device
+                    and a.is_contiguous()
+                )
             ):
                 _common.check_input(f"absmax{k + 1}[{i}]", a, (torch.float32,))
                 blocks = num_blocks(n, block_size)
@@ -202,13 +224,85 @@ def check_optimizer_step(args: StepArgs) -> list[int]:
         _common.check(len(lst) == count, f"{name} has {len(lst)} tensors but params has {count}")
     if not count:
         return []
-    widths = _tensor_widths(args.params, args.grads, states, absmaxes, args.block_size, args.state_bits)
+    rank1 = rank1_layouts(args)
+    slot = SECOND_MOMENT_SLOTS[args.rule] if 0 <= args.rule < len(SECOND_MOMENT_SLOTS) else -1
+    widths = _tensor_widths(args.params, args.grads, states, absmaxes, args.block_size, args.state_bits, rank1, slot)
+    _check_rank1(args, rank1, widths, slot)
     maps = {"map1": args.map1, "map2": args.map2, "map3": args.map3}
     scales = {name: getattr(args, name) for name in ("grad_scales", "update_scales") if getattr(args, name) is not None}
     _common.check_same_device("params[0]", args.params[0], **maps, **scales)
     for t in maps.values():
         _common.check_map(t, args.state_bits)
     return widths
+
+
+def rank1_layouts(args: StepArgs) -> dict[int, tuple[int, list[int]]]:
+    """The tensors of ``args.rank1`` whose second moment is normalised rank-1: index -> (offset, dims)."""
+    if args.rank1 is None:
+        return {}
+    out: dict[int, tuple[int, list[int]]] = {}
+    pos, entries = 0, list(args.rank1)
+    for i in range(len(args.params)):
+        _common.check(pos < len(entries), f"rank1 ends before the entry of params[{i}]")
+        ndim = entries[pos]
+        if ndim == 0:
+            pos += 1
+            continue
+        _common.check(
+            2 <= ndim <= MAX_RANK1_DIMS and pos + 2 + ndim <= len(entries),
+            f"rank1 entry of params[{i}]: ndim must be 0 or 2..{MAX_RANK1_DIMS} and followed by offset and dims, "
+            f"got {entries[pos : pos + 2 + max(ndim, 0)]}",
+        )
+        out[i] = (entries[pos + 1], entries[pos + 2 : pos + 2 + ndim])
+        pos += 2 + ndim
+    _common.check(pos == len(entries), f"rank1 has {len(entries) - pos} entries beyond the last tensor's")
+    return out
+
+
+def _check_rank1(args: StepArgs, rank1: dict[int, tuple[int, list[int]]], widths: list[int], slot: int) -> None:
+    """The checks of the rank-1 tensors of a step (see :class:`StepArgs`)."""
+    if not rank1:
+        return
+    _common.check(
+        0 <= slot < args.n_states, f"rank1: rule {args.rule} with {args.n_states} states has no second moment"
+    )
+    device = args.params[0].device
+    total = sum(sum(dims) for _, dims in rank1.values())
+    for name in ("axis_max", "new_axis_max"):
+        t = getattr(args, name)
+        _common.check(t is not None, f"{name} must be given with rank1")
+        _common.check_input(name, t, (torch.float32,))
+        _common.check(
+            t.numel() == total and t.device == device and t.is_contiguous(),
+            f"{name} must hold {total} contiguous fp32 values (the sums of the rank-1 tensors' dims) on {device}",
+        )
+    for i, (offset, dims) in rank1.items():
+        n = args.params[i].numel()
+        _common.check(widths[i] == 4, f"rank1: the states of params[{i}] must be 4-bit to be normalised rank-1")
+        _common.check(all(d > 0 for d in dims), f"rank1 entry of params[{i}]: dims must be positive, got {dims}")
+        _common.check(
+            0 <= offset and offset + n <= math.prod(dims),
+            f"rank1 entry of params[{i}]: its {n} elements from offset {offset} do not fit in shape {dims}",
+        )
+
+
+def _rank1_table(args: StepArgs, rank1: dict[int, tuple[int, list[int]]], device: torch.device) -> Optional[Tensor]:
+    """The native ``rank1`` table (include/lowbit/rank1.h: Rank1Col), or None when no tensor uses it."""
+    if not rank1:
+        return None
+    assert args.axis_max is not None and args.new_axis_max is not None  # _check_rank1
+    rows = []
+    old, new, base = args.axis_max.data_ptr(), args.new_axis_max.data_ptr(), 0
+    for i in range(len(args.params)):
+        if i not in rank1:
+            rows.append([0] * RANK1_COLS)
+            continue
+        offset, dims = rank1[i]
+        pad = [0] * (MAX_RANK1_DIMS - len(dims))
+        rows.append([len(dims), offset, old + 4 * base, new + 4 * base, *dims, *pad])
+        base += sum(dims)
+    table = torch.tensor(rows, dtype=torch.int64)
+    return table.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else table
 
 
 def _norm_scratch(
@@ -226,9 +320,12 @@ def _norm_scratch(
     return block_sums, tensor_scales
 
 
-def _call(args: StepArgs, norm_sums: Optional[Tensor], widths: Optional[list[int]] = None) -> None:
-    """The checks and the native call behind optimizer_step_ and optimizer_norms; ``widths``: the result of
-    ``check_optimizer_step(args)`` where the caller has just run it (the checks are then not repeated)."""
+def _call(
+    args: StepArgs, norm_sums: Optional[Tensor], widths: Optional[list[int]] = None, stats_only: bool = False
+) -> None:
+    """The checks and the native call behind optimizer_step_, optimizer_norms and rank1_statistics_
+    (``stats_only``); ``widths``: the result of ``check_optimizer_step(args)`` where the caller has just run it
+    (the checks are then not repeated)."""
     if widths is None:
         widths = check_optimizer_step(args)
     if not args.params:
@@ -247,6 +344,9 @@ def _call(args: StepArgs, norm_sums: Optional[Tensor], widths: Optional[list[int
     device = args.params[0].device
     meta, scal = _common.call_tables(rows, META_COLS, args.scalars, device)
     block_sums, tensor_scales = _norm_scratch(args, norm_sums, first_block, device)
+    rank1 = _rank1_table(args, rank1_layouts(args), device)
+    if stats_only and rank1 is None:
+        return
     launch(_STEP, device)(
         args.rule,
         args.hyper,
@@ -267,6 +367,8 @@ def _call(args: StepArgs, norm_sums: Optional[Tensor], widths: Optional[list[int
         args.update_scales.data_ptr() if args.update_scales is not None else 0,
         block_sums.data_ptr() if block_sums is not None else 0,
         tensor_scales.data_ptr() if tensor_scales is not None else 0,
+        rank1.data_ptr() if rank1 is not None else 0,
+        stats_only,
     )
 
 
@@ -324,3 +426,34 @@ optimizer_norms = torch.library.custom_op("lowbit::optimizer_norms", _norms, mut
 def _(*args: Any, **kwargs: Any) -> Tensor:
     call = StepArgs(*args, **kwargs)
     return call.map1.new_empty(len(call.params), 2, dtype=torch.float64)
+
+
+def _rank1_statistics(*args: Any, **kwargs: Any) -> None:
+    """The statistics pass of the rank-1 normalised second moments of a step (include/lowbit/rank1.h): for each
+    tensor that ``rank1`` names, raises each entry of ``new_axis_max`` (zeros from the caller) to the axis
+    maxima of the stored second moments the step with the same arguments will compute (indices that a shard
+    does not reach keep their value); nothing else is written.
+
+    For shards of one tensor (FSDP2) the caller takes the elementwise MAX of the shards' results (an
+    all-reduce) before the step: the maxima of the whole tensor, bit for bit."""
+    call = StepArgs(*args, **kwargs)
+    _common.check(call.rank1 is not None, "rank1_statistics_ needs rank1")
+    _call(call, None, stats_only=True)
+
+
+_rank1_statistics.__signature__ = _common.op_signature(StepArgs)  # type: ignore[attr-defined]
+rank1_statistics_ = torch.library.custom_op(
+    "lowbit::rank1_statistics_", _rank1_statistics, mutates_args=("new_axis_max",)
+)
+
+
+@rank1_statistics_.register_fake
+def _(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def rank1_statistics_eager(args: StepArgs, widths: Optional[list[int]] = None) -> None:
+    """``lowbit::rank1_statistics_`` without the dispatcher, as :func:`optimizer_step_eager` is the step's."""
+    _call(args, None, widths, stats_only=True)
+    if args.new_axis_max is not None:
+        torch.autograd.graph.increment_version([args.new_axis_max])

@@ -18,7 +18,7 @@ from lowbit._reference.activations import (
     invact_grad,
 )
 from lowbit._reference.muon import muon_momentum_
-from lowbit._reference.optim import lpmm_accumulate_, lpmm_step_, optimizer_step_
+from lowbit._reference.optim import lpmm_accumulate_, lpmm_step_, optimizer_step_, rank1_statistics_
 from lowbit._reference.quantize import (
     block_absmax,
     dequantize_blockwise,
@@ -50,6 +50,7 @@ __all__ = [
     "pack_bits",
     "quantize_blockwise",
     "quantize_linear",
+    "rank1_statistics_",
     "uniform01",
     "unpack_bits",
 ]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from typing import Any
 
@@ -10,12 +12,16 @@ import torch
 from torch import Tensor
 
 from lowbit._ops.lpmm import LpmmStepArgs, counter_offsets
-from lowbit._ops.optim import StepArgs, StepHyper
+from lowbit._ops.optim import StepArgs, StepHyper, rank1_layouts
 from lowbit._reference.quantize import (
+    _load,
     _mix64_int,
+    _normalise,
     _sqrt32,
+    _store,
     dequantize_blockwise,
     dequantize_linear,
+    map_codes,
     quantize_blockwise,
     quantize_linear,
 )
@@ -154,10 +160,42 @@ def _restart_nonfinite(values: list[Tensor]) -> list[Tensor]:
     return [v.masked_fill(bad, 0.0) for v in values]
 
 
+def _rank1_scales(stats: Tensor, offset: int, dims: list[int], n: int) -> Tensor:
+    """rank1.h: the scale of each of the ``n`` elements from global element ``offset`` of a tensor of shape
+    ``dims``: the min over the axes of the axis maxima ``stats`` (axis 0's first) at the element's index."""
+    rest = torch.arange(offset, offset + n, dtype=torch.int64)
+    index = []
+    for d in reversed(dims):
+        index.append(rest % d)
+        rest = rest // d
+    bases = [0, *itertools.accumulate(dims)][: len(dims)]
+    per_axis = [stats[base + i] for base, i in zip(bases, reversed(index), strict=True)]
+    return functools.reduce(torch.minimum, per_axis)
+
+
+def _rank1_maxima(w: Tensor, offset: int, dims: list[int]) -> Tensor:
+    """The axis maxima of |w| (elements ``offset ..`` of a tensor of shape ``dims``, zeros elsewhere): for each
+    axis, the max over all the other axes, concatenated axis 0 first."""
+    full = torch.zeros(math.prod(dims), dtype=torch.float32)
+    full[offset : offset + w.numel()] = w.abs()
+    full = full.view(dims)
+    others = lambda a: [d for d in range(len(dims)) if d != a]  # noqa: E731
+    return torch.cat([full.amax(dim=others(a)) for a in range(len(dims))])
+
+
 def optimizer_step_(*args: Any, **kwargs: Any) -> None:
     """Twin of ``lowbit::optimizer_step_`` (same arguments, :class:`~lowbit._ops.optim.StepArgs`; same
     in-place updates). The norm modes' scales are its own: it takes no ``update_scales``."""
-    a = StepArgs(*args, **kwargs)
+    _step(StepArgs(*args, **kwargs), stats_only=False)
+
+
+def rank1_statistics_(*args: Any, **kwargs: Any) -> None:
+    """Twin of ``lowbit::rank1_statistics_``: ``new_axis_max`` raised to the axis maxima of the new stored second
+    moments of the rank-1 tensors, computed independently (a reshape and ``amax`` per axis)."""
+    _step(StepArgs(*args, **kwargs), stats_only=True)
+
+
+def _step(a: StepArgs, stats_only: bool) -> None:
     if a.update_scales is not None:
         raise NotImplementedError("the reference step computes the norm modes' scales itself")
     params, grads, scalars, grad_scales = a.params, a.grads, a.scalars, a.grad_scales
@@ -165,6 +203,12 @@ def optimizer_step_(*args: Any, **kwargs: Any) -> None:
     hyper = StepHyper(*map(float, a.hyper))
     states, absmaxes, maps = [a.state1, a.state2, a.state3], [a.absmax1, a.absmax2, a.absmax3], [a.map1, a.map2, a.map3]
     f32 = torch.float32
+    rank1, slot = rank1_layouts(a), _second_moment_slot(rule)
+    # Each rank-1 tensor's statistics within the flat axis_max / new_axis_max, in tensor order.
+    where, base = {}, 0
+    for i in sorted(rank1):
+        where[i] = slice(base, base + sum(rank1[i][1]))
+        base = where[i].stop
     for i, p in enumerate(params):
         n = p.numel()
         eight = n_states > 0 and states[0][i].dtype == torch.uint8  # quantized: 8-bit or 4-bit codes
@@ -172,6 +216,11 @@ def optimizer_step_(*args: Any, **kwargs: Any) -> None:
         for k in range(3):
             if k >= n_states:
                 values.append(torch.zeros(n, dtype=f32))
+            elif i in rank1 and k == slot:
+                assert a.axis_max is not None
+                scale = _rank1_scales(a.axis_max[where[i]], *rank1[i], n)
+                stored = maps[k][_load(states[k][i].reshape(-1), 4, n)] * scale
+                values.append(stored * stored)
             elif eight:
                 stored = dequantize_blockwise(
                     states[k][i].reshape(-1), absmaxes[k][i], maps[k], a.state_bits, block_size, n, torch.float32
@@ -200,12 +249,23 @@ def optimizer_step_(*args: Any, **kwargs: Any) -> None:
         if hyper.weight_decay != 0 and flags & _DECOUPLED:
             pf = pf * torch.tensor(hyper.decay, dtype=f32)
         pf = pf - torch.tensor(scale, dtype=f32) * u
-        p.data.copy_(pf.reshape(p.shape).to(p.dtype))
         new_states = updated[:n_states]
         if eight and new_states:
             new_states = _restart_nonfinite(new_states)
+        if stats_only:
+            if i in rank1:
+                assert a.new_axis_max is not None
+                maxima = _rank1_maxima(_sqrt32(new_states[slot]), *rank1[i])
+                a.new_axis_max[where[i]] = torch.maximum(a.new_axis_max[where[i]], maxima)
+            continue
+        p.data.copy_(pf.reshape(p.shape).to(p.dtype))
         for k, value in enumerate(new_states):
-            if eight:
+            if i in rank1 and k == slot:
+                assert a.new_axis_max is not None
+                w = _sqrt32(value)
+                codes = map_codes(_normalise(w, _rank1_scales(a.new_axis_max[where[i]], *rank1[i], n)), maps[k])
+                states[k][i].copy_(_store(codes, 4))
+            elif eight:
                 codes, amax = quantize_blockwise(
                     _sqrt32(value) if _root_slot(rule, k) else value, maps[k], a.state_bits, block_size, False, 0, 0
                 )

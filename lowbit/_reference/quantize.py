@@ -109,15 +109,21 @@ def quantize_blockwise(
     n = x.numel()
     amax = block_absmax(x, blocksize)
     xn = _normalise(x, _expand(amax, n, blocksize))
+    return _store(map_codes(xn, code, stochastic, seed, offset), bits), amax
+
+
+def map_codes(xn: Tensor, code: Tensor, stochastic: bool = False, seed: int = 0, offset: int = 0) -> Tensor:
+    """The codes (int64) of normalised values ``xn`` on the sorted map ``code``: the nearest entry, or a
+    stochastic choice between the two around each value (qmap.h)."""
     nmap = code.numel()
     lo = (torch.searchsorted(code, xn, right=True) - 1).clamp(min=0)
     hi = (lo + 1).clamp(max=nmap - 1)
     vlo, vhi = code[lo], code[hi]
     if stochastic:
-        up = uniform01(seed, offset, n, x.device) * (vhi - vlo) < xn - vlo
+        up = uniform01(seed, offset, xn.numel(), xn.device) * (vhi - vlo) < xn - vlo
     else:
         up = vhi - xn < xn - vlo
-    return _store(torch.where(up, hi, lo), bits), amax
+    return torch.where(up, hi, lo)
 
 
 def dequantize_blockwise(

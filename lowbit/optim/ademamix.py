@@ -79,7 +79,7 @@ class AdEMAMix(LowbitOptimizer):
         eps: added to the denominator.
         weight_decay: decoupled weight decay (``p *= 1 - lr * weight_decay``, as AdamW).
         **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
-            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+            ``rank1_normalization``, ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
 
     States: ``exp_avg_fast`` (m1), ``exp_avg_sq`` (nu) and ``exp_avg_slow`` (m2). With a warm-up, the
     parameters of a group that are at different step numbers are stepped in one fused call per step number.

@@ -26,6 +26,7 @@ OVERRIDABLE = frozenset(
         "block_size",
         "min_8bit_size",
         "min_4bit_size",
+        "rank1_normalization",
         "lr",
         "betas",
         "eps",

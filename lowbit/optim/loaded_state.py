@@ -59,12 +59,23 @@ def _check_absmax(value: Any, where: str, key: str, numel: int) -> None:
         raise _fail(where, key, "must hold finite scales >= 0")
 
 
+def _check_axis_max(value: Any, where: str, key: str, p: Tensor) -> None:
+    """Rank-1 statistics (lowbit/optim/rank1.py): sum(shape) finite fp32 maxima >= 0 of a 2-d or larger
+    parameter."""
+    if not isinstance(value, Tensor) or value.dtype != torch.float32 or value.dim() != 1:
+        raise _fail(where, key, "must be a 1-D float32 tensor (the rank-1 statistics of the second moment)")
+    if p.dim() < 2 or value.numel() != sum(p.shape):
+        raise _fail(where, key, f"has {value.numel()} values; a parameter of shape {tuple(p.shape)} has {sum(p.shape)}")
+    if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
+        raise _fail(where, key, "must hold finite maxima >= 0")
+
+
 def _check_entry(opt: LowbitOptimizer, p: Tensor, entry: Any, where: str) -> None:
     if not isinstance(entry, dict):
         raise ValueError(f"lowbit: cannot load the state of {where}: expected a dict, got {type(entry).__name__}")
     n = len(opt._state_names)
     known = {"step", "gnorm_vec", *opt._state_names}
-    known |= {f"{kind}{k + 1}" for kind in ("state", "absmax") for k in range(n)}
+    known |= {f"{kind}{k + 1}" for kind in ("state", "absmax", "axis_max") for k in range(n)}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise _fail(where, unknown[0], f"is not a state of {type(opt).__name__} (its states: {sorted(known)})")
@@ -83,7 +94,9 @@ def _check_entry(opt: LowbitOptimizer, p: Tensor, entry: Any, where: str) -> Non
         packed = (numel + 1) // 2  # 4-bit codes, two per byte (state_storage.stored_width)
         if not (isinstance(codes, Tensor) and codes.dtype == torch.uint8 and numel >= 2 and codes.shape == (packed,)):
             codes = _check_tensor(codes, where, f"state{k + 1}", p.shape, (torch.uint8, torch.float32))
-        if codes.dtype == torch.uint8:
+        if codes.dtype == torch.uint8 and f"axis_max{k + 1}" in entry:
+            _check_axis_max(entry[f"axis_max{k + 1}"], where, f"axis_max{k + 1}", p)
+        elif codes.dtype == torch.uint8:
             if f"absmax{k + 1}" not in entry:
                 raise _fail(where, f"state{k + 1}", f"is quantized but 'absmax{k + 1}' is missing")
             _check_absmax(entry[f"absmax{k + 1}"], where, f"absmax{k + 1}", numel)

@@ -40,6 +40,7 @@ from lowbit._ops import StepArgs, StepHyper
 from lowbit.optim.config import get_override
 from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_options, plain_lr
 from lowbit.optim.loaded_state import check_loaded_state
+from lowbit.optim.rank1 import max_over_shards, rank1_layout
 from lowbit.optim.sharded_norms import sum_over_shards, update_scales
 from lowbit.optim.state_storage import (
     STATE_FORMAT,
@@ -78,6 +79,12 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         min_8bit_size: with ``optim_bits=8``, parameters with fewer elements keep fp32 states.
         min_4bit_size: with ``optim_bits=4``, parameters with fewer elements keep fp32 states (as do
             one-element shards of FSDP2 parameters).
+        rank1_normalization: opt-in (default False, until it measures better than block-wise: README,
+            Limitations); with ``optim_bits=4``, the second moment of a parameter of 2 to 8 axes is
+            normalised rank-1 (Li, Chen, Zhu 2023, section 4.2; include/lowbit/rank1.h): element (i, j)
+            by min(max of row i, max of column j), N-d tensors by the min over every axis of that axis'
+            maxima, which cost ``sum(shape)`` floats (``axis_max{k+1}`` in the state, in place of the
+            block absmaxes). Other parameters, and False, keep block-wise absmax.
         max_unorm: if > 0, scales a tensor's update down so that its norm, divided by the learning
             rate, is at most ``max_unorm * ||param||`` (bitsandbytes' option; a zero parameter is not
             clipped, since it would never move).
@@ -105,6 +112,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         block_size: Optional[int] = None,
         min_8bit_size: int = 4096,
         min_4bit_size: int = 4096,
+        rank1_normalization: bool = False,
         max_unorm: float = 0.0,
         percentile_clipping: int = 100,
     ) -> None:
@@ -116,6 +124,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             block_size=block_size,
             min_8bit_size=min_8bit_size,
             min_4bit_size=min_4bit_size,
+            rank1_normalization=rank1_normalization,
             max_unorm=max_unorm,
             percentile_clipping=percentile_clipping,
             state_format=STATE_FORMAT,
@@ -321,6 +330,10 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         params, grads, scalars = [], [], []
         states: list[list[Tensor]] = [[], [], []]
         absmaxes: list[list[Tensor]] = [[], [], []]
+        # Rank-1 second moments (lowbit/optim/rank1.py): the op's layout entries, old and new statistics.
+        rank1_entries: list[int] = []
+        axis_max: list[Tensor] = []
+        ranked_items: list[tuple[int, str, int]] = []  # (index in batch, state key, length of its statistics)
         # The step numbers this step takes; the counters advance once the native call has succeeded.
         steps = [int(s) + 1 for s in torch.stack([state["step"] for _, state in batch]).tolist()]
         copied: list[tuple[Tensor, Tensor]] = []
@@ -337,7 +350,16 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             scalars += self._step_scalars(config, step)
             for j, k in enumerate(slots):
                 states[j].append(_ops.local(state[f"state{k + 1}"]))
-                absmaxes[j].append(state[f"absmax{k + 1}"])
+                absmaxes[j].append(state.get(f"absmax{k + 1}", _NO_ABSMAX))
+            ranked = next((k for k in slots if f"axis_max{k + 1}" in state), None)
+            layout = rank1_layout(p) if ranked is not None else None
+            if ranked is not None and layout is not None:
+                offset, dims = layout
+                rank1_entries += [len(dims), offset, *dims]
+                axis_max.append(state[f"axis_max{ranked + 1}"])
+                ranked_items.append((len(params) - 1, f"axis_max{ranked + 1}", sum(dims)))
+            else:
+                rank1_entries.append(0)
         device = params[0].device
         originals = [p for p, _ in batch]
         grad_scales, histories = self._grad_scales(config, grads, originals, steps)
@@ -368,6 +390,10 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             block_size=config["block_size"],
             state_bits=state_bits,
         )
+        if ranked_items:
+            # The rank-1 statistics of the call, flat (lowbit/_ops/optim.py: StepArgs).
+            new_axis_max = torch.zeros(sum(n for *_, n in ranked_items), dtype=torch.float32, device=device)
+            args = args._replace(rank1=rank1_entries, axis_max=torch.cat(axis_max), new_axis_max=new_axis_max)
         if norm_mode != NORM_NONE and any(isinstance(p, DTensor) for p in originals):
             # The norms of FSDP2 shards span ranks: the pre-pass sums are all-reduced, and the step
             # takes the scales computed from them.
@@ -379,7 +405,18 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             raise type(exc)(_in_user_terms(str(exc), places)) from exc
 
         def run() -> None:
+            if ranked_items:
+                # The statistics pass, the MAX over the shards of FSDP2 parameters, then the step that
+                # encodes against the statistics of the whole parameter (include/lowbit/rank1.h).
+                _ops.rank1_statistics_eager(args, widths)
+                parts = new_axis_max.split([n for *_, n in ranked_items])
+                for (i, _, _), part in zip(ranked_items, parts, strict=True):
+                    max_over_shards(part, originals[i])  # in place: parts are views
             _ops.optimizer_step_eager(args, widths)
+            if ranked_items:
+                parts = new_axis_max.split([n for *_, n in ranked_items])
+                for (i, key, _), part in zip(ranked_items, parts, strict=True):
+                    batch[i][1][key] = part.clone()
             for shard, work in copied:
                 shard.copy_(work)
             torch._foreach_add_([state["step"] for _, state in batch], 1.0)
@@ -404,6 +441,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                     if f"state{k + 1}" in entry:
                         entry[f"state{k + 1}"] = like_param(p, self._unpack(k, p, self.state[p]).clone())
                         entry.pop(f"absmax{k + 1}", None)
+                        entry.pop(f"axis_max{k + 1}", None)
                 sd["state"][i] = entry
         return sd
 
@@ -442,6 +480,9 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                     # FSDP2 parameters arrive with dequantized states (state_dict).
                     self._relayout(p, state, config)
 
+
+# The absmax entry of a state that has none (a rank-1 second moment: the op ignores it).
+_NO_ABSMAX = torch.empty(0, dtype=torch.float32)
 
 _FUSED_LISTS = re.compile(r"\b(params|grads|state[123]|absmax[123])\[(\d+)\]")
 

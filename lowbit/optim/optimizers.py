@@ -49,7 +49,7 @@ class Adam(LowbitOptimizer):
             Adam's.
         maximize: maximize the objective instead of minimizing.
         **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
-            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+            ``rank1_normalization``, ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "adam"
@@ -137,7 +137,7 @@ class SGD(LowbitOptimizer):
         nesterov: Nesterov momentum (needs momentum > 0 and dampening 0).
         maximize: maximize the objective instead of minimizing.
         **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
-            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+            ``rank1_normalization``, ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "sgd"
@@ -194,7 +194,7 @@ class Lion(LowbitOptimizer):
         weight_decay: decoupled weight decay.
         maximize: maximize the objective instead of minimizing.
         **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
-            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+            ``rank1_normalization``, ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "lion"
@@ -235,7 +235,7 @@ class RMSprop(LowbitOptimizer):
             variance reads as 0 (where torch.optim takes the square root of it: NaN).
         maximize: maximize the objective instead of minimizing.
         **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
-            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+            ``rank1_normalization``, ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "rmsprop"
@@ -300,7 +300,7 @@ class Adagrad(LowbitOptimizer):
         eps: added to the denominator.
         maximize: maximize the objective instead of minimizing.
         **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
-            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+            ``rank1_normalization``, ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "adagrad"

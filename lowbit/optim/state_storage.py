@@ -10,7 +10,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lowbit import _ops
+from lowbit._ops.optim import SECOND_MOMENT_SLOTS
 from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise, quantize_blockwise
+from lowbit.optim import rank1
 
 _MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 
@@ -151,6 +153,16 @@ class StoredStates:
             return 4
         return 32
 
+    def _rank1_state(self, config: dict[str, Any], p: Tensor, width: int) -> int:
+        """The state k of ``p`` that ``config`` stores normalised rank-1 (lowbit/optim/rank1.py), or -1: the
+        second moment of a 4-bit layout, with ``rank1_normalization`` on, for 2 to 8 axes."""
+        if width != 4 or not config.get("rank1_normalization", False) or rank1.rank1_layout(p) is None:
+            return -1
+        slots = self._slots(config)
+        rule = self._rule_code(config)  # type: ignore[attr-defined]
+        slot = SECOND_MOMENT_SLOTS[rule]
+        return slots[slot] if 0 <= slot < len(slots) else -1
+
     def _pack(self, k: int, value: Tensor, config: dict[str, Any], width: int) -> tuple[Tensor, Tensor]:
         """(state, absmax) of state k holding ``value`` in the layout of ``width`` bits (a second moment,
         on the unsigned map, as its square root: include/lowbit/state_form.h)."""
@@ -171,6 +183,13 @@ class StoredStates:
         width = stored_width(s, shape.numel())
         if width == 32:
             return s
+        if f"axis_max{k + 1}" in state:
+            layout = rank1.rank1_layout(p)
+            if layout is None:
+                raise ValueError(f"axis_max{k + 1}: a parameter of shape {tuple(p.shape)} has no rank-1 statistics")
+            code = optimizer_state_map(False, s.device, 4)
+            w = rank1.decode(s, state[f"axis_max{k + 1}"], *layout, code, shape.numel())
+            return w.square().reshape(shape)
         absmax = state[f"absmax{k + 1}"]
         signed = self._state_signed[k]
         qs = QuantState(
@@ -193,11 +212,15 @@ class StoredStates:
         width = self._state_width(config, p)
         numel = _ops.local(p).numel()
         blocks = _ops.num_blocks(numel, config["block_size"])
+        ranked = self._rank1_state(config, p, width)
         for k in self._slots(config):
             s = state.get(f"state{k + 1}")
             if s is None or stored_width(_ops.local(s), numel) != width:
                 return False
-            if width != 32 and state[f"absmax{k + 1}"].numel() != blocks:
+            if k == ranked:
+                if f"axis_max{k + 1}" not in state or state[f"axis_max{k + 1}"].numel() != sum(p.shape):
+                    return False
+            elif width != 32 and (f"absmax{k + 1}" not in state or state[f"absmax{k + 1}"].numel() != blocks):
                 return False
         return True
 
@@ -216,6 +239,9 @@ class StoredStates:
                 values[k] = self._unpack(k, p, state).clone()
             else:
                 values[k] = self._initial(k, p, config)
+        for k in self._slots(config):
+            state.pop(f"absmax{k + 1}", None)
+            state.pop(f"axis_max{k + 1}", None)
         state.update(self._store(p, values, config))
 
     def _initial(self, k: int, p: Tensor, config: dict[str, Any]) -> Tensor:
@@ -234,7 +260,15 @@ class StoredStates:
             if bool(bad.any()):
                 values = {k: v.masked_fill(bad, 0.0) for k, v in values.items()}
         out: dict[str, Tensor] = {}
+        ranked = self._rank1_state(config, p, width)
         for k, value in values.items():
+            if k == ranked:
+                offset, dims = rank1.rank1_layout(p)  # type: ignore[misc]  (not None: _rank1_state)
+                w = value.sqrt()
+                stats = rank1.max_over_shards(rank1.axis_maxima(w, offset, dims), p)
+                out[f"axis_max{k + 1}"] = stats
+                out[f"state{k + 1}"] = rank1.encode(w, stats, offset, dims, optimizer_state_map(False, w.device, 4))
+                continue
             codes, out[f"absmax{k + 1}"] = self._pack(k, value, config, width)
             # Packed 4-bit codes are not shaped like the parameter: they stay local, as absmaxes do.
             out[f"state{k + 1}"] = codes if width == 4 else like_param(p, codes)

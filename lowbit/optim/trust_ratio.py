@@ -31,7 +31,7 @@ class LAMB(LowbitOptimizer):
         weight_decay: weight decay, part of the direction the trust ratio scales.
         maximize: maximize the objective instead of minimizing.
         **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
-            ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+            ``rank1_normalization``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "lamb"
@@ -84,7 +84,7 @@ class LARS(SGD):
         eps: added to the denominator of the local learning rate.
         maximize: maximize the objective instead of minimizing.
         **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
-            ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+            ``rank1_normalization``, ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     def __init__(

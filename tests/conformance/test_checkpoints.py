@@ -46,6 +46,8 @@ TWINS = [
 # Hyperparameters of the optimizer that loads, none of them the checkpoint's: a load that kept them would
 # step differently from torch.
 OTHERS = dict(lr=0.5, weight_decay=0.3)
+# The opt-in rank-1 normalised second moments of 4-bit matrices (include/lowbit/rank1.h).
+RANK1 = {"rank1_normalization": True}
 
 
 def _grad(gen: torch.Generator, n: int, step: int) -> torch.Tensor:
@@ -426,6 +428,56 @@ def test_lowbit_state_dicts_round_trip_and_old_ones_load(name, tcls, kw, extra, 
     want = _torch_step(tcls, group, o.detach(), {**held, extra: torch.zeros(n)}, grad)
     _assert_step(_step(new, fresh, grad), want, o.detach(), exact=True)
     assert new.state[fresh]["state3"].dtype == (torch.uint8 if bits == 8 else torch.float32)
+
+
+def _assert_rank1_encoded(got: torch.Tensor, want: torch.Tensor) -> None:
+    """``got`` is the second moment ``want`` (a matrix) encoded once normalised rank-1 and decoded: each root w
+    within h times its scale min(max of its row, max of its column) of the roots (h = half_code_gap of the
+    4-bit root map), so |w'^2 - w^2| <= d (2 w + d) with d = h * scale (1e-6 relative for fp32 rounding)."""
+    w = want.sqrt()
+    scale = torch.minimum(w.amax(dim=1, keepdim=True), w.amax(dim=0, keepdim=True))
+    d = half_code_gap(False, 4) * scale
+    err = (got - want).abs()
+    assert bool((err <= d * (2 * w + d) * (1 + 1e-5) + 1e-6 * want).all()), float((err - d * (2 * w + d)).max())
+
+
+@pytest.mark.parametrize(("src_bits", "src_kw"), [(32, {}), (8, {}), (4, {}), (4, RANK1)], ids=str)
+def test_rank1_second_moments_load_from_every_layout_and_back(src_bits, src_kw):
+    """With ``rank1_normalization=True`` a matrix's 4-bit second moment is normalised rank-1 (``axis_max2`` in
+    place of ``absmax2``): a state dict of any layout, block-wise 4-bit ones (the default's) included, loads into it
+    as one encode of what the checkpoint held, and steps as torch from that state; a rank-1 state dict resumes
+    bit for bit and loads into the 32-bit class exactly."""
+    shape = (40, 130)
+    gen = torch.Generator().manual_seed(3)
+    p = nn.Parameter(torch.randn(shape, generator=gen))
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    src = getattr(O, f"AdamW{src_bits}bit")([p], **kw, **src_kw)
+    for step in range(3):
+        _step(src, p, _grad(gen, p.numel(), step).view(shape))
+    saved = src.state_dict()
+    assert ("axis_max2" in saved["state"][0]) == (src_kw == RANK1)
+    q = nn.Parameter(p.detach().clone())
+    opt = O.AdamW4bit([q], **OTHERS, **RANK1)
+    opt.load_state_dict(saved)
+    assert opt.state[q]["axis_max2"].shape == (sum(shape),) and "absmax2" not in opt.state[q]
+    held, got = src.dequantized_state(p), opt.dequantized_state(q)
+    if src_kw == RANK1:
+        assert all(torch.equal(got[k], v) for k, v in held.items())
+    else:
+        _assert_encoded(got["exp_avg"], held["exp_avg"], True, 128, 4)
+        _assert_rank1_encoded(got["exp_avg_sq"], held["exp_avg_sq"])
+    grad = _grad(gen, p.numel(), 3).view(shape)
+    want = _torch_step(torch.optim.AdamW, src.param_groups[0], p.detach(), held, grad)
+    stepped = _step(opt, q, grad)
+    _assert_step(stepped, want, p.detach(), exact=False, bits=4)
+    if src_kw == RANK1:
+        assert torch.equal(_step(src, p, grad), stepped)
+        assert torch.equal(src.state[p]["axis_max2"], opt.state[q]["axis_max2"])
+    back = O.AdamW32bit([nn.Parameter(q.detach().clone())], **OTHERS)
+    back.load_state_dict(opt.state_dict())
+    (r,) = back.param_groups[0]["params"]
+    held = opt.dequantized_state(q)
+    assert all(torch.equal(back.dequantized_state(r)[k], v) for k, v in held.items())
 
 
 # -- state format 1: second moments on the unsigned map ----------------------------------------------------

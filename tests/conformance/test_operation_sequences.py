@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import io
 import math
 from typing import Any
@@ -30,6 +31,7 @@ from torch import Tensor, nn
 
 import lowbit.optim as O
 from lowbit._reference.ademamix import ReferenceAdEMAMix
+from lowbit.optim.state_storage import optimizer_state_map
 from tests.blocks import half_code_gap
 from tests.test_optim import DEFAULT_BOUNDS, FOUR_BIT_BOUNDS, _grad, _relative
 
@@ -42,6 +44,8 @@ class Case:
     edits: tuple[str, ...]
     bits: int = 8  # the width of the quantized states (unused by the fp32 twins)
     matrices: bool = False  # Muon: both parameters are matrices
+    # lowbit-only layout options of the quantized optimizer (torch's takes none), part of the case's name.
+    layout: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 # Muon's reference, torch.optim.Muon, takes no foreach option and decays the weights decoupled, as AdamW.
@@ -69,6 +73,15 @@ QUANTIZED = [
     Case(O.SGD8bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), ("lr", "weight_decay")),
     Case(O.Adam4bit, torch.optim.Adam, dict(lr=1e-3), ("lr", "weight_decay", "betas"), bits=4),
     Case(O.AdamW4bit, torch.optim.AdamW, dict(lr=1e-3, weight_decay=0.1), ("lr", "weight_decay", "betas"), bits=4),
+    # The opt-in rank-1 second moment (include/lowbit/rank1.h) of the first parameter, a matrix.
+    Case(
+        O.AdamW4bit,
+        torch.optim.AdamW,
+        dict(lr=1e-3, weight_decay=0.1),
+        ("lr", "weight_decay", "betas"),
+        bits=4,
+        layout={"rank1_normalization": True},
+    ),
     Case(O.SGD4bit, torch.optim.SGD, dict(lr=1e-2, momentum=0.9), ("lr", "weight_decay"), bits=4),
     Case(O.Muon8bit, torch.optim.Muon, MUON, ("lr", "weight_decay"), matrices=True),
     Case(O.AdEMAMix8bit, ReferenceAdEMAMix, dict(lr=1e-3, t_alpha=6, t_beta3=6), ("lr", "weight_decay")),
@@ -174,6 +187,8 @@ class Run:
         self.options = dict(min_8bit_size=0, block_size=self.block_size) if quantized else {}
         if quantized and case.bits == 4:
             self.options["min_4bit_size"] = 0
+        if quantized:
+            self.options |= case.layout
         gen = torch.Generator().manual_seed(scenario["seed"])
         self.p0 = [torch.randn(s, generator=gen) * 0.1 for s in scenario["shapes"]]
         self.tensor_lr = scenario["tensor_lr"]
@@ -265,7 +280,8 @@ class Run:
 
     def _check_restart(self, p: nn.Parameter, i: int) -> None:
         # optimizer.py: a quantized state element that becomes non-finite restarts from zero (a second moment,
-        # on the zero-free map, at its block's smallest value); the rest of the block keeps finite values.
+        # on the zero-free map, at its block's smallest value, or the floor of its rank-1 scale); the rest of
+        # the block keeps finite values.
         state = self.main.dequantized_state(p)
         block = slice(i - i % self.block_size, i - i % self.block_size + self.block_size)
         for name, signed in zip(self.main._state_names, self.main._state_signed, strict=True):
@@ -273,8 +289,17 @@ class Run:
                 continue
             value = state[name].view(-1)
             assert bool(value[block].isfinite().all()), name
+            k = self.main._state_names.index(name)
             if signed:
                 assert float(value[i]) == 0.0, name
+            elif f"axis_max{k + 1}" in self.main.state[p]:
+                # Rank-1 (include/lowbit/rank1.h): at the map's floor of its own scale, the min over the axes
+                # of its axis maxima: (scale / 16)^2.
+                stats = self.main.state[p][f"axis_max{k + 1}"].split(list(p.shape))
+                index = torch.unravel_index(torch.tensor(i), p.shape)
+                scale = min(float(m[int(a)]) for m, a in zip(stats, index, strict=True))
+                floor = float(optimizer_state_map(False, torch.device("cpu"), 4)[0]) * scale
+                assert float(value[i]) == pytest.approx(floor * floor, rel=1e-6), name
             else:
                 assert float(value[i]) == float(value[block].min()), name
 
@@ -338,7 +363,18 @@ class Run:
         p = self.main_params[j]
         k = self.main._state_names.index(name)
         signed = self.main._state_signed[k]
-        absmax = self.main.state[p][f"absmax{k + 1}"].repeat_interleave(self.block_size)[: p.numel()]
+        state = self.main.state[p]
+        # The layout the case asked for: rank-1 exactly for the second moment of the matrix when opted in.
+        ranked = bool(self.case.layout.get("rank1_normalization")) and not signed and p.dim() >= 2
+        assert (f"axis_max{k + 1}" in state) == ranked, (name, sorted(state))
+        if ranked:
+            # A rank-1 normalised second moment (include/lowbit/rank1.h): each element's scale is the min over
+            # the axes of its axis maxima, which takes the place of the block absmax.
+            parts = state[f"axis_max{k + 1}"].split(list(p.shape))
+            views = [m.view([-1 if a == i else 1 for i in range(p.dim())]) for a, m in enumerate(parts)]
+            absmax = functools.reduce(torch.minimum, views).expand(p.shape).reshape(-1)
+        else:
+            absmax = state[f"absmax{k + 1}"].repeat_interleave(self.block_size)[: p.numel()]
         d = ((half_code_gap(signed, self.case.bits) + ENCODE_ROUNDING) * absmax).view(p.shape)
         if signed:
             return d
@@ -478,7 +514,7 @@ def _run(case: Case, quantized: bool, scenario: dict[str, Any]) -> None:
 
 
 def _name(case: Case) -> str:
-    return case.cls.__name__
+    return case.cls.__name__ + "".join(f"-{k}" for k in case.layout)
 
 
 @pytest.mark.parametrize("case", TWINS, ids=_name)
