@@ -481,7 +481,25 @@ class _ExactInvActivation(nn.Module):
         raise NotImplementedError
 
 
-class InvELU(_ExactInvActivation):
+class _AlphaExactInv(_ExactInvActivation):
+    """ELU and CELU: one parameter, ``alpha``, and torch's in-place function of it."""
+
+    _inplace_fn: ClassVar[Callable[..., Tensor]]
+
+    @property
+    def alpha(self) -> float:
+        """torch.nn.ELU's or torch.nn.CELU's ``alpha``."""
+        return self.p
+
+    def _inplace(self, x: Tensor) -> Tensor:
+        return type(self)._inplace_fn(x, self.p, inplace=True)
+
+    def extra_repr(self) -> str:
+        """As torch.nn.ELU's and torch.nn.CELU's."""
+        return f"alpha={self.p}" + (", inplace=True" if self.inplace else "")
+
+
+class InvELU(_AlphaExactInv):
     """torch.nn.ELU(alpha, inplace) whose backward reads only the output: ``y > 0 -> 1, else y + alpha``.
 
     Args:
@@ -490,24 +508,13 @@ class InvELU(_ExactInvActivation):
     """
 
     kind = "elu"
+    _inplace_fn = F.elu
 
     def __init__(self, alpha: float = 1.0, inplace: bool = False) -> None:
         super().__init__(_check_alpha(alpha, zero=True), inplace)
 
-    @property
-    def alpha(self) -> float:
-        """torch.nn.ELU's ``alpha``."""
-        return self.p
 
-    def _inplace(self, x: Tensor) -> Tensor:
-        return F.elu(x, self.p, inplace=True)
-
-    def extra_repr(self) -> str:
-        """As torch.nn.ELU's."""
-        return f"alpha={self.p}" + (", inplace=True" if self.inplace else "")
-
-
-class InvCELU(_ExactInvActivation):
+class InvCELU(_AlphaExactInv):
     """torch.nn.CELU(alpha, inplace) whose backward reads only the output: ``y > 0 -> 1, else y / alpha + 1``.
 
     Args:
@@ -516,21 +523,10 @@ class InvCELU(_ExactInvActivation):
     """
 
     kind = "celu"
+    _inplace_fn = F.celu
 
     def __init__(self, alpha: float = 1.0, inplace: bool = False) -> None:
         super().__init__(_check_alpha(alpha, zero=False), inplace)
-
-    @property
-    def alpha(self) -> float:
-        """torch.nn.CELU's ``alpha``."""
-        return self.p
-
-    def _inplace(self, x: Tensor) -> Tensor:
-        return F.celu(x, self.p, inplace=True)
-
-    def extra_repr(self) -> str:
-        """As torch.nn.CELU's."""
-        return f"alpha={self.p}" + (", inplace=True" if self.inplace else "")
 
 
 class InvSELU(_ExactInvActivation):
