@@ -23,6 +23,7 @@ NAMES = [
     "Adam-amsgrad",
     "RMSprop-centered",
     "AdEMAMix",
+    "AdamW-rank1",
 ]
 KW = {
     "SGD": dict(momentum=0.9),
@@ -30,6 +31,9 @@ KW = {
     "Adam-amsgrad": dict(amsgrad=True),
     "RMSprop-centered": dict(centered=True, momentum=0.9),
     "AdEMAMix": dict(t_alpha=2, t_beta3=2),
+    # The opt-in rank-1 second moment of 4-bit matrices (include/lowbit/rank1.h): its axis maxima follow the
+    # logical axes, whatever the strides; 8 and 32 bits ignore it.
+    "AdamW-rank1": dict(rank1_normalization=True),
 }
 # torch.optim twins of lowbit's 32-bit optimizers (Lion, LAMB and LARS have none; AdEMAMix's is the
 # pure-PyTorch formula).
@@ -95,8 +99,12 @@ def test_strided_parameters_step_like_contiguous_ones(layout, name, bits, releas
     assert got.stride() == value.stride()
     assert torch.equal(got, want)
     assert float(opt.state[opt.param_groups[0]["params"][0]]["step"]) == 3
+    # The rank-1 case is one only where its statistics exist (4-bit states of these matrices).
+    assert ("axis_max2" in opt.state[opt.param_groups[0]["params"][0]]) == (name.endswith("rank1") and bits == 4)
     if bits == 32 and name.split("-")[0] in TORCH:
-        ref, _ = _train(TORCH[name.split("-")[0]], value, grads, foreach=False, **KW.get(name, {}))
+        # rank1_normalization is lowbit's own option (4-bit states only): torch.optim takes the rest.
+        torch_kw = {k: v for k, v in KW.get(name, {}).items() if k != "rank1_normalization"}
+        ref, _ = _train(TORCH[name.split("-")[0]], value, grads, foreach=False, **torch_kw)
         # The same fp32 formulas as torch's single-tensor path (tests/test_optim.py: 7e-6 derived for 30 steps).
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
