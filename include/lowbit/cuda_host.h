@@ -29,6 +29,7 @@
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -312,6 +313,14 @@ inline bool run_block() {
     f.context.uc_stack.ss_size = f.stack.size();
     f.context.uc_link = nullptr;
     makecontext(&f.context, fiber_main, 0);
+#if defined(__SANITIZE_ADDRESS__)
+    // ASan's swapcontext interceptor clears the shadow of a context's whole stack before and after every switch
+    // into it when the context names its stack: an mmap and a madvise of 64 KiB of shadow per resume, most of
+    // the emulation's time under ASan, and it also wipes the redzones of a suspended fiber's live frames. No
+    // clearing is needed: a fiber starts where the last one on its stack ended (that one's kernel frames all
+    // returned; its fiber_main frame is the new one's), and a failed block unpoisons the stacks it abandons.
+    f.context.uc_stack.ss_size = 0;
+#endif
     f.state = FiberState::Runnable;
   }
   const unsigned int warps = (b.threads + kWarp - 1) / kWarp;
@@ -370,6 +379,9 @@ inline void run_grid(dim3 grid, dim3 threads, size_t shared_bytes, void (*body)(
         blockIdx = uint3{x, y, z};
         poison_shared();
         if (!run_block()) {
+#if defined(__SANITIZE_ADDRESS__)
+          for (Fiber& f : b.fibers) ASAN_UNPOISON_MEMORY_REGION(f.stack.data(), f.stack.size());
+#endif
           fail(cudaErrorLaunchFailure, "unspecified launch failure (emulated: block " + std::to_string(x) + ", " +
                                            b.failure + ")");
           return;
