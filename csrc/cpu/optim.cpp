@@ -63,14 +63,20 @@ TensorView view(const OptimArgs& a, int64_t t) {
 // with the scales of `stats`.
 void load_rank1(const TensorView& t, int k, int64_t lo, int cnt, const float* map, float* out) {
   const uint8_t* packed = static_cast<const uint8_t*>(t.state[k]) + lo / 2;
-  int64_t idx[kMaxRank1Dims];
-  rank1_index(t.rank1, lo, idx);
+  // The map entries first (the block-wise decoders with scale 1, which is exact), then each times its own
+  // scale: the same products as map[code] * scale element by element.
+  const int done = avx512_active() ? decode_u4_avx512(map, packed, cnt, 1.f, out)
+                   : avx2_active()   ? decode_u4_avx2(map, packed, cnt, 1.f, out)
+                                     : 0;
   uint32_t tile[kTile];
-  for (int j = 0; j < cnt; j += kTile) {
+  for (int j = done; j < cnt; j += kTile) {
     const int m = std::min(kTile, cnt - j);
     unpack_chunk(packed + j / 2, m, std::integral_constant<int, 4>{}, tile);
-    for (int i = 0; i < m; ++i, rank1_next(t.rank1, idx)) out[j + i] = map[tile[i]] * rank1_scale(t.rank1.stats, t.rank1, idx);
+    for (int i = 0; i < m; ++i) out[j + i] = map[tile[i]];
   }
+  float scale[kMaxBlock];
+  rank1_scales(t.rank1.stats, t.rank1, lo, cnt, scale);
+  for (int i = 0; i < cnt; ++i) out[i] *= scale[i];
 }
 
 // Encodes the stored values `in` of the rank-1 normalised state k of a block against the new statistics:
@@ -79,11 +85,8 @@ void load_rank1(const TensorView& t, int k, int64_t lo, int cnt, const float* ma
 void store_rank1(const TensorView& t, int k, int64_t lo, int cnt, const MapIndex* index, bool gather,
                  const float* in) {
   float normalised[kMaxBlock];
-  int64_t idx[kMaxRank1Dims];
-  rank1_index(t.rank1, lo, idx);
-  for (int i = 0; i < cnt; ++i, rank1_next(t.rank1, idx)) {
-    normalised[i] = rank1_normalise(in[i], rank1_scale(t.rank1.new_stats, t.rank1, idx));
-  }
+  rank1_scales(t.rank1.new_stats, t.rank1, lo, cnt, normalised);
+  for (int i = 0; i < cnt; ++i) normalised[i] = rank1_normalise(in[i], normalised[i]);
   uint8_t* packed = static_cast<uint8_t*>(t.state[k]) + lo / 2;
   uint32_t tile[kTile];
   const MapSpan span{*index, gather};
@@ -389,10 +392,7 @@ void stats_block(const OptimArgs& a, const TensorView& t, int64_t block, const S
     restart_nonfinite3(s, kStates, cnt, max_bits);
   }
   if (t.rank1_slot >= kStates) return;
-  const float* w = s[t.rank1_slot];
-  int64_t idx[kMaxRank1Dims];
-  rank1_index(t.rank1, lo, idx);
-  for (int i = 0; i < cnt; ++i, rank1_next(t.rank1, idx)) rank1_raise(stat_bits, t.rank1, idx, abs_bits(w[i]));
+  rank1_raise(stat_bits, t.rank1, lo, cnt, s[t.rank1_slot]);
 }
 
 // p and the step u of the rule for one block, from copies of the states (the norm pre-pass writes
