@@ -76,7 +76,7 @@ LB_HD int64_t rank1_last_base(const Rank1View& r) {
   return base;
 }
 
-// The min over the axes before the last of the maxima at idx (+inf for none).
+// The min over the axes before the last of the maxima at idx (a rank-1 tensor has ndim >= 2: at least one).
 LB_HD float rank1_outer_scale(const float* stats, const Rank1View& r, const int64_t* idx) {
   float s = 3.40282347e38f;
   int64_t base = 0;
