@@ -139,7 +139,11 @@ class Twin:
 
 
 def factories(args: argparse.Namespace) -> dict[str, Factory]:
-    """Each row's optimizer factory."""
+    """The optimizer factory of each row that ``args.rows`` selects (torch AdamW's always)."""
+
+    def wanted(name: str) -> bool:
+        return not args.rows or name == "torch AdamW" or any(r in name for r in args.rows)
+
     kw = dict(lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     four = dict(kw, min_4bit_size=args.min_size)
     rank1 = dict(four, rank1_normalization=True)
@@ -151,12 +155,14 @@ def factories(args: argparse.Namespace) -> dict[str, Factory]:
         "twin AdamW4bit (block-wise)": lambda ps: Twin(O.AdamW4bit(ps, **four)),
         "twin AdamW4bit (rank-1)": lambda ps: Twin(O.AdamW4bit(ps, **rank1)),
     }
-    try:
-        import torchao.optim as tao
+    # Imported only for its row: importing torchao takes seconds.
+    if wanted("torchao AdamW4bit"):
+        try:
+            import torchao.optim as tao
 
-        rows["torchao AdamW4bit"] = lambda ps: tao.AdamW4bit(ps, **kw, block_size=BLOCK)
-    except ImportError:
-        print("torchao.optim is not importable: its row is skipped")
+            rows["torchao AdamW4bit"] = lambda ps: tao.AdamW4bit(ps, **kw, block_size=BLOCK)
+        except ImportError:
+            print("torchao.optim is not importable: its row is skipped")
     for label, m, v, zero in [
         ("m 4-bit", True, False, False),
         ("sqrt(v) 4-bit", False, True, False),
@@ -166,7 +172,7 @@ def factories(args: argparse.Namespace) -> dict[str, Factory]:
         rows[f"AdamW, {label}"] = lambda ps, m=m, v=v, zero=zero: QuantizedStatesAdamW(
             ps, kw, m, v, args.min_size, zero
         )
-    return rows
+    return {name: make for name, make in rows.items() if wanted(name)}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -195,10 +201,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("| optimizer | final losses | / torch AdamW | mean / torch's mean |")
     print("|---|---|---|---|")
     base: list[float] = []
-    rows = factories(args)
-    if args.rows:
-        rows = {k: v for k, v in rows.items() if k == "torch AdamW" or any(r in k for r in args.rows)}
-    for name, make in rows.items():
+    for name, make in factories(args).items():
         losses = [final_loss(seed, make, args) for seed in args.seeds]
         base = base or losses
         ratios = " ".join(f"{got / want:.3f}" for got, want in zip(losses, base, strict=True))

@@ -59,18 +59,67 @@ TensorView view(const OptimArgs& a, int64_t t) {
                     a.rank1 != nullptr && a.rank1[t * kRank1Cols + kR1Ndim] > 0 ? second_moment_slot(a.rule) : -1};
 }
 
+// The element loops of the rank-1 normalised state of a block (lowbit/rank1.h), on x in place: the decoded
+// map entries times their scales from `stats` (kDecode), the stored values normalised by them (kEncode),
+// or the axis maxima stat_bits raised to the stored values x (kRaise). Compiled for the widest vector
+// unit in use as update() is: the entry points flatten rank1.h's run loops into themselves, and min,
+// max, the product and normalise's division and selects give the same results at any width.
+enum class Rank1Loop { kDecode, kEncode, kRaise };
+
+template <Rank1Loop kLoop>
+__attribute__((always_inline)) inline void rank1_loop_body(const Rank1View& r, const float* stats, int64_t lo,
+                                                           int cnt, float* x, uint32_t* stat_bits) {
+  if constexpr (kLoop == Rank1Loop::kRaise) {
+    rank1_raise(stat_bits, r, lo, cnt, x);
+  } else {
+    float scale[kMaxBlock];
+    rank1_scales(stats, r, lo, cnt, scale);
+    for (int i = 0; i < cnt; ++i) {
+      x[i] = kLoop == Rank1Loop::kDecode ? x[i] * scale[i] : rank1_normalise(x[i], scale[i]);
+    }
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+template <Rank1Loop kLoop>
+__attribute__((target("avx2"), flatten)) void rank1_loop_avx2(const Rank1View& r, const float* stats, int64_t lo,
+                                                               int cnt, float* x, uint32_t* stat_bits) {
+  rank1_loop_body<kLoop>(r, stats, lo, cnt, x, stat_bits);
+}
+
+template <Rank1Loop kLoop>
+__attribute__((target("avx512f"), flatten)) void rank1_loop_avx512(const Rank1View& r, const float* stats,
+                                                                    int64_t lo, int cnt, float* x,
+                                                                    uint32_t* stat_bits) {
+  rank1_loop_body<kLoop>(r, stats, lo, cnt, x, stat_bits);
+}
+#endif
+
+template <Rank1Loop kLoop>
+void rank1_loop(const Rank1View& r, const float* stats, int64_t lo, int cnt, float* x, uint32_t* stat_bits) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx512_active()) return rank1_loop_avx512<kLoop>(r, stats, lo, cnt, x, stat_bits);
+  if (avx2_active()) return rank1_loop_avx2<kLoop>(r, stats, lo, cnt, x, stat_bits);
+#endif
+  rank1_loop_body<kLoop>(r, stats, lo, cnt, x, stat_bits);
+}
+
 // Decodes the rank-1 normalised 4-bit state k (lowbit/rank1.h) of the block at element lo into out,
 // with the scales of `stats`.
 void load_rank1(const TensorView& t, int k, int64_t lo, int cnt, const float* map, float* out) {
   const uint8_t* packed = static_cast<const uint8_t*>(t.state[k]) + lo / 2;
-  int64_t idx[kMaxRank1Dims];
-  rank1_index(t.rank1, lo, idx);
+  // The map entries first (the block-wise decoders with scale 1, which is exact), then each times its own
+  // scale: the same products as map[code] * scale element by element.
+  const int done = avx512_active() ? decode_u4_avx512(map, packed, cnt, 1.f, out)
+                   : avx2_active()   ? decode_u4_avx2(map, packed, cnt, 1.f, out)
+                                     : 0;
   uint32_t tile[kTile];
-  for (int j = 0; j < cnt; j += kTile) {
+  for (int j = done; j < cnt; j += kTile) {
     const int m = std::min(kTile, cnt - j);
     unpack_chunk(packed + j / 2, m, std::integral_constant<int, 4>{}, tile);
-    for (int i = 0; i < m; ++i, rank1_next(t.rank1, idx)) out[j + i] = map[tile[i]] * rank1_scale(t.rank1.stats, t.rank1, idx);
+    for (int i = 0; i < m; ++i) out[j + i] = map[tile[i]];
   }
+  rank1_loop<Rank1Loop::kDecode>(t.rank1, t.rank1.stats, lo, cnt, out, nullptr);
 }
 
 // Encodes the stored values `in` of the rank-1 normalised state k of a block against the new statistics:
@@ -79,15 +128,14 @@ void load_rank1(const TensorView& t, int k, int64_t lo, int cnt, const float* ma
 void store_rank1(const TensorView& t, int k, int64_t lo, int cnt, const MapIndex* index, bool gather,
                  const float* in) {
   float normalised[kMaxBlock];
-  int64_t idx[kMaxRank1Dims];
-  rank1_index(t.rank1, lo, idx);
-  for (int i = 0; i < cnt; ++i, rank1_next(t.rank1, idx)) {
-    normalised[i] = rank1_normalise(in[i], rank1_scale(t.rank1.new_stats, t.rank1, idx));
-  }
+  std::copy_n(in, cnt, normalised);
+  rank1_loop<Rank1Loop::kEncode>(t.rank1, t.rank1.new_stats, lo, cnt, normalised, nullptr);
   uint8_t* packed = static_cast<uint8_t*>(t.state[k]) + lo / 2;
   uint32_t tile[kTile];
   const MapSpan span{*index, gather};
-  const int done = avx512_active() ? nearest_codes_u4_avx512(index->padded(), normalised, cnt, 1.f, packed) : 0;
+  const int done = avx512_active() ? nearest_codes_u4_avx512(index->padded(), normalised, cnt, 1.f, packed)
+                   : avx2_active()   ? nearest_codes_u4_avx2(index->padded(), normalised, cnt, 1.f, packed)
+                                     : 0;
   for (int j = done; j < cnt; j += kTile) {
     const int m = std::min(kTile, cnt - j);
     span.encode<false>(normalised + j, m, 1.f, RngKey{0, 0}, 0, tile);
@@ -388,11 +436,8 @@ void stats_block(const OptimArgs& a, const TensorView& t, int64_t block, const S
   if (max_bits[0] >= kNonFiniteBits || max_bits[1] >= kNonFiniteBits || max_bits[2] >= kNonFiniteBits) {
     restart_nonfinite3(s, kStates, cnt, max_bits);
   }
-  if (t.rank1_slot >= kStates) return;
-  const float* w = s[t.rank1_slot];
-  int64_t idx[kMaxRank1Dims];
-  rank1_index(t.rank1, lo, idx);
-  for (int i = 0; i < cnt; ++i, rank1_next(t.rank1, idx)) rank1_raise(stat_bits, t.rank1, idx, abs_bits(w[i]));
+  if (t.rank1_slot < 0 || t.rank1_slot >= kStates) return;
+  rank1_loop<Rank1Loop::kRaise>(t.rank1, nullptr, lo, cnt, s[t.rank1_slot], stat_bits);
 }
 
 // p and the step u of the rule for one block, from copies of the states (the norm pre-pass writes

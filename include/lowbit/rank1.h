@@ -59,12 +59,33 @@ LB_HD void rank1_index(const Rank1View& r, int64_t e, int64_t* idx) {
   }
 }
 
-// Advances idx to the next element (an odometer: one division-free step per element).
-LB_HD void rank1_next(const Rank1View& r, int64_t* idx) {
-  for (int a = r.ndim - 1; a >= 0; --a) {
-    if (++idx[a] < r.dims[a]) return;
+// Advances idx by n elements along the last axis, n at most what is left of its run (an odometer).
+LB_HD void rank1_advance(const Rank1View& r, int64_t* idx, int64_t n) {
+  const int last = r.ndim - 1;
+  idx[last] += n;
+  for (int a = last; a > 0 && idx[a] == r.dims[a]; --a) {
     idx[a] = 0;
+    ++idx[a - 1];
   }
+}
+
+// The offset of the last axis' maxima in the statistics.
+LB_HD int64_t rank1_last_base(const Rank1View& r) {
+  int64_t base = 0;
+  for (int a = 0; a < r.ndim - 1; ++a) base += r.dims[a];
+  return base;
+}
+
+// The min over the axes before the last of the maxima at idx (a rank-1 tensor has ndim >= 2: at least one).
+LB_HD float rank1_outer_scale(const float* stats, const Rank1View& r, const int64_t* idx) {
+  float s = 3.40282347e38f;
+  int64_t base = 0;
+  for (int a = 0; a < r.ndim - 1; ++a) {
+    const float m = stats[base + idx[a]];
+    s = m < s ? m : s;
+    base += r.dims[a];
+  }
+  return s;
 }
 
 // The scale of the element at idx: the min over the axes of that axis' maximum (stats as laid out in
@@ -80,14 +101,51 @@ LB_HD float rank1_scale(const float* stats, const Rank1View& r, const int64_t* i
   return s;
 }
 
-// Raises each axis maximum of the element at idx to abs_bits(w) (stats as bit patterns: non-negative
-// floats order like them). Used by the CPU statistics pass on per-thread copies.
-LB_HD void rank1_raise(uint32_t* stat_bits, const Rank1View& r, const int64_t* idx, uint32_t w_bits) {
-  int64_t base = 0;
-  for (int a = 0; a < r.ndim; ++a) {
-    uint32_t& m = stat_bits[base + idx[a]];
-    m = w_bits > m ? w_bits : m;
-    base += r.dims[a];
+// rank1_scale of the cnt local elements from local element e, into out: a run along the last axis at a time,
+// the min over the other axes once per run, so that the inner loop is a min that vectorises (min is exact,
+// so the order of the axes does not change the result).
+LB_HD void rank1_scales(const float* stats, const Rank1View& r, int64_t e, int cnt, float* out) {
+  int64_t idx[kMaxRank1Dims];
+  rank1_index(r, e, idx);
+  const int last = r.ndim - 1;
+  const float* lstats = stats + rank1_last_base(r);
+  for (int i = 0; i < cnt;) {
+    const float outer = rank1_outer_scale(stats, r, idx);
+    const int64_t left = r.dims[last] - idx[last];
+    const int run = static_cast<int>(left < cnt - i ? left : cnt - i);
+    const float* col = lstats + idx[last];
+    for (int j = 0; j < run; ++j) out[i + j] = col[j] < outer ? col[j] : outer;
+    rank1_advance(r, idx, run);
+    i += run;
+  }
+}
+
+// Raises the axis maxima of the cnt local elements from local element e to abs_bits of their stored values
+// w (stat_bits: the statistics as bit patterns, as non-negative floats order like them), a run along the
+// last axis at a time. Used by the CPU statistics pass on per-thread copies.
+LB_HD void rank1_raise(uint32_t* stat_bits, const Rank1View& r, int64_t e, int cnt, const float* w) {
+  int64_t idx[kMaxRank1Dims];
+  rank1_index(r, e, idx);
+  const int last = r.ndim - 1;
+  uint32_t* lbits = stat_bits + rank1_last_base(r);
+  for (int i = 0; i < cnt;) {
+    const int64_t left = r.dims[last] - idx[last];
+    const int run = static_cast<int>(left < cnt - i ? left : cnt - i);
+    uint32_t* col = lbits + idx[last];
+    uint32_t m = 0;
+    for (int j = 0; j < run; ++j) {
+      const uint32_t b = abs_bits(w[i + j]);
+      col[j] = b > col[j] ? b : col[j];
+      m = b > m ? b : m;
+    }
+    int64_t base = 0;
+    for (int a = 0; a < last; ++a) {
+      uint32_t& o = stat_bits[base + idx[a]];
+      o = m > o ? m : o;
+      base += r.dims[a];
+    }
+    rank1_advance(r, idx, run);
+    i += run;
   }
 }
 

@@ -28,6 +28,9 @@ OPTIMIZERS = {
     "AdamW8bit": lambda p, lr: O.AdamW8bit(p, lr=lr, min_8bit_size=0),
     "AdamW32bit": lambda p, lr: O.AdamW32bit(p, lr=lr),
     "AdamW4bit": lambda p, lr: O.AdamW4bit(p, lr=lr, min_4bit_size=0),
+    # The opt-in rank-1 second moment (include/lowbit/rank1.h) of the 4-bit matrices: the head's weight
+    # (test_rank1_case_normalises_the_head_rank1 checks that it is).
+    "AdamW4bit-rank1": lambda p, lr: O.AdamW4bit(p, lr=lr, min_4bit_size=0, rank1_normalization=True),
     "SGD8bit": lambda p, lr: O.SGD8bit(p, lr=lr, momentum=0.9, min_8bit_size=0),
     "Lion8bit": lambda p, lr: O.Lion8bit(p, lr=lr, min_8bit_size=0),
     "AdamW8bit-amsgrad": lambda p, lr: O.AdamW8bit(p, lr=lr, amsgrad=True, min_8bit_size=0),
@@ -54,6 +57,11 @@ class ConvNet(nn.Module):
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return ConvNet().to(memory_format=torch.channels_last)
+
+
+def _has_rank1_head(opt: torch.optim.Optimizer, model: nn.Module) -> bool:
+    """Whether ``opt`` keeps the head weight's second moment normalised rank-1 (its axis maxima)."""
+    return "axis_max2" in opt.state[model.head.weight]
 
 
 def _batches(n: int) -> list[torch.Tensor]:
@@ -133,6 +141,20 @@ def test_compiled_step_of_lowbit_and_torch_refuse_fullgraph_alike():
             torch.compile(opt.step, fullgraph=True, backend="eager")()
 
 
+def test_rank1_case_normalises_the_head_rank1():
+    # The rank-1 case would pass every test here as plain block-wise 4-bit if no parameter qualified: the
+    # head's weight (10 x 512, a matrix of at least min_4bit_size elements) must step with its axis maxima
+    # (10 + 512 of them), and the plain case must not.
+    for name, want in (("AdamW4bit-rank1", True), ("AdamW4bit", False)):
+        model = _model()
+        opt = OPTIMIZERS[name](model.parameters(), 0.01)
+        model(_batches(1)[0]).square().mean().backward()
+        opt.step()
+        assert _has_rank1_head(opt, model) == want, name
+        if want:
+            assert opt.state[model.head.weight]["axis_max2"].numel() == sum(model.head.weight.shape)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_tensor_lr_steps_like_the_float_lr(name):
     # Used to raise "invalid learning rate: tensor(0.0100)", although torch.optim accepts it.
@@ -199,6 +221,9 @@ def test_grad_scaler_unscales_and_skips_non_finite_steps(name):
         opt = make(model.parameters(), 0.01)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled)
         for i, x in enumerate(batches):
+            # Once the head has a state (after the first step), the rank-1 case keeps its axis maxima, which
+            # the skipped step must leave untouched like the rest (the states are compared below).
+            assert i == 0 or _has_rank1_head(opt, model) == name.endswith("rank1")
             scaler.scale(model(x).square().mean()).backward()
             if i == 2:
                 grad = opt.param_groups[0]["params"][0].grad  # channels_last for the conv net: no view(-1)
