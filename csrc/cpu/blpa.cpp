@@ -185,7 +185,31 @@ LB_CLONES void encode_impl(const BlpaArgs& a, Bits bits, int threads) {
       const T* xs = x + lo + j0;
       const T* ps = a2 + lo + j0;
       uint32_t* cs = codes + j0;
-      for (int j = 0; j < len; ++j) {
+      // blpa_code of eight elements, its side cases hoisted: with side 0 the codes are clipped to
+      // [0, 2^bits - 1]; otherwise to [o, 2^bits - 1] where a2 > 0 agrees with the sign of gamma, else
+      // to [0, o - 1].
+      const float top = static_cast<float>((1 << bits) - 1);
+      const V8i flip = V8i{} + (side < 0.0f ? -1 : 0);
+      int j = 0;
+      for (; len - j >= kBlpaSumLanes; j += kBlpaSumLanes) {
+        V8f v = ((load8(xs + j, kBlpaSumLanes) - mean) * invstd - t) / h;
+        v = v > -512.0f ? v : V8f{} - 512.0f;
+        v = v < 512.0f ? v : V8f{} + 512.0f;
+        const V8i truncated = __builtin_convertvector(v, V8i);
+        const V8i ceiling = truncated - (__builtin_convertvector(truncated, V8f) < v);  // true lanes are -1
+        V8f raw = (__builtin_convertvector(ceiling, V8f) - 1.0f) + o;
+        V8f lo_code = V8f{}, hi_code = V8f{} + top;
+        if (side != 0.0f) {
+          const V8i above = (load8(ps + j, kBlpaSumLanes) > 0.0f) ^ flip;
+          lo_code = above ? V8f{} + o : V8f{};
+          hi_code = above ? V8f{} + top : V8f{} + (o - 1.0f);
+        }
+        raw = raw < lo_code ? lo_code : raw;
+        raw = raw > hi_code ? hi_code : raw;
+        const V8i q = __builtin_convertvector(raw, V8i);
+        std::memcpy(cs + j, &q, sizeof q);
+      }
+      for (; j < len; ++j) {
         cs[j] = blpa_code((to_float(xs[j]) - mean) * invstd, to_float(ps[j]) > 0.0f, t, o, h, side, bits);
       }
     });
