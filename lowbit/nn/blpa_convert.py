@@ -214,10 +214,12 @@ class _UnitFunction(torch.autograd.Function):
         grid = _grid(gamma, beta, bits, span)
         g32, b32 = gamma.detach().float().contiguous(), beta.detach().float().contiguous()
         a3 = _ops.blpa_decode(packed, grid, g32, b32, ctx.shape, bits, ctx.dtype)
-        keep = None
+        clipped = None
         if below is not None:
-            keep = _ops.unpack_bits(below, 1, a3.numel()).reshape(a3.shape).bool()
-            a3 = torch.where(keep, a3.clamp_max(_RELU6_TOP), torch.full_like(a3, _RELU6_TOP))
+            clipped = _ops.unpack_bits(below, 1, a3.numel()).reshape(a3.shape) == 0  # ReLU6 gave 6
+            # In place on the fresh decoded tensor: min(a3, 6), and 6 where clipped, without two more
+            # full-size tensors.
+            a3 = a3.clamp_max_(_RELU6_TOP).masked_fill_(clipped, _RELU6_TOP)
         if any(pad):
             a3 = F.pad(a3, pad)
         g_in, g_w, g_bias = torch.ops.aten.convolution_backward(
@@ -235,8 +237,8 @@ class _UnitFunction(torch.autograd.Function):
         )
         if any(pad):
             g_in = g_in[:, :, pad[2] : g_in.shape[2] - pad[3], pad[0] : g_in.shape[3] - pad[1]]
-        if keep is not None:
-            g_in = torch.where(keep, g_in, torch.zeros_like(g_in))  # ReLU6 passes no gradient at its clip
+        if clipped is not None:
+            g_in = g_in.masked_fill_(clipped, 0.0)  # ReLU6 passes no gradient at its clip (g_in is fresh)
         g_x, g_gamma, g_beta = _ops.blpa_backward(
             packed, g_in.contiguous(), grid, g32, b32, invstd, bits, ctx.batch_stats
         )
