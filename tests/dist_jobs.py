@@ -319,16 +319,28 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def run_job(rank: int, world: int, job: dict[str, Any]) -> Any:
+    """train() for ``job``; with job["optimizers"], once per optimizer in the same ranks (which saves their
+    start-up), as {name: result}."""
+    if "optimizers" in job:
+        return {name: train(rank, world, {**job, "optimizer": name}) for name in job["optimizers"]}
+    return train(rank, world, job)
+
+
 def worker(rank: int, world: int, init_file: str, out: str, job: dict[str, Any]) -> None:
-    """Process entry point: one rank of a gloo group running train(); rank 0 writes the result to out."""
+    """Process entry point: one rank of a gloo group running run_job(); rank 0 writes the result to out.
+    job["variants"], a list of overrides of the job's other keys, runs each variant in turn in the same ranks
+    (every train() builds its model, optimizer and batches from fixed seeds, so a variant gives what it
+    would alone) and gives their results as a list."""
     faulthandler.enable()  # a native abort (heap corruption, gloo) prints where each rank was
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        if "optimizers" in job:  # one job per optimizer in the same ranks, which saves their start-up
-            result = {name: train(rank, world, {**job, "optimizer": name}) for name in job["optimizers"]}
+        if "variants" in job:
+            base = {k: v for k, v in job.items() if k != "variants"}
+            result = [run_job(rank, world, {**base, **variant}) for variant in job["variants"]]
         else:
-            result = train(rank, world, job)
+            result = run_job(rank, world, job)
         if rank == 0:
             Path(out).write_text(json.dumps(result))
         dist.barrier()

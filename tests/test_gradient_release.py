@@ -439,9 +439,8 @@ if dist.is_available() and dist.is_gloo_available():
         # FSDP2 calls the sharded parameters' post-accumulate-grad hooks after its reduce-scatter: each
         # rank steps its shard on the reduced gradient, in the same order on every rank (LAMB's norms and
         # percentile clipping all-reduce inside the step). All classes in one pair of ranks per mode.
-        job = {"parallel": "fsdp", "optimizers": FSDP2_CLASSES, "steps": 3}
-        ordinary = launch(2, job, tmp_path)
-        released = launch(2, {**job, "release": True}, tmp_path)
+        job = {"parallel": "fsdp", "optimizers": FSDP2_CLASSES, "steps": 3, "variants": [{}, {"release": True}]}
+        ordinary, released = launch(2, job, tmp_path)
         for name in FSDP2_CLASSES:
             assert released[name]["losses"] == ordinary[name]["losses"], name
             assert released[name]["digest"] == ordinary[name]["digest"], name
@@ -450,16 +449,27 @@ if dist.is_available() and dist.is_gloo_available():
     def test_fsdp2_release_accumulates_micro_batches(tmp_path):
         # FSDP2 reduce-scatters every micro-batch and adds the shards to .grad, running the hooks each
         # time: inside release.accumulate() they do not step, and the last micro-batch steps on the sum.
-        job = {"parallel": "fsdp", "optimizer": "AdamW8bit", "steps": 2, "micro": 2}
-        ordinary = launch(2, job, tmp_path)
-        released = launch(2, {**job, "release": True}, tmp_path)
+        job = {
+            "parallel": "fsdp",
+            "optimizer": "AdamW8bit",
+            "steps": 2,
+            "micro": 2,
+            "variants": [{}, {"release": True}],
+        }
+        ordinary, released = launch(2, job, tmp_path)
         assert released["losses"] == ordinary["losses"]
         assert released["digest"] == ordinary["digest"]
         assert released["grads_left"] == 0
 
     def test_refuses_ddp(tmp_path):
-        result = launch(2, {"parallel": "ddp", "optimizer": "Adam8bit", "steps": 1, "release": True}, tmp_path)
-        assert "cannot release gradients under DistributedDataParallel" in result["refused"]
-        # Without the model, plain parameters in a distributed run could be DDP's: refused, asking for it.
-        job = {"parallel": "ddp", "optimizer": "Adam8bit", "steps": 1, "release": "no-model"}
-        assert "needs model=" in launch(2, job, tmp_path)["refused"]
+        # Without the model (the second variant), plain parameters in a distributed run could be DDP's:
+        # refused, asking for it.
+        job = {
+            "parallel": "ddp",
+            "optimizer": "Adam8bit",
+            "steps": 1,
+            "variants": [{"release": True}, {"release": "no-model"}],
+        }
+        with_model, without_model = launch(2, job, tmp_path)
+        assert "cannot release gradients under DistributedDataParallel" in with_model["refused"]
+        assert "needs model=" in without_model["refused"]
