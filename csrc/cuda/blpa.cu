@@ -55,7 +55,7 @@ __global__ void decode_kernel(const uint8_t* packed, int64_t n, int64_t channels
   LB_FOR_GROUP(k, cnt) {
     const int64_t i = e0 + k;
     const int64_t c = (i / inner) % channels;
-    out[i] = from_float<T>(blpa_relu_value(codes[k], g.t[c], g.o[c], g.h[c], g.side[c], gamma[c], beta[c]));
+    out[i] = from_float<T>(blpa_relu_value(blpa_code_float(codes[k]), g.t[c], g.o[c], g.h[c], g.side[c], gamma[c], beta[c]));
   }
 }
 
@@ -156,12 +156,11 @@ __global__ void grad_kernel(const uint8_t* packed, const T* grad, int64_t n, int
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
     const int64_t c = (i / inner) % channels;
     const float gm = gamma[c];
-    // The same float values as the CPU: gamma * s / m rounded once from double.
-    const float k1 = batch_stats ? static_cast<float>(gm * static_cast<double>(g_beta[c]) / m) : 0.0f;
-    const float k2 = batch_stats ? static_cast<float>(gm * static_cast<double>(g_gamma[c]) / m) : 0.0f;
-    const uint32_t code = read_code(packed, i, bits, nbytes);
-    const float ga1 = blpa_mask(code, g.o[c], g.side[c], beta[c]) ? gm * to_float(grad[i]) : 0.0f;
-    out[i] = from_float<T>(invstd[c] * ((ga1 - k1) - blpa_value(code, g.t[c], g.o[c], g.h[c]) * k2));
+    const float k1 = batch_stats ? blpa_mean_term(gm, g_beta[c], m) : 0.0f;
+    const float k2 = batch_stats ? blpa_mean_term(gm, g_gamma[c], m) : 0.0f;
+    const float q = blpa_code_float(read_code(packed, i, bits, nbytes));
+    out[i] = from_float<T>(
+        blpa_input_grad(q, to_float(grad[i]), g.t[c], g.o[c], g.h[c], g.side[c], gm, beta[c], invstd[c], k1, k2));
   }
 }
 

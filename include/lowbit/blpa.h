@@ -19,38 +19,94 @@ namespace lowbit {
 
 constexpr int kBlpaGridRows = 4;
 
-// The code of a1; ceil(.) - 1 puts a value on the cut below it, as ReLU's gradient treats 0. The
-// quotient is first limited to +-512 (NaN to -512), which changes no code (codes are clipped to
-// 0..255 after adding o <= 255) and lets ceil be an integer conversion that vectorises without
-// SSE4.1. The side clip is written as selects, without branches, so that the CPU's element loops
-// vectorise (lowbit/blpa.h's callers in csrc/cpu/blpa.cpp).
-LB_HD uint32_t blpa_code(float a1, bool positive, float t, float o, float h, float side, int bits) {
-  float v = (a1 - t) / h;
+// The element math below is written once for lanes of type F: F = float (one element: the CUDA kernels
+// and blpa_add_run) or a GCC vector of floats (the CPU's loops, csrc/cpu/blpa.cpp, which specialises
+// BlpaLanes for it and so computes eight elements per operation with the same IEEE operations in the
+// same order). Comparisons of F give its mask type: bool, or a vector of -1 (true) and 0. Codes enter
+// as floats (blpa_code_float), which is exact as codes are below 256.
+// The lane functions are always inlined on the host, so that no vector of lanes crosses a call between
+// the CPU's ISA clones, whose vector calling conventions differ (GCC's -Wpsabi).
+#if defined(__CUDACC__) || !defined(__GNUC__)
+#define LB_LANES LB_HD
+#else
+#define LB_LANES LB_HD __attribute__((always_inline))
+#endif
+
+template <typename F>
+struct BlpaLanes {
+  using Int = int;
+  // Truncation toward zero, as a vector conversion does.
+  LB_HD static Int trunc(F v) { return static_cast<int>(v); }
+  LB_HD static F to_float(Int i) { return static_cast<float>(i); }
+  LB_HD static double widen(F v) { return static_cast<double>(v); }
+  LB_HD static bool splat_mask(bool b) { return b; }
+};
+
+// A code as a lane value of the functions below. Codes are below 256, so the signed conversion is exact
+// (and vectorises where an unsigned one does not).
+LB_HD float blpa_code_float(uint32_t code) { return static_cast<float>(static_cast<int>(code)); }
+
+// The code of a1 (as an integer lane); ceil(.) - 1 puts a value on the cut below it, as ReLU's gradient
+// treats 0. The quotient is first limited to +-512 (NaN to -512), which changes no code (codes are
+// clipped to 0..255 after adding o <= 255) and lets ceil be an integer conversion. positive: a2 > 0.
+template <typename F, typename M>
+LB_LANES typename BlpaLanes<F>::Int blpa_code(F a1, M positive, float t, float o, float h, float side, int bits) {
+  using L = BlpaLanes<F>;
+  F v = (a1 - t) / h;
   v = v > -512.0f ? v : -512.0f;
   v = v < 512.0f ? v : 512.0f;
-  const int truncated = static_cast<int>(v);
-  const int ceiling = truncated + (static_cast<float>(truncated) < v ? 1 : 0);
-  float raw = static_cast<float>(ceiling) - 1.0f + o;
-  // With gamma == 0 (side 0) the codes are unconstrained; otherwise a code lies at or above o exactly
-  // where a2 > 0 agrees with the sign of gamma.
-  const bool constrained = side != 0.0f;
-  const bool above = positive != (side < 0.0f);
-  const float lo = constrained && above ? o : 0.0f;
-  const float hi = constrained && !above ? o - 1.0f : static_cast<float>((1 << bits) - 1);
-  raw = raw < lo ? lo : raw;
-  raw = raw > hi ? hi : raw;
-  return static_cast<uint32_t>(static_cast<int>(raw));
+  const auto truncated = L::trunc(v);
+  const auto ceiling = truncated + (L::to_float(truncated) < v ? 1 : 0);
+  F raw = L::to_float(ceiling) - 1.0f + o;
+  const float top = static_cast<float>((1 << bits) - 1);
+  if (side == 0.0f) {
+    // gamma == 0: the codes are unconstrained.
+    raw = raw < 0.0f ? 0.0f : raw;
+    raw = raw > top ? top : raw;
+  } else {
+    // A code lies at or above o exactly where a2 > 0 agrees with the sign of gamma.
+    const M above = side < 0.0f ? !positive : positive;
+    const F lo = above ? o : 0.0f;
+    const F hi = above ? top : o - 1.0f;
+    raw = raw < lo ? lo : raw;
+    raw = raw > hi ? hi : raw;
+  }
+  return L::trunc(raw);
 }
 
-// The interval midpoint of a code (eq. 10).
-// Codes are below 256, so the signed conversion is exact (and vectorises where an unsigned one does not).
-LB_HD float blpa_value(uint32_t code, float t, float o, float h) {
-  return t + ((static_cast<float>(static_cast<int>(code)) - o) + 0.5f) * h;
+// The interval midpoint of a code q (eq. 10).
+template <typename F>
+LB_LANES F blpa_value(F q, float t, float o, float h) {
+  return t + ((q - o) + 0.5f) * h;
 }
 
-// The exact ReLU mask a2 > 0 of a code.
-LB_HD bool blpa_mask(uint32_t code, float o, float side, float beta) {
-  return side == 0.0f ? beta > 0.0f : ((static_cast<float>(static_cast<int>(code)) >= o) != (side < 0.0f));
+// The exact ReLU mask a2 > 0 of a code q.
+template <typename F>
+LB_LANES auto blpa_mask(F q, float o, float side, float beta) -> decltype(q >= o) {
+  if (side == 0.0f) return BlpaLanes<F>::splat_mask(beta > 0.0f);
+  return side < 0.0f ? !(q >= o) : (q >= o);
+}
+
+// relu(gamma * a1 + beta) of a code q where its exact mask is set, else 0 (the decoded ReLU output).
+template <typename F>
+LB_LANES F blpa_relu_value(F q, float t, float o, float h, float side, float gamma, float beta) {
+  const F v = gamma * blpa_value(q, t, o, h) + beta;
+  return blpa_mask(q, o, side, beta) ? (v < 0.0f ? 0.0f : v) : 0.0f;
+}
+
+// k1 or k2 of blpa_input_grad from the float sum s of mask * g (or mask * g * a1) over the m elements of a
+// channel: gamma * s / m, rounded once from double (one expression for the CPU and CUDA).
+LB_HD float blpa_mean_term(float gamma, float s, double m) {
+  return static_cast<float>(gamma * static_cast<double>(s) / m);
+}
+
+// dL/dx of an element with code q and gradient g = dL/d(ReLU output) (eq. 8): k1 = gamma mean(mask g)
+// and k2 = gamma mean(mask g a1) with batch statistics, both 0 with running statistics.
+template <typename F>
+LB_LANES F blpa_input_grad(F q, F g, float t, float o, float h, float side, float gamma, float beta, float invstd,
+                           float k1, float k2) {
+  const F ga1 = blpa_mask(q, o, side, beta) ? gamma * g : 0.0f;
+  return invstd * ((ga1 - k1) - blpa_value(q, t, o, h) * k2);
 }
 
 // Code i of a packed stream of `bits`-bit codes (pack.h layout) holding nbytes bytes.
@@ -80,14 +136,15 @@ static_assert(kBlpaSumChunk % kGroup == 0, "a chunk of the backward sums starts 
 constexpr int kBlpaSumLanes = 8;
 static_assert(kBlpaSumLanes == 8, "blpa_lane_sum adds eight lanes");
 
-// Adds element q (code), gv (gradient) to lane sums s1 (mask * g) and s2 (mask * g * a1). Sums in
-// double: a product g * a1 of two floats is exact there.
-LB_HD void blpa_add_element(uint32_t q, float gv, float t, float o, float h, float side, float beta, double& s1,
-                            double& s2) {
-  const bool m = blpa_mask(q, o, side, beta);
-  const double g = m ? static_cast<double>(gv) : 0.0;
+// Adds an element with code q and gradient gv to lane sums s1 (mask * g) and s2 (mask * g * a1). Sums in
+// double: a product g * a1 of two floats is exact there. An unmasked element adds +0.0 to both.
+template <typename F, typename D>
+LB_LANES void blpa_add_element(F q, F gv, float t, float o, float h, float side, float beta, D& s1, D& s2) {
+  using L = BlpaLanes<F>;
+  const auto m = blpa_mask(q, o, side, beta);
+  const D g = L::widen(m ? gv : 0.0f);
   s1 += g;
-  s2 += m ? g * static_cast<double>(blpa_value(q, t, o, h)) : 0.0;
+  s2 += g * L::widen(m ? blpa_value(q, t, o, h) : 0.0f);
 }
 
 // The pairwise sum ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) of a run's lanes.
@@ -108,24 +165,17 @@ LB_HD void blpa_add_run(I i0, I i1, Code&& code, Grad&& grad, float t, float o, 
 #pragma unroll
 #endif
     for (int k = 0; k < kBlpaSumLanes; ++k) {
-      blpa_add_element(code(i + k), grad(i + k), t, o, h, side, beta, s1[k], s2[k]);
+      blpa_add_element(blpa_code_float(code(i + k)), grad(i + k), t, o, h, side, beta, s1[k], s2[k]);
     }
   }
 #ifdef __CUDA_ARCH__
 #pragma unroll
 #endif
   for (int k = 0; k < kBlpaSumLanes; ++k) {
-    if (i + k < i1) blpa_add_element(code(i + k), grad(i + k), t, o, h, side, beta, s1[k], s2[k]);
+    if (i + k < i1) blpa_add_element(blpa_code_float(code(i + k)), grad(i + k), t, o, h, side, beta, s1[k], s2[k]);
   }
   p[0] += blpa_lane_sum(s1);
   p[1] += blpa_lane_sum(s2);
-}
-
-// relu(gamma * a1 + beta) of a code where its exact mask is set, else 0 (the decoded ReLU output).
-LB_HD float blpa_relu_value(uint32_t code, float t, float o, float h, float side, float gamma, float beta) {
-  if (!blpa_mask(code, o, side, beta)) return 0.0f;
-  const float v = gamma * blpa_value(code, t, o, h) + beta;
-  return v < 0.0f ? 0.0f : v;
 }
 
 }  // namespace lowbit
