@@ -7,12 +7,18 @@
 #include <cstdio>
 #include <cstring>
 
-// A warp shuffle that only lane 0 reaches: the emulation fails the block with the other fibers suspended
-// mid-kernel, their frames' redzones poisoned.
+// Lane 0 reaches a warp shuffle that no other lane reaches, eight calls deep, each frame with a local array
+// between redzones: the emulation fails the block with that fiber suspended mid-kernel, its frames' redzones
+// poisoned.
+__attribute__((noinline)) int shuffle_at_depth(int depth) {
+  volatile int frame[64];
+  frame[depth] = depth;
+  if (depth > 0) return shuffle_at_depth(depth - 1) + frame[depth];
+  return __shfl_xor_sync(0xffffffffu, frame[0], 1);
+}
+
 __global__ void abandoned_shuffle(int* out) {
-  volatile int frame[16];
-  frame[threadIdx.x % 16] = static_cast<int>(threadIdx.x);
-  if (threadIdx.x == 0) out[0] = __shfl_xor_sync(0xffffffffu, frame[0], 1);
+  if (threadIdx.x == 0) out[0] = shuffle_at_depth(8);
 }
 
 // Each thread sums a local array across barriers, so every fiber is suspended with a live frame, and reads
