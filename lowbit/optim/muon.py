@@ -26,10 +26,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from lowbit import _ops
-from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise, quantize_blockwise
+from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise
 from lowbit.optim.optimizer import LowbitOptimizer, Params
 from lowbit.optim.optimizers import AdamW
-from lowbit.optim.state_storage import stored_block_size
+from lowbit.optim.state_storage import quantize_state, stored_block_size
 
 __all__ = ["Muon", "adjust_lr", "muon_with_adamw", "zeropower_via_newtonschulz"]
 
@@ -174,8 +174,7 @@ class Muon(LowbitOptimizer):
     def _pack(self, k: int, value: Tensor, config: dict[str, Any], width: int) -> tuple[Tensor, Tensor]:
         if width != 8:
             return super()._pack(k, value, config, width)
-        codes, qs = quantize_blockwise(value, code=self._momentum_map(value.device), blocksize=config["block_size"])
-        return codes, qs.absmax
+        return quantize_state(value, self._momentum_map(value.device), 8, config["block_size"])
 
     def _unpack(self, k: int, p: Tensor, state: dict[str, Any]) -> Tensor:
         s = _ops.local(state[f"state{k + 1}"])

@@ -226,7 +226,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         Under ``torch.compile`` the step runs eagerly (a graph break; ``fullgraph=True`` raises, as it
         does for torch.optim's optimizers): it is already one fused native call per param group, and
         its step-dependent scalars are host arithmetic that would otherwise recompile as the
-        learning rate changes.
+        learning rate changes. Parameters on the meta device step as torch.optim's do: their states
+        are created on the meta device, shaped as a real step shapes them, and the counters advance.
         """
         loss = None
         if closure is not None:
@@ -327,6 +328,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             if norm_mode != NORM_NONE:  # LAMB and LARS refuse it when it is set; this catches later edits
                 raise ValueError(f"lowbit: {type(self).__name__} scales its update itself; max_unorm must be 0")
             norm_mode = NORM_CLIP
+        if any(_ops.local(p).is_meta for p, _ in batch):
+            return self._meta_step(config, batch, places)
         params, grads, scalars = [], [], []
         states: list[list[Tensor]] = [[], [], []]
         absmaxes: list[list[Tensor]] = [[], [], []]
@@ -423,6 +426,27 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             if histories:
                 for (_, state), history in zip(batch, histories, strict=True):
                     state["gnorm_vec"] = history
+
+        return run
+
+    def _meta_step(
+        self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]], places: list[str]
+    ) -> Callable[[], None]:
+        """A step of meta parameters, as torch.optim takes one: their states exist (created on the meta
+        device with the shapes and dtypes a real step gives them) and the step counters advance; there
+        are no values to compute. Parameters on the meta device cannot share a step with real ones."""
+        real = [where for (p, _), where in zip(batch, places, strict=True) if not _ops.local(p).is_meta]
+        if real:
+            raise ValueError(
+                f"lowbit: {type(self).__name__}: {real[0]} is not on the meta device but others of its param group "
+                "are; move every parameter off the meta device (module.to_empty) before stepping"
+            )
+
+        def run() -> None:
+            torch._foreach_add_([state["step"] for _, state in batch], 1.0)
+            if config["percentile_clipping"] < 100:
+                for _, state in batch:
+                    state.setdefault("gnorm_vec", torch.zeros(GNORM_HISTORY, dtype=torch.float32, device="meta"))
 
         return run
 

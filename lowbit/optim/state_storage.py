@@ -57,6 +57,17 @@ def optimizer_state_map(signed: bool, device: torch.device, width: int) -> Tenso
     return _MAPS[key]
 
 
+def quantize_state(x: Tensor, code: Tensor, width: int, block_size: int) -> tuple[Tensor, Tensor]:
+    """(codes, absmax) of ``x`` quantized block-wise on the ``width``-bit map ``code`` with nearest rounding,
+    as a state is stored. On the meta device (a meta-device step) the op's fake kernel gives their shapes and
+    dtypes: the public :func:`~lowbit.functional.quantize_blockwise` refuses meta input."""
+    if x.is_meta:
+        packed, absmax = _ops.quantize_blockwise(x, code, width, block_size, False, 0, 0)
+        return (packed.view(x.shape) if width == 8 else packed), absmax
+    codes, qs = quantize_blockwise(x, code=code, blocksize=block_size)
+    return codes, qs.absmax
+
+
 def stored_width(codes: Tensor, numel: int) -> int:
     """The width of a stored state of ``numel`` elements: 32 (fp32 values), 8 (one uint8 code per element)
     or 4 (two codes per byte, ``ceil(numel / 2)`` bytes). 4-bit states exist only for ``numel >= 2``
@@ -168,12 +179,8 @@ class StoredStates:
         on the unsigned map, as its square root: include/lowbit/state_form.h)."""
         if width != 32:
             signed = self._state_signed[k]
-            codes, qs = quantize_blockwise(
-                value if signed else value.sqrt(),
-                code=optimizer_state_map(signed, value.device, width),
-                blocksize=config["block_size"],
-            )
-            return codes, qs.absmax
+            x = value if signed else value.sqrt()
+            return quantize_state(x, optimizer_state_map(signed, value.device, width), width, config["block_size"])
         return value, torch.empty(0, dtype=torch.float32, device=value.device)
 
     def _unpack(self, k: int, p: Tensor, state: dict[str, Any]) -> Tensor:
@@ -255,7 +262,8 @@ class StoredStates:
         restarts all its states from zero, as the step does (module docstring): one NaN would otherwise
         become its block's scale and spoil the block."""
         width = self._state_width(config, p)  # by the global element count of an FSDP2 parameter
-        if width != 32 and values:
+        # Meta tensors (a meta-device step) hold no values to check.
+        if width != 32 and values and not _ops.local(p).is_meta:
             bad = ~torch.stack([v.isfinite() for v in values.values()]).all(0)
             if bool(bad.any()):
                 values = {k: v.masked_fill(bad, 0.0) for k, v in values.items()}
