@@ -10,6 +10,7 @@
 #include "avx512.h"
 #include "encode.h"
 #include "kernels.h"
+#include "lpmm_avx512.h"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/optim_rules.h"
@@ -37,10 +38,17 @@ void decode_group(const uint8_t* codes, int64_t lo, int cnt, int bits, Decode&& 
   }
 }
 
+// The AVX-512 loops (lpmm_avx512.h) take the whole 16-element chunks of 8- and 12-bit codes straight
+// from the packed bytes; the portable tile loop does the rest, which starts on a whole group.
 void decode_linear(const uint8_t* codes, int64_t lo, int cnt, int bits, float absmax, float* out) {
   const float qmax = linear_qmax(bits);
+  int done = 0;
+  if (lpmm_avx512_width(bits) && lpmm_avx512_active()) {
+    done = linear_values_avx512(codes + (lo / kGroup) * bits, cnt, bits, absmax, qmax, out);
+  }
   decode_group(
-      codes, lo, cnt, bits, [&](const uint32_t* t, int m, float* o) { linear_values(t, m, absmax, qmax, o); }, out);
+      codes, lo + done, cnt - done, bits,
+      [&](const uint32_t* t, int m, float* o) { linear_values(t, m, absmax, qmax, o); }, out + done);
 }
 
 void decode_map(const uint8_t* codes, int64_t lo, int cnt, int bits, const float* map, float absmax, float* out) {
@@ -73,6 +81,18 @@ void encode_group(bool stochastic, const Span& span, const float* in, int64_t lo
   encode_group<false>(span, in, lo, cnt, bits, absmax, key, counter0, codes);
 }
 
+// encode_group for linear codes, with the AVX-512 loops where they apply (as decode_linear).
+void encode_linear(bool stochastic, const float* in, int64_t lo, int cnt, int bits, float absmax, RngKey key,
+                   uint64_t counter0, uint8_t* codes) {
+  const float qmax = linear_qmax(bits);
+  int done = 0;
+  if (lpmm_avx512_width(bits) && lpmm_avx512_active()) {
+    done = linear_codes_avx512(in, cnt, bits, absmax, qmax, stochastic, key, counter0 + static_cast<uint64_t>(lo),
+                               codes + (lo / kGroup) * bits);
+  }
+  encode_group(stochastic, LinearSpan{qmax}, in + done, lo + done, cnt - done, bits, absmax, key, counter0, codes);
+}
+
 template <typename T>
 void accumulate_group(const LpmmAccumArgs& a, int64_t g, RngKey key) {
   const int64_t lo = g * a.group_size;
@@ -94,7 +114,7 @@ void accumulate_group(const LpmmAccumArgs& a, int64_t g, RngKey key) {
   }
   const float amax = absmax_from_bits(m);
   a.absmax[g] = amax;
-  encode_group(a.stochastic, LinearSpan{linear_qmax(a.bits)}, v, lo, cnt, a.bits, amax, key, 0, a.codes);
+  encode_linear(a.stochastic, v, lo, cnt, a.bits, amax, key, 0, a.codes);
 }
 
 template <typename T>
@@ -160,8 +180,8 @@ void step_group(const LpmmArgs& a, const LpTensor& t, int64_t g, const LpCoders&
   for (int i = 0; i < cnt; ++i) max_p = std::max(max_p, abs_bits(p[i]));
   const float amax_p = absmax_from_bits(max_p);
   t.param_absmax[g] = amax_p;
-  encode_group(a.stochastic_param, LinearSpan{linear_qmax(a.param_bits)}, p, lo, cnt, a.param_bits, amax_p,
-               lpmm_key(a.seed, kStreamParam), t.offset, t.param);
+  encode_linear(a.stochastic_param, p, lo, cnt, a.param_bits, amax_p, lpmm_key(a.seed, kStreamParam), t.offset,
+                t.param);
   for (int k = 0; k < kStates; ++k) {
     const float amax = stored_absmax(max_s[k], k == kRoot);
     t.absmax[k][g] = amax;
