@@ -93,6 +93,38 @@ void encode_linear(bool stochastic, const float* in, int64_t lo, int cnt, int bi
   encode_group(stochastic, LinearSpan{qmax}, in + done, lo + done, cnt - done, bits, absmax, key, counter0, codes);
 }
 
+// MapSpan::encode (encode.h) for a tile of state values, with the normalisation and buckets by the
+// AVX-512 loop where the tile encoders that take them apply.
+template <bool kSR>
+void encode_state_tile(const MapSpan& span, const float* x, int cnt, float absmax, RngKey key, uint64_t counter,
+                       uint32_t* codes) {
+  const MapIndex& index = span.index;
+  if (!lpmm_avx512_active() || !(kSR ? index.steps() <= 1 : index.nearest_direct())) {
+    return span.template encode<kSR>(x, cnt, absmax, key, counter, codes);
+  }
+  float xn[kTile];
+  uint32_t bucket[kTile];
+  const int done = normalise_buckets_avx512(x, cnt, absmax, xn, bucket);
+  normalise_buckets(x + done, cnt - done, absmax, xn + done, bucket + done);
+  if (kSR) {
+    if (span.gather) return stochastic_tile_avx512(index, xn, bucket, key, counter, cnt, codes);
+    return stochastic_tile(index, xn, bucket, key, counter, cnt, codes);
+  }
+  if (span.gather) return nearest_tile_avx512(index, xn, bucket, cnt, codes);
+  nearest_tile(index, xn, bucket, cnt, codes);
+}
+
+template <bool kSR>
+void encode_state(const MapSpan& span, const float* in, int64_t lo, int cnt, int bits, float absmax, RngKey key,
+                  uint64_t counter0, uint8_t* codes) {
+  uint32_t tile[kTile];
+  for (int j = 0; j < cnt; j += kTile) {
+    const int m = std::min(kTile, cnt - j);
+    encode_state_tile<kSR>(span, in + j, m, absmax, key, counter0 + static_cast<uint64_t>(lo + j), tile);
+    store_codes(tile, m, bits, lo + j, codes);
+  }
+}
+
 template <typename T>
 void accumulate_group(const LpmmAccumArgs& a, int64_t g, RngKey key) {
   const int64_t lo = g * a.group_size;
@@ -188,8 +220,13 @@ void step_group(const LpmmArgs& a, const LpTensor& t, int64_t g, const LpCoders&
     if (k == kRoot) {
       for (int i = 0; i < cnt; ++i) s[k][i] = stored_form(s[k][i], true);
     }
-    encode_group(a.stochastic_state, MapSpan{*coders.index[k], coders.gather}, s[k], lo, cnt, a.state_bits, amax,
-                 lpmm_key(a.seed, k == 0 ? kStreamState1 : kStreamState2), t.offset, t.state[k]);
+    const MapSpan span{*coders.index[k], coders.gather};
+    const RngKey key = lpmm_key(a.seed, k == 0 ? kStreamState1 : kStreamState2);
+    if (a.stochastic_state) {
+      encode_state<true>(span, s[k], lo, cnt, a.state_bits, amax, key, t.offset, t.state[k]);
+    } else {
+      encode_state<false>(span, s[k], lo, cnt, a.state_bits, amax, key, t.offset, t.state[k]);
+    }
   }
   t.grad_absmax[g] = 0.f;
 }

@@ -91,17 +91,21 @@ LB_TARGET inline __m512 select_lt(__m512 a, __m512 b, __m512 x, __m512 y) {
   return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
 }
 
-// linear_clamp(normalise(v, absmax, inv) * qmax, qmax) (lowbit/blockwise.h) for absmax > 0; inv is
-// block_inverse(absmax), 0 where v / absmax is used instead.
-LB_TARGET inline __m512 linear_scaled16(__m512 v, __m512 absmax, __m512 inv, bool divide, __m512 qmax) {
+// normalise(v, absmax, inv) (lowbit/blockwise.h) for absmax > 0; inv is block_inverse(absmax), 0
+// where v / absmax is used instead.
+LB_TARGET inline __m512 normalise16(__m512 v, __m512 absmax, __m512 inv, bool divide) {
   const __m512 one = _mm512_set1_ps(1.f);
   const __m512 minus_one = _mm512_set1_ps(-1.f);
   const __m512 q = divide ? _mm512_div_ps(v, absmax) : _mm512_mul_ps(v, inv);
   __m512 r = select_lt(q, minus_one, minus_one, select_lt(q, one, q, one));
   r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_sub_ps(_mm512_setzero_ps(), absmax), _CMP_EQ_OQ), r,
                            minus_one);
-  r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, absmax, _CMP_EQ_OQ), r, one);
-  const __m512 y = _mm512_mul_ps(r, qmax);
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, absmax, _CMP_EQ_OQ), r, one);
+}
+
+// linear_clamp(normalise(v, absmax, inv) * qmax, qmax) (lowbit/blockwise.h) for absmax > 0.
+LB_TARGET inline __m512 linear_scaled16(__m512 v, __m512 absmax, __m512 inv, bool divide, __m512 qmax) {
+  const __m512 y = _mm512_mul_ps(normalise16(v, absmax, inv, divide), qmax);
   const __m512 neg_qmax = _mm512_sub_ps(_mm512_setzero_ps(), qmax);
   return select_lt(y, neg_qmax, neg_qmax, select_lt(y, qmax, y, qmax));
 }
@@ -163,8 +167,28 @@ LB_TARGET int linear_codes_avx512(const float* x, int cnt, int bits, float absma
   return done;
 }
 
+LB_TARGET int normalise_buckets_avx512(const float* x, int cnt, float absmax, float* xn, uint32_t* bucket) {
+  const int done = cnt - cnt % 16;
+  const __m512 a = _mm512_set1_ps(absmax);
+  const float inv_s = block_inverse(absmax);
+  const __m512 inv = _mm512_set1_ps(inv_s);
+  const bool divide = inv_s == 0.f;
+  const bool zero = !(absmax > 0.f);
+  for (int j = 0; j < done; j += 16) {
+    const __m512 v = zero ? _mm512_setzero_ps() : normalise16(_mm512_loadu_ps(x + j), a, inv, divide);
+    _mm512_storeu_ps(xn + j, v);
+    // order_key (map_index.h), -0 keyed as +0 by the added zero, then its top 16 bits.
+    const __m512i b = _mm512_castps_si512(_mm512_add_ps(v, _mm512_setzero_ps()));
+    const __m512i neg = _mm512_srli_epi32(_mm512_srai_epi32(b, 31), 1);
+    const __m512i key = _mm512_xor_si512(_mm512_xor_si512(b, neg), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    _mm512_storeu_si512(bucket + j, _mm512_srli_epi32(key, 16));
+  }
+  return done;
+}
+
 #else
 
+int normalise_buckets_avx512(const float*, int, float, float*, uint32_t*) { return 0; }
 bool lpmm_avx512_active() { return false; }
 int linear_values_avx512(const uint8_t*, int, int, float, float, float*) { return 0; }
 int linear_codes_avx512(const float*, int, int, float, float, bool, RngKey, uint64_t, uint8_t*) { return 0; }

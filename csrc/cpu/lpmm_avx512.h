@@ -27,4 +27,9 @@ int linear_values_avx512(const uint8_t* packed, int cnt, int bits, float absmax,
 int linear_codes_avx512(const float* x, int cnt, int bits, float absmax, float qmax, bool stochastic, RngKey key,
                         uint64_t counter0, uint8_t* packed);
 
+// xn[i] = normalise(x[i], absmax) (lowbit/blockwise.h) and bucket[i] = bucket16(xn[i]) (map_index.h),
+// the input of the state maps' tile encoders (encode.h: normalise_buckets). Same contract as
+// linear_values_avx512: handles the first cnt - cnt % 16 elements and returns that count.
+int normalise_buckets_avx512(const float* x, int cnt, float absmax, float* xn, uint32_t* bucket);
+
 }  // namespace lowbit::cpu
