@@ -114,11 +114,18 @@ void encode_state_tile(const MapSpan& span, const float* x, int cnt, float absma
   nearest_tile(index, xn, bucket, cnt, codes);
 }
 
+// encode_group for the state maps: 8-bit codes with the gather tiles by the fused AVX-512 loop, the
+// rest (and its tail) a tile at a time.
 template <bool kSR>
 void encode_state(const MapSpan& span, const float* in, int64_t lo, int cnt, int bits, float absmax, RngKey key,
                   uint64_t counter0, uint8_t* codes) {
+  const MapIndex& index = span.index;
+  int j = 0;
+  if (bits == 8 && span.gather && lpmm_avx512_active() && (kSR ? index.steps() <= 1 : index.nearest_direct())) {
+    j = map_codes_u8_avx512(index, in, cnt, absmax, kSR, key, counter0 + static_cast<uint64_t>(lo), codes + lo);
+  }
   uint32_t tile[kTile];
-  for (int j = 0; j < cnt; j += kTile) {
+  for (; j < cnt; j += kTile) {
     const int m = std::min(kTile, cnt - j);
     encode_state_tile<kSR>(span, in + j, m, absmax, key, counter0 + static_cast<uint64_t>(lo + j), tile);
     store_codes(tile, m, bits, lo + j, codes);
@@ -208,9 +215,7 @@ void step_group(const LpmmArgs& a, const LpTensor& t, int64_t g, const LpCoders&
   uint32_t max_s[2];
   update_fp32(kRule, kStates, a.hyper, t.scalars, p, grad, s[0], s[1], cnt, max_s);
   if (max_s[0] >= kNonFiniteBits || max_s[1] >= kNonFiniteBits) restart_nonfinite(s[0], s[1], kStates, cnt, max_s);
-  uint32_t max_p = 0;
-  for (int i = 0; i < cnt; ++i) max_p = std::max(max_p, abs_bits(p[i]));
-  const float amax_p = absmax_from_bits(max_p);
+  const float amax_p = absmax_from_bits(max_abs_bits_avx512(p, cnt));
   t.param_absmax[g] = amax_p;
   encode_linear(a.stochastic_param, p, lo, cnt, a.param_bits, amax_p, lpmm_key(a.seed, kStreamParam), t.offset,
                 t.param);

@@ -6,8 +6,11 @@
 // of each pair back (pack).
 #include "lpmm_avx512.h"
 
+#include <algorithm>
+
 #include "avx512.h"
 #include "lowbit/blockwise.h"
+#include "map_index.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -186,8 +189,68 @@ LB_TARGET int normalise_buckets_avx512(const float* x, int cnt, float absmax, fl
   return done;
 }
 
+LB_TARGET int map_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, bool stochastic,
+                                  RngKey key, uint64_t counter0, uint8_t* out) {
+  const int done = cnt - cnt % 16;
+  const int* table =
+      reinterpret_cast<const int*>(stochastic ? index.floor_steps() : index.nearest_steps()) - kFirstBucket;
+  const float* low_gap = index.low_gap();
+  const __m512 a = _mm512_set1_ps(absmax);
+  const float inv_s = block_inverse(absmax);
+  const __m512 inv = _mm512_set1_ps(inv_s);
+  const bool divide = inv_s == 0.f;
+  const bool zero = !(absmax > 0.f);
+  const uint32_t lo0 = static_cast<uint32_t>(counter0);
+  const __m512i lo0v = _mm512_set1_epi32(static_cast<int>(lo0));
+  const __m512i hi0v = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(counter0 >> 32)));
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i one = _mm512_set1_epi32(1);
+  for (int j = 0; j < done; j += 16) {
+    const __m512 xn = zero ? _mm512_setzero_ps() : normalise16(_mm512_loadu_ps(x + j), a, inv, divide);
+    // order_key and bucket16 (map_index.h), then step_code with the bucket's step word.
+    const __m512i b = _mm512_castps_si512(_mm512_add_ps(xn, _mm512_setzero_ps()));
+    const __m512i neg = _mm512_srli_epi32(_mm512_srai_epi32(b, 31), 1);
+    const __m512i okey = _mm512_xor_si512(_mm512_xor_si512(b, neg), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    const __m512i word = _mm512_i32gather_epi32(_mm512_srli_epi32(okey, 16), table, 4);
+    const __mmask16 step = _mm512_cmpge_epu32_mask(_mm512_and_si512(okey, _mm512_set1_epi32(0xFFFF)),
+                                                   _mm512_and_si512(word, _mm512_set1_epi32(static_cast<int>(kStepMask))));
+    __m512i code = _mm512_mask_add_epi32(_mm512_srli_epi32(word, kStepBits), step, _mm512_srli_epi32(word, kStepBits), one);
+    if (stochastic) {
+      // stochastic_tile (encode.cpp): up by one when u * gap < xn - map[floor].
+      const __m512i lo = _mm512_add_epi32(lo0v, _mm512_add_epi32(iota, _mm512_set1_epi32(j)));
+      const __m512i hi = _mm512_mask_add_epi32(hi0v, _mm512_cmplt_epu32_mask(lo, lo0v), hi0v, one);
+      const __m512 u = uniform01x16(key, lo, hi);
+      const __m512i pair = _mm512_slli_epi32(code, 1);
+      const __m512 value = _mm512_i32gather_ps(pair, low_gap, 4);
+      const __m512 gap = _mm512_i32gather_ps(_mm512_add_epi32(pair, one), low_gap, 4);
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, gap), _mm512_sub_ps(xn, value), _CMP_LT_OQ);
+      code = _mm512_mask_add_epi32(code, up, code, one);
+    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(code));
+  }
+  return done;
+}
+
+LB_TARGET uint32_t max_abs_bits_avx512(const float* x, int cnt) {
+  const int vec = cnt - cnt % 16;
+  const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512i m = _mm512_setzero_si512();
+  for (int j = 0; j < vec; j += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(x + j), mask));
+  alignas(64) uint32_t lanes[16];
+  _mm512_store_si512(lanes, m);
+  uint32_t r = *std::max_element(lanes, lanes + 16);
+  for (int j = vec; j < cnt; ++j) r = std::max(r, abs_bits(x[j]));
+  return r;
+}
+
 #else
 
+uint32_t max_abs_bits_avx512(const float* x, int cnt) {
+  uint32_t r = 0;
+  for (int j = 0; j < cnt; ++j) r = std::max(r, abs_bits(x[j]));
+  return r;
+}
+int map_codes_u8_avx512(const MapIndex&, const float*, int, float, bool, RngKey, uint64_t, uint8_t*) { return 0; }
 int normalise_buckets_avx512(const float*, int, float, float*, uint32_t*) { return 0; }
 bool lpmm_avx512_active() { return false; }
 int linear_values_avx512(const uint8_t*, int, int, float, float, float*) { return 0; }

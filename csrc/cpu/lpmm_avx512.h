@@ -32,4 +32,16 @@ int linear_codes_avx512(const float* x, int cnt, int bits, float absmax, float q
 // linear_values_avx512: handles the first cnt - cnt % 16 elements and returns that count.
 int normalise_buckets_avx512(const float* x, int cnt, float absmax, float* xn, uint32_t* bucket);
 
+class MapIndex;
+
+// The 8-bit state codes that MapSpan::encode (encode.h) with the gather tiles gives x against absmax,
+// one byte each from out: normalise, bucket, step word, (stochastic: the draw of counter counter0 + j
+// and the map value and gap of the floor code), all in registers. Needs index.steps() <= 1 when
+// stochastic, else index.nearest_direct(). Same contract as linear_values_avx512.
+int map_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, bool stochastic, RngKey key,
+                        uint64_t counter0, uint8_t* out);
+
+// The largest abs_bits(x[i]) (lowbit/blockwise.h) over all cnt elements.
+uint32_t max_abs_bits_avx512(const float* x, int cnt);
+
 }  // namespace lowbit::cpu
