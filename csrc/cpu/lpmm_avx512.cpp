@@ -16,8 +16,10 @@
 #include <immintrin.h>
 #define LB_AVX512 1
 // GCC 12's AVX-512 headers build the unmasked results on `__m512i __Y = __Y;` placeholders, which
-// -Wmaybe-uninitialized reports at every inlined call here; no lane of them reaches a result.
+// -Wmaybe-uninitialized (and -Wuninitialized, for the 256-bit extracts) reports at every inlined call
+// here; no lane of them reaches a result.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 
 namespace lowbit::cpu {
@@ -26,10 +28,10 @@ namespace lowbit::cpu {
 
 namespace {
 
-#define LB_TARGET __attribute__((target("avx512f,avx512bw,avx512vbmi")))
+#define LB_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vbmi")))
 
 const bool kHasLpmmIsa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vbmi");
+                         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi");
 
 constexpr __mmask64 kBytes12 = (1ull << 24) - 1;  // 16 codes of 12 bits
 
@@ -205,6 +207,7 @@ LB_TARGET int map_codes_u8_avx512(const MapIndex& index, const float* x, int cnt
   const __m512i hi0v = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(counter0 >> 32)));
   const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i one = _mm512_set1_epi32(1);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   for (int j = 0; j < done; j += 16) {
     const __m512 xn = zero ? _mm512_setzero_ps() : normalise16(_mm512_loadu_ps(x + j), a, inv, divide);
     // order_key and bucket16 (map_index.h), then step_code with the bucket's step word.
@@ -220,9 +223,12 @@ LB_TARGET int map_codes_u8_avx512(const MapIndex& index, const float* x, int cnt
       const __m512i lo = _mm512_add_epi32(lo0v, _mm512_add_epi32(iota, _mm512_set1_epi32(j)));
       const __m512i hi = _mm512_mask_add_epi32(hi0v, _mm512_cmplt_epu32_mask(lo, lo0v), hi0v, one);
       const __m512 u = uniform01x16(key, lo, hi);
-      const __m512i pair = _mm512_slli_epi32(code, 1);
-      const __m512 value = _mm512_i32gather_ps(pair, low_gap, 4);
-      const __m512 gap = _mm512_i32gather_ps(_mm512_add_epi32(pair, one), low_gap, 4);
+      // Each (map value, gap) pair by one 8-byte gather: half the gathered elements of two 4-byte ones.
+      const __m512 lo_pairs = _mm512_castsi512_ps(_mm512_i32gather_epi64(_mm512_castsi512_si256(code), low_gap, 8));
+      const __m512 hi_pairs =
+          _mm512_castsi512_ps(_mm512_i32gather_epi64(_mm512_extracti32x8_epi32(code, 1), low_gap, 8));
+      const __m512 value = _mm512_permutex2var_ps(lo_pairs, even, hi_pairs);
+      const __m512 gap = _mm512_permutex2var_ps(lo_pairs, _mm512_add_epi32(even, one), hi_pairs);
       const __mmask16 up = _mm512_cmp_ps_mask(_mm512_mul_ps(u, gap), _mm512_sub_ps(xn, value), _CMP_LT_OQ);
       code = _mm512_mask_add_epi32(code, up, code, one);
     }

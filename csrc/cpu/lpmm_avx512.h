@@ -11,7 +11,7 @@
 namespace lowbit::cpu {
 
 // True where avx512_active() (avx512.h; LOWBIT_CPU_AVX512=0 turns it off) and the CPU has AVX512-BW
-// and AVX512-VBMI for the byte permutes.
+// and AVX512-VBMI for the byte permutes and AVX512-DQ.
 bool lpmm_avx512_active();
 
 // Whether the loops below handle codes of this width (8 or 12 bits).
