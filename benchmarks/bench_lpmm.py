@@ -12,7 +12,10 @@ batch of ``--batch`` random inputs. Configurations, all trained from the same in
 - ``lowbit Adam8bit``: fp32 parameters and gradients, 8-bit block-wise Adam states;
 - ``LPMM-SGDM p/g/m``: :func:`lowbit.lpmm.convert` at p-bit parameters and g-bit gradient accumulators,
   :class:`lowbit.optim.LPMMSGD` with m-bit momentum;
-- ``LPMM-AdamW 12/8/8``: the same storage with :class:`lowbit.optim.LPMMAdamW`.
+- ``LPMM-AdamW 12/8/8``: the same storage with :class:`lowbit.optim.LPMMAdamW`;
+- with ``--ablation``, LPMM-SGDM 12/8/8 also with nearest rounding of the momentum (``p SR, m near``),
+  of parameters and momentum (``p near, m near``) and without momentum (``no m, p SR`` and
+  ``no m, p near``), so that the step's cost splits into its stochastic roundings and its momentum.
 
 Model memory is measured with :func:`lowbit.lpmm.memory_report` after a training step: the storage
 bytes of parameters (codes and absmaxes, or fp32 tensors), gradients (accumulators, or ``.grad``) and
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--ablation", action="store_true", help="add the rounding and momentum ablations of LPMM-SGDM")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,8 +113,10 @@ def main(argv: list[str] | None = None) -> dict:
     base = make_model(args.width, args.layers)
     x = torch.randn(args.batch, args.width)
 
-    def converted(bits: tuple[int, int]) -> nn.Module:
-        return lpmm.convert(copy.deepcopy(base), param_bits=bits[0], grad_bits=bits[1], group_size=2048)
+    def converted(bits: tuple[int, int], rounding: str = "stochastic") -> nn.Module:
+        return lpmm.convert(
+            copy.deepcopy(base), param_bits=bits[0], grad_bits=bits[1], group_size=2048, rounding=rounding
+        )
 
     configs = [
         Config("torch SGDM", copy.deepcopy(base), lambda m: torch.optim.SGD(m.parameters(), lr=1e-3, momentum=0.9)),
@@ -119,6 +125,22 @@ def main(argv: list[str] | None = None) -> dict:
         Config("LPMM-SGDM 8/8/8", converted((8, 8)), lambda m: LPMMSGD(m.parameters(), lr=1e-3, momentum=0.9)),
         Config("LPMM-AdamW 12/8/8", converted((12, 8)), lambda m: LPMMAdamW(m.parameters(), lr=1e-4)),
     ]
+    if args.ablation:
+        for name, rounding, momentum, state_rounding in (
+            ("p SR, m near", "stochastic", 0.9, "nearest"),
+            ("p near, m near", "nearest", 0.9, "nearest"),
+            ("no m, p SR", "stochastic", 0.0, "stochastic"),
+            ("no m, p near", "nearest", 0.0, "stochastic"),
+        ):
+            configs.append(
+                Config(
+                    name,
+                    converted((12, 8), rounding),
+                    lambda m, mom=momentum, r=state_rounding: LPMMSGD(
+                        m.parameters(), lr=1e-3, momentum=mom, rounding=r
+                    ),
+                )
+            )
     for c in configs:
         for _ in range(max(args.warmup, 1)):
             c.iteration(x)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lowbit
 from lowbit import _ops, _reference
 from lowbit._reference import optim as reference_optim
 from lowbit.functional import create_dynamic_map
@@ -137,6 +138,86 @@ def test_step_matches_reference(cpu_kernels, rule, n_states, bits, group):
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(a, b)
         assert all(float(a.abs().sum()) == 0 for a in args[3])
+
+
+# Sizes around the 16-element chunks of the AVX-512 loops (lpmm_avx512.h) and the 512-element tiles of
+# the portable ones: empty, partial and whole chunks at group ends, and groups that end in a short tail.
+_TAIL_SIZES = [1, 7, 15, 16, 17, 31, 33, 520, 2047, 2049, 4111]
+
+
+def _step_and_codes(kernels: str, args: list) -> list:
+    """lpmm_step_ on a copy of ``args`` with the CPU kernels set as the ``cpu_kernels`` fixture sets them."""
+    avx512 = kernels.startswith("avx512")
+    assert lowbit._C._set_cpu_avx512(avx512) or not avx512
+    lowbit._C._set_cpu_avx2(kernels != "portable")
+    lowbit._C._set_cpu_gather_encode(1 if kernels in ("avx512-gather-vbmi", "avx2") else 0)
+    try:
+        out = _clone(args)
+        _ops.lpmm_step_(*out)
+        return out[:8]
+    finally:
+        lowbit._C._set_cpu_avx512(True)
+        lowbit._C._set_cpu_avx2(True)
+        lowbit._C._set_cpu_gather_encode(-1)
+
+
+@pytest.mark.skipif(not lowbit._C._set_cpu_avx512(True), reason="this CPU has no AVX-512F")
+@pytest.mark.parametrize("rule,n_states", [(SGD, 1), (SGD, 0), (ADAM, 2)])
+@pytest.mark.parametrize("bits", [(12, 8, 8), (8, 12, 8)])
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("group", [64, 2048])
+def test_step_vector_loops_equal_portable_loops_on_tails(rule, n_states, bits, stochastic, group):
+    # The AVX-512 loops of the 8- and 12-bit linear codes and of the 8-bit momentum codes take whole
+    # 16-element chunks and leave each group's tail to the portable loops; both must give the twin's codes
+    # bit for bit, whichever encoder (gather or table) is chosen. Tensor i starts 20 counters below
+    # (i + 1) * 2^32, so from its 21st element on the counter's low half wraps and the carry reaches
+    # the high half inside a chunk.
+    pb, gb, sb = bits
+    args = _step_args(
+        _TAIL_SIZES,
+        rule=rule,
+        param_bits=pb,
+        grad_bits=gb,
+        state_bits=sb,
+        group=group,
+        n_states=n_states,
+        seed=3,
+        stochastic=stochastic,
+        offsets=[((i + 1) << 32) - 20 for i in range(len(_TAIL_SIZES))],
+    )
+    want = _clone(args)
+    _reference.lpmm_step_(*want)
+    portable = _step_and_codes("portable", args)
+    for kernels in ("avx512-gather-vbmi", "avx512"):
+        got = _step_and_codes(kernels, args)
+        for g, p, w in zip(got, portable, want[:8], strict=True):
+            for a, b, c in zip(g, p, w, strict=True):
+                assert torch.equal(a, b), kernels
+                assert torch.equal(a, c), kernels
+
+
+@pytest.mark.skipif(not lowbit._C._set_cpu_avx512(True), reason="this CPU has no AVX-512F")
+@pytest.mark.parametrize("bits", [8, 12])
+@pytest.mark.parametrize("stochastic", [True, False])
+def test_accumulate_vector_loops_equal_portable_loops_on_tails(bits, stochastic):
+    # Accumulation decodes and re-encodes the linear codes with the same loops as the step.
+    for n in _TAIL_SIZES:
+        codes, absmax = _linear(sample("heavy", n, seed=n), bits, 64)
+        grad = sample("normal", n, seed=n + 1)
+        want = (codes.clone(), absmax.clone())
+        _reference.lpmm_accumulate_(grad, *want, bits, 64, stochastic, 11)
+        results = []
+        for avx512 in (True, False):
+            lowbit._C._set_cpu_avx512(avx512)
+            try:
+                got = (codes.clone(), absmax.clone())
+                _ops.lpmm_accumulate_(grad, *got, bits, 64, stochastic, 11)
+            finally:
+                lowbit._C._set_cpu_avx512(True)
+            results.append(got)
+        for got in results:
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), n
+        assert torch.equal(results[0][0], results[1][0]), n
 
 
 def _one_tensor(args: list, i: int) -> list:

@@ -10,6 +10,7 @@
 #include "avx512.h"
 #include "encode.h"
 #include "kernels.h"
+#include "lpmm_avx512.h"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
 #include "lowbit/optim_rules.h"
@@ -37,10 +38,17 @@ void decode_group(const uint8_t* codes, int64_t lo, int cnt, int bits, Decode&& 
   }
 }
 
+// The AVX-512 loops (lpmm_avx512.h) take the whole 16-element chunks of 8- and 12-bit codes straight
+// from the packed bytes; the portable tile loop does the rest, which starts on a whole group.
 void decode_linear(const uint8_t* codes, int64_t lo, int cnt, int bits, float absmax, float* out) {
   const float qmax = linear_qmax(bits);
+  int done = 0;
+  if (lpmm_avx512_width(bits) && lpmm_avx512_active()) {
+    done = linear_values_avx512(codes + (lo / kGroup) * bits, cnt, bits, absmax, qmax, out);
+  }
   decode_group(
-      codes, lo, cnt, bits, [&](const uint32_t* t, int m, float* o) { linear_values(t, m, absmax, qmax, o); }, out);
+      codes, lo + done, cnt - done, bits,
+      [&](const uint32_t* t, int m, float* o) { linear_values(t, m, absmax, qmax, o); }, out + done);
 }
 
 void decode_map(const uint8_t* codes, int64_t lo, int cnt, int bits, const float* map, float absmax, float* out) {
@@ -73,6 +81,57 @@ void encode_group(bool stochastic, const Span& span, const float* in, int64_t lo
   encode_group<false>(span, in, lo, cnt, bits, absmax, key, counter0, codes);
 }
 
+// encode_group for linear codes, with the AVX-512 loops where they apply (as decode_linear).
+void encode_linear(bool stochastic, const float* in, int64_t lo, int cnt, int bits, float absmax, RngKey key,
+                   uint64_t counter0, uint8_t* codes) {
+  const float qmax = linear_qmax(bits);
+  int done = 0;
+  if (lpmm_avx512_width(bits) && lpmm_avx512_active()) {
+    done = linear_codes_avx512(in, cnt, bits, absmax, qmax, stochastic, key, counter0 + static_cast<uint64_t>(lo),
+                               codes + (lo / kGroup) * bits);
+  }
+  encode_group(stochastic, LinearSpan{qmax}, in + done, lo + done, cnt - done, bits, absmax, key, counter0, codes);
+}
+
+// MapSpan::encode (encode.h) for a tile of state values, with the normalisation and buckets by the
+// AVX-512 loop where the tile encoders that take them apply.
+template <bool kSR>
+void encode_state_tile(const MapSpan& span, const float* x, int cnt, float absmax, RngKey key, uint64_t counter,
+                       uint32_t* codes) {
+  const MapIndex& index = span.index;
+  if (!lpmm_avx512_active() || !(kSR ? index.steps() <= 1 : index.nearest_direct())) {
+    return span.template encode<kSR>(x, cnt, absmax, key, counter, codes);
+  }
+  float xn[kTile];
+  uint32_t bucket[kTile];
+  const int done = normalise_buckets_avx512(x, cnt, absmax, xn, bucket);
+  normalise_buckets(x + done, cnt - done, absmax, xn + done, bucket + done);
+  if (kSR) {
+    if (span.gather) return stochastic_tile_avx512(index, xn, bucket, key, counter, cnt, codes);
+    return stochastic_tile(index, xn, bucket, key, counter, cnt, codes);
+  }
+  if (span.gather) return nearest_tile_avx512(index, xn, bucket, cnt, codes);
+  nearest_tile(index, xn, bucket, cnt, codes);
+}
+
+// encode_group for the state maps: 8-bit codes with the gather tiles by the fused AVX-512 loop, the
+// rest (and its tail) a tile at a time.
+template <bool kSR>
+void encode_state(const MapSpan& span, const float* in, int64_t lo, int cnt, int bits, float absmax, RngKey key,
+                  uint64_t counter0, uint8_t* codes) {
+  const MapIndex& index = span.index;
+  int j = 0;
+  if (bits == 8 && span.gather && lpmm_avx512_active() && (kSR ? index.steps() <= 1 : index.nearest_direct())) {
+    j = map_codes_u8_avx512(index, in, cnt, absmax, kSR, key, counter0 + static_cast<uint64_t>(lo), codes + lo);
+  }
+  uint32_t tile[kTile];
+  for (; j < cnt; j += kTile) {
+    const int m = std::min(kTile, cnt - j);
+    encode_state_tile<kSR>(span, in + j, m, absmax, key, counter0 + static_cast<uint64_t>(lo + j), tile);
+    store_codes(tile, m, bits, lo + j, codes);
+  }
+}
+
 template <typename T>
 void accumulate_group(const LpmmAccumArgs& a, int64_t g, RngKey key) {
   const int64_t lo = g * a.group_size;
@@ -94,7 +153,7 @@ void accumulate_group(const LpmmAccumArgs& a, int64_t g, RngKey key) {
   }
   const float amax = absmax_from_bits(m);
   a.absmax[g] = amax;
-  encode_group(a.stochastic, LinearSpan{linear_qmax(a.bits)}, v, lo, cnt, a.bits, amax, key, 0, a.codes);
+  encode_linear(a.stochastic, v, lo, cnt, a.bits, amax, key, 0, a.codes);
 }
 
 template <typename T>
@@ -156,20 +215,23 @@ void step_group(const LpmmArgs& a, const LpTensor& t, int64_t g, const LpCoders&
   uint32_t max_s[2];
   update_fp32(kRule, kStates, a.hyper, t.scalars, p, grad, s[0], s[1], cnt, max_s);
   if (max_s[0] >= kNonFiniteBits || max_s[1] >= kNonFiniteBits) restart_nonfinite(s[0], s[1], kStates, cnt, max_s);
-  uint32_t max_p = 0;
-  for (int i = 0; i < cnt; ++i) max_p = std::max(max_p, abs_bits(p[i]));
-  const float amax_p = absmax_from_bits(max_p);
+  const float amax_p = absmax_from_bits(max_abs_bits_avx512(p, cnt));
   t.param_absmax[g] = amax_p;
-  encode_group(a.stochastic_param, LinearSpan{linear_qmax(a.param_bits)}, p, lo, cnt, a.param_bits, amax_p,
-               lpmm_key(a.seed, kStreamParam), t.offset, t.param);
+  encode_linear(a.stochastic_param, p, lo, cnt, a.param_bits, amax_p, lpmm_key(a.seed, kStreamParam), t.offset,
+                t.param);
   for (int k = 0; k < kStates; ++k) {
     const float amax = stored_absmax(max_s[k], k == kRoot);
     t.absmax[k][g] = amax;
     if (k == kRoot) {
       for (int i = 0; i < cnt; ++i) s[k][i] = stored_form(s[k][i], true);
     }
-    encode_group(a.stochastic_state, MapSpan{*coders.index[k], coders.gather}, s[k], lo, cnt, a.state_bits, amax,
-                 lpmm_key(a.seed, k == 0 ? kStreamState1 : kStreamState2), t.offset, t.state[k]);
+    const MapSpan span{*coders.index[k], coders.gather};
+    const RngKey key = lpmm_key(a.seed, k == 0 ? kStreamState1 : kStreamState2);
+    if (a.stochastic_state) {
+      encode_state<true>(span, s[k], lo, cnt, a.state_bits, amax, key, t.offset, t.state[k]);
+    } else {
+      encode_state<false>(span, s[k], lo, cnt, a.state_bits, amax, key, t.offset, t.state[k]);
+    }
   }
   t.grad_absmax[g] = 0.f;
 }
