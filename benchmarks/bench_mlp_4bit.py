@@ -6,14 +6,15 @@ Run from the repository root::
     python benchmarks/bench_mlp_4bit.py
     python benchmarks/bench_mlp_4bit.py --n 512 --noise 0 --seeds 0 1 2
 
-Rows: torch AdamW (the baseline), lowbit AdamW8bit, AdamW4bit (block-wise second moments, the default) and
-with ``rank1_normalization=True``, the same two stepped by lowbit's pure-PyTorch twins (lowbit/_reference)
-instead of the native step, torchao's AdamW4bit when ``import torchao.optim`` works, and a decomposition of
-the 4-bit error: torch AdamW's formula in plain torch with m (the signed 4-bit map) and/or sqrt(v) (the
-unsigned zero-free 4-bit map) round-tripped block-wise through ``lowbit.functional`` after each step, and
-with a zero code added below the unsigned map (the paper's zero-point failure). Every optimizer keeps fp32
-states below ``--min-size`` elements (lowbit's min_8bit_size/min_4bit_size; torchao's own rule is 4096 and
-a size the block divides), so by default only the 64 x 64 weight is quantized.
+Rows: torch AdamW (the baseline), lowbit AdamW8bit, AdamW4bit (block-wise second moments, the default), with
+``rank1_normalization=True`` and with ``factored=True`` (Adafactor row/column second moments,
+lowbit/optim/factored.py, a PyTorch step), the block-wise and rank-1 ones stepped by lowbit's pure-PyTorch
+twins (lowbit/_reference) instead of the native step, torchao's AdamW4bit when ``import torchao.optim`` works,
+and a decomposition of the 4-bit error: torch AdamW's formula in plain torch with m (the signed 4-bit map)
+and/or sqrt(v) (the unsigned zero-free 4-bit map) round-tripped block-wise through ``lowbit.functional`` after
+each step, and with a zero code added below the unsigned map (the paper's zero-point failure). Every optimizer
+keeps fp32 states below ``--min-size`` elements (lowbit's min_8bit_size/min_4bit_size; torchao's own rule is
+4096 and a size the block divides), so by default only the 64 x 64 weight is quantized.
 
 Data: ``--n`` inputs x ~ N(0, I_16), targets sin(x . w) + 0.1 x_0 x_1 + ``--noise`` N(0, 1), seeded per
 run. Options: ``--lr`` (1e-3), ``--eps`` (1e-8), ``--weight-decay`` (1e-2), ``--steps`` (300), ``--seeds``
@@ -152,6 +153,7 @@ def factories(args: argparse.Namespace) -> dict[str, Factory]:
         "lowbit AdamW8bit": lambda ps: O.AdamW8bit(ps, **kw, min_8bit_size=args.min_size),
         "lowbit AdamW4bit (block-wise)": lambda ps: O.AdamW4bit(ps, **four),
         "lowbit AdamW4bit (rank-1)": lambda ps: O.AdamW4bit(ps, **rank1),
+        "lowbit AdamW4bit (factored)": lambda ps: O.AdamW4bit(ps, **four, factored=True),
         "twin AdamW4bit (block-wise)": lambda ps: Twin(O.AdamW4bit(ps, **four)),
         "twin AdamW4bit (rank-1)": lambda ps: Twin(O.AdamW4bit(ps, **rank1)),
     }

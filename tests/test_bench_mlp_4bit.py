@@ -22,6 +22,7 @@ ROWS = [
     "lowbit AdamW8bit",
     "lowbit AdamW4bit (block-wise)",
     "lowbit AdamW4bit (rank-1)",
+    "lowbit AdamW4bit (factored)",
     "twin AdamW4bit (block-wise)",
     "twin AdamW4bit (rank-1)",
     "AdamW, m 4-bit",

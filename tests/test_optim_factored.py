@@ -206,3 +206,29 @@ def test_one_and_two_threads_give_the_same_bits(tmp_path):
     assert torch.equal(out[0][0], out[1][0])
     for k, v in out[0][1].items():
         assert torch.equal(v, out[1][1][k]), k
+
+
+def test_fsdp2_matrices_are_refused_and_nothing_changes(tmp_path):
+    """A sharded matrix would need its row and column means summed over the ranks: factored=True refuses
+    DTensor parameters of 2 or more axes with an error naming the option; a DTensor vector keeps its 4-bit
+    v and steps."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        w = torch.nn.Parameter(distribute_tensor(torch.randn(64, 80), mesh, [Shard(0)]))
+        w.grad = distribute_tensor(torch.randn(64, 80), mesh, [Shard(0)])
+        before = w.detach().full_tensor().clone()
+        opt = O.AdamW4bit([w], factored=True)
+        with pytest.raises(NotImplementedError, match="factored=True does not support FSDP2"):
+            opt.step()
+        assert not opt.state[w] and torch.equal(w.detach().full_tensor(), before)
+        b = torch.nn.Parameter(distribute_tensor(torch.randn(8192), mesh, [Shard(0)]))
+        b.grad = distribute_tensor(torch.randn(8192), mesh, [Shard(0)])
+        vec = O.AdamW4bit([b], factored=True)
+        vec.step()
+        assert "state2" in vec.state[b]
+    finally:
+        dist.destroy_process_group()
