@@ -232,3 +232,14 @@ def test_fsdp2_matrices_are_refused_and_nothing_changes(tmp_path):
         assert "state2" in vec.state[b]
     finally:
         dist.destroy_process_group()
+
+
+def test_a_nan_gradient_element_makes_the_whole_matrix_nan_not_a_huge_step():
+    """A NaN in g reaches mean(row) and so every v_hat: the matrix's update is NaN everywhere (stated in the
+    README's Limitations), never the division by eps alone that a zero v_hat would give."""
+    p = torch.nn.Parameter(torch.randn(8, 300))
+    g = torch.randn(8, 300)
+    g[2, 5] = float("nan")
+    p.grad = g
+    O.AdamW4bit([p], factored=True, min_4bit_size=0).step()
+    assert bool(p.detach().isnan().all())

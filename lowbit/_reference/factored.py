@@ -17,8 +17,8 @@ __all__ = ["factored_adam_step_", "factored_v_hat"]
 def factored_v_hat(row: Tensor, col: Tensor) -> Tensor:
     """``(row / mean(row over its last axis)) (outer) col``, 0 where that mean is 0."""
     mean = row.mean(dim=-1, keepdim=True)
-    safe = torch.where(mean > 0, mean, torch.ones_like(mean))
-    return torch.where(mean > 0, row / safe, torch.zeros_like(row)).unsqueeze(-1) * col.unsqueeze(-2)
+    safe = torch.where(mean == 0, torch.ones_like(mean), mean)
+    return torch.where(mean == 0, torch.zeros_like(row), row / safe).unsqueeze(-1) * col.unsqueeze(-2)
 
 
 def factored_adam_step_(

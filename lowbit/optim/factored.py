@@ -51,7 +51,9 @@ def project(v: Tensor) -> tuple[Tensor, Tensor]:
 def reconstruct(row: Tensor, col: Tensor) -> Tensor:
     """``v_hat = (row / mean(row over its last axis)) (outer) col``, 0 where ``mean(row)`` is 0."""
     mean = row.mean(dim=-1, keepdim=True)
-    scaled = torch.where(mean > 0, row / torch.where(mean > 0, mean, torch.ones_like(mean)), torch.zeros_like(row))
+    # `mean == 0`, not `mean > 0`: a NaN mean (a non-finite gradient) must stay NaN, not become v_hat = 0.
+    zero = mean == 0
+    scaled = torch.where(zero, torch.zeros_like(row), row / torch.where(zero, torch.ones_like(mean), mean))
     return scaled.unsqueeze(-1) * col.unsqueeze(-2)
 
 
