@@ -243,3 +243,26 @@ def test_a_nan_gradient_element_makes_the_whole_matrix_nan_not_a_huge_step():
     p.grad = g
     O.AdamW4bit([p], factored=True, min_4bit_size=0).step()
     assert bool(p.detach().isnan().all())
+
+
+def test_gradient_release_and_a_per_parameter_override_step_as_the_plain_loop():
+    """Under lowbit.optim.step_in_backward the factored step runs one parameter at a time inside backward and
+    gives the ordinary loop's bits; ``override(p, factored=True)`` factors that parameter only."""
+    torch.manual_seed(6)
+    x = torch.randn(32, 64)
+    nets = [torch.nn.Linear(64, 128) for _ in range(3)]
+    for net in nets[1:]:
+        net.load_state_dict(nets[0].state_dict())
+    plain = O.AdamW4bit(nets[0].parameters(), factored=True, min_4bit_size=0)
+    released = O.AdamW4bit(nets[1].parameters(), factored=True, min_4bit_size=0)
+    O.step_in_backward(released)
+    O.override(nets[2].weight, factored=True)
+    overridden = O.AdamW4bit(nets[2].parameters(), min_4bit_size=0)
+    for _ in range(3):
+        for net, opt in zip(nets, (plain, released, overridden), strict=True):
+            opt.zero_grad()
+            net(x).square().sum().backward()
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(nets[0].parameters(), nets[1].parameters(), strict=True))
+    assert torch.equal(nets[0].weight, nets[2].weight)
+    assert "row2" in overridden.state[nets[2].weight] and "state2" in overridden.state[nets[2].bias]
