@@ -90,8 +90,10 @@ def factored_step(
     beta1, beta2 = hyper["betas"]
     eps, wd, lr = hyper["eps"], hyper["weight_decay"], hyper["lr"]
     for it in items:
-        p32 = it.param.float()
-        g = it.grad.float()
+        # Contiguous fp32 copies: the means then add in the same order whatever the parameter's strides
+        # (channels_last, transposed), so strided parameters step bit for bit like contiguous ones.
+        p32 = it.param.float().contiguous()
+        g = it.grad.float().contiguous()
         if hyper["maximize"]:
             g = -g
         if wd != 0 and not decoupled:
