@@ -7,6 +7,8 @@ moments and AMSGrad's running maximum of them, the zero-free unsigned one holdin
 ``block_size`` elements (of the stored values). ``state{k+1}`` always holds the state named
 ``_state_names[k]``, whichever options are on; a state an option does not use is absent.
 Parameters with fewer than ``min_8bit_size`` elements, or with ``optim_bits=32``, keep fp32 states.
+With ``factored=True`` (4-bit Adam/AdamW) a parameter of 2 or more axes keeps fp32 ``row2``/``col2`` (the
+factors of its second moment, lowbit/optim/factored.py) in place of ``state2``/``absmax2``.
 ``step`` is a float32 scalar tensor, as in torch.optim.
 
 FSDP2: DTensor parameters are stepped shard by shard in the same fused call; their states are
