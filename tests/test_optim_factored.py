@@ -23,19 +23,20 @@ def _twin_states(opt: O.LowbitOptimizer, p: torch.Tensor) -> dict[str, torch.Ten
 @pytest.mark.parametrize("shape", [(48, 160), (3, 40, 72)], ids=["matrix", "3d"])
 @pytest.mark.parametrize("cls,decoupled", [(O.AdamW4bit, True), (O.Adam4bit, False)], ids=["AdamW", "Adam"])
 @pytest.mark.parametrize("maximize", [False, True])
-def test_factored_step_matches_the_twin_bit_for_bit(shape, cls, decoupled, maximize):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_factored_step_matches_the_twin_bit_for_bit(shape, cls, decoupled, maximize, dtype):
     """Five steps of the optimizer and of the twin from the same start: parameters, 4-bit codes, absmaxes
     and factors equal exactly (the twin does the same fp32 operations in the same order, and codes m with
-    lowbit._reference.quantize's independent block-wise coder)."""
+    lowbit._reference.quantize's independent block-wise coder); bf16 parameters keep fp32 math and factors."""
     torch.manual_seed(0)
-    p = torch.nn.Parameter(torch.randn(shape))
+    p = torch.nn.Parameter(torch.randn(shape, dtype=dtype))
     twin = p.detach().clone()
     kw = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
     opt = cls([p], factored=True, min_4bit_size=0, maximize=maximize, **kw)
     m_map = optimizer_state_map(True, p.device, 4)
     state = None
     for step in range(1, 6):
-        g = torch.randn(shape) * (1 + torch.arange(shape[-1]) / 10)  # columns of different scales
+        g = (torch.randn(shape) * (1 + torch.arange(shape[-1]) / 10)).to(dtype)  # columns of different scales
         p.grad = g.clone()
         if state is None:
             state = {k: v.clone() for k, v in opt.state[p].items() if k != "step"} if opt.state[p] else None
@@ -51,6 +52,7 @@ def test_factored_step_matches_the_twin_bit_for_bit(shape, cls, decoupled, maxim
         for k, v in _twin_states(opt, p).items():
             assert torch.equal(v, state[k]), f"{k} at step {step}"
     assert float(m_map[7]) == 0.0
+    assert p.dtype == dtype and opt.state[p]["row2"].dtype == torch.float32
 
 
 def test_twin_estimator_is_adafactors_formula():
