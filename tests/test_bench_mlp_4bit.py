@@ -29,6 +29,7 @@ ROWS = [
     "AdamW, sqrt(v) 4-bit",
     "AdamW, m and sqrt(v) 4-bit",
     "AdamW, sqrt(v) 4-bit with a zero code",
+    "AdamW, v factored, m 4-bit",
 ]
 
 
