@@ -66,11 +66,13 @@ class FactoredItem:
 
 
 def _lerp(m: Tensor, g: Tensor, w: float) -> Tensor:
-    """optim_rules.h's torch_lerp (ATen's lerp formula, which switches form at |w| = 0.5), op by op."""
+    """optim_rules.h's torch_lerp (ATen's lerp formula, which switches form at |w| = 0.5), op by op, in one
+    new tensor (the sums' operands swapped, which IEEE addition gives the same bits for)."""
     w32 = float(torch.tensor(w, dtype=torch.float32))
+    d = g - m
     if abs(w32) < 0.5:
-        return m + w32 * (g - m)
-    return g + (w32 - 1.0) * (g - m)  # w32 - 1 is exact for w32 in [0.5, 1]
+        return d.mul_(w32).add_(m)  # m + w (g - m)
+    return d.mul_(w32 - 1.0).add_(g)  # g + (w - 1) (g - m); w32 - 1 is exact for w32 in [0.5, 1]
 
 
 def factored_step(
@@ -91,7 +93,8 @@ def factored_step(
     eps, wd, lr = hyper["eps"], hyper["weight_decay"], hyper["lr"]
     for it in items:
         # Contiguous fp32 copies: the means then add in the same order whatever the parameter's strides
-        # (channels_last, transposed), so strided parameters step bit for bit like contiguous ones.
+        # (channels_last, transposed), so strided parameters step bit for bit like contiguous ones. A
+        # contiguous fp32 parameter is its own copy: it is updated in place, last.
         p32 = it.param.float().contiguous()
         g = it.grad.float().contiguous()
         if hyper["maximize"]:
@@ -105,11 +108,14 @@ def factored_step(
         square = g * g
         row = state["row2"] * beta2 + square.mean(dim=-1) * (1.0 - beta2)
         col = state["col2"] * beta2 + square.mean(dim=-2) * (1.0 - beta2)
-        denom = reconstruct(row, col).sqrt() / it.bias2_sqrt + eps
-        if wd != 0 and decoupled:
-            p32 = p32 * (1.0 - lr * wd)
+        del square
         # optim_rules.h's adam_step order: u = step_size * m / denom, subtracted after the decay.
-        p32 = p32 - it.step_size * m / denom
+        u = reconstruct(row, col).sqrt_().div_(it.bias2_sqrt).add_(eps)
+        u = torch.mul(m, it.step_size).div_(u)
         codes, absmax = _ops.quantize_blockwise(m, m_map, 4, block_size, False, 0, 0)
-        it.param.copy_(p32)
+        if wd != 0 and decoupled:
+            p32.mul_(1.0 - lr * wd)
+        p32.sub_(u)
+        if p32.data_ptr() != it.param.data_ptr():
+            it.param.copy_(p32)
         state["state1"], state["absmax1"], state["row2"], state["col2"] = codes, absmax, row, col
