@@ -6,14 +6,16 @@ Run from the repository root::
     python benchmarks/bench_mlp_4bit.py
     python benchmarks/bench_mlp_4bit.py --n 512 --noise 0 --seeds 0 1 2
 
-Rows: torch AdamW (the baseline), lowbit AdamW8bit, AdamW4bit (block-wise second moments, the default) and
-with ``rank1_normalization=True``, the same two stepped by lowbit's pure-PyTorch twins (lowbit/_reference)
-instead of the native step, torchao's AdamW4bit when ``import torchao.optim`` works, and a decomposition of
-the 4-bit error: torch AdamW's formula in plain torch with m (the signed 4-bit map) and/or sqrt(v) (the
-unsigned zero-free 4-bit map) round-tripped block-wise through ``lowbit.functional`` after each step, and
-with a zero code added below the unsigned map (the paper's zero-point failure). Every optimizer keeps fp32
-states below ``--min-size`` elements (lowbit's min_8bit_size/min_4bit_size; torchao's own rule is 4096 and
-a size the block divides), so by default only the 64 x 64 weight is quantized.
+Rows: torch AdamW (the baseline), lowbit AdamW8bit, AdamW4bit (block-wise second moments, the default), with
+``rank1_normalization=True`` and with ``factored=True`` (Adafactor row/column second moments,
+lowbit/optim/factored.py, a PyTorch step), the block-wise and rank-1 ones stepped by lowbit's pure-PyTorch
+twins (lowbit/_reference) instead of the native step, torchao's AdamW4bit when ``import torchao.optim`` works,
+and a decomposition of the 4-bit error: torch AdamW's formula in plain torch with m (the signed 4-bit map)
+and/or sqrt(v) (the unsigned zero-free 4-bit map) round-tripped block-wise through ``lowbit.functional`` after
+each step, and with a zero code added below the unsigned map (the paper's zero-point failure), and with v
+factored (Adafactor's v_hat from fp32 row and column means), m in fp32 or round-tripped. Every optimizer
+keeps fp32 states below ``--min-size`` elements (lowbit's min_8bit_size/min_4bit_size; torchao's own rule is
+4096 and a size the block divides), so by default only the 64 x 64 weight is quantized.
 
 Data: ``--n`` inputs x ~ N(0, I_16), targets sin(x . w) + 0.1 x_0 x_1 + ``--noise`` N(0, 1), seeded per
 run. Options: ``--lr`` (1e-3), ``--eps`` (1e-8), ``--weight-decay`` (1e-2), ``--steps`` (300), ``--seeds``
@@ -84,13 +86,21 @@ def round_trip(t: Tensor, signed: bool, zero_code: bool = False) -> Tensor:
 class QuantizedStatesAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW's update, with m and/or sqrt(v) of tensors of at least ``min_size`` elements
     round-tripped through the 4-bit maps after each step (the next step reads the decoded values, as the
-    quantized optimizers do)."""
+    quantized optimizers do); with ``factored``, v of such matrices replaced by Adafactor's v_hat from fp32
+    EMAs of the row and column means of g^2 (lowbit._reference.factored_v_hat)."""
 
     def __init__(
-        self, params: list[nn.Parameter], hyper: dict[str, float], m: bool, v: bool, min_size: int, zero_code: bool
+        self,
+        params: list[nn.Parameter],
+        hyper: dict[str, float],
+        m: bool,
+        v: bool,
+        min_size: int,
+        zero_code: bool,
+        factored: bool = False,
     ) -> None:
         super().__init__(params, dict(hyper))
-        self.m, self.v, self.min_size, self.zero_code = m, v, min_size, zero_code
+        self.m, self.v, self.min_size, self.zero_code, self.factored = m, v, min_size, zero_code, factored
 
     @torch.no_grad()
     def step(self) -> None:  # type: ignore[override]
@@ -104,7 +114,13 @@ class QuantizedStatesAdamW(torch.optim.Optimizer):
                 t = state["t"]
                 p.mul_(1 - lr * wd)
                 m = state["m"].lerp_(p.grad, 0.1)
-                v = state["v"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
+                if self.factored and p.dim() >= 2 and p.numel() >= self.min_size:
+                    square = p.grad.square()
+                    state["row"] = state.get("row", torch.zeros(p.shape[:-1])).mul_(0.999).add_(0.001 * square.mean(-1))
+                    state["col"] = state.get("col", torch.zeros(p.shape[-1:])).mul_(0.999).add_(0.001 * square.mean(-2))
+                    v = R.factored_v_hat(state["row"], state["col"])
+                else:
+                    v = state["v"].mul_(0.999).addcmul_(p.grad, p.grad, value=0.001)
                 denom = (v / (1 - 0.999**t)).sqrt_().add_(eps)
                 p.addcdiv_(m / (1 - 0.9**t), denom, value=-lr)
                 if p.numel() >= self.min_size:
@@ -152,6 +168,7 @@ def factories(args: argparse.Namespace) -> dict[str, Factory]:
         "lowbit AdamW8bit": lambda ps: O.AdamW8bit(ps, **kw, min_8bit_size=args.min_size),
         "lowbit AdamW4bit (block-wise)": lambda ps: O.AdamW4bit(ps, **four),
         "lowbit AdamW4bit (rank-1)": lambda ps: O.AdamW4bit(ps, **rank1),
+        "lowbit AdamW4bit (factored)": lambda ps: O.AdamW4bit(ps, **four, factored=True),
         "twin AdamW4bit (block-wise)": lambda ps: Twin(O.AdamW4bit(ps, **four)),
         "twin AdamW4bit (rank-1)": lambda ps: Twin(O.AdamW4bit(ps, **rank1)),
     }
@@ -172,6 +189,8 @@ def factories(args: argparse.Namespace) -> dict[str, Factory]:
         rows[f"AdamW, {label}"] = lambda ps, m=m, v=v, zero=zero: QuantizedStatesAdamW(
             ps, kw, m, v, args.min_size, zero
         )
+    for label, m in [("v factored", False), ("v factored, m 4-bit", True)]:
+        rows[f"AdamW, {label}"] = lambda ps, m=m: QuantizedStatesAdamW(ps, kw, m, False, args.min_size, False, True)
     return {name: make for name, make in rows.items() if wanted(name)}
 
 

@@ -22,12 +22,14 @@ ROWS = [
     "lowbit AdamW8bit",
     "lowbit AdamW4bit (block-wise)",
     "lowbit AdamW4bit (rank-1)",
+    "lowbit AdamW4bit (factored)",
     "twin AdamW4bit (block-wise)",
     "twin AdamW4bit (rank-1)",
     "AdamW, m 4-bit",
     "AdamW, sqrt(v) 4-bit",
     "AdamW, m and sqrt(v) 4-bit",
     "AdamW, sqrt(v) 4-bit with a zero code",
+    "AdamW, v factored, m 4-bit",
 ]
 
 

@@ -4,8 +4,9 @@ Each function computes, with ordinary torch operations, the same fp32 arithmetic
 as the native kernels, so results agree bit for bit (codes, absmax and dequantized values),
 including the counter-based random stream of stochastic rounding. They are written for clarity, not
 speed. One file per family, as in :mod:`lowbit._ops`: :mod:`.quantize`, :mod:`.activations`,
-:mod:`.optim`, :mod:`.muon`. :mod:`.ademamix` is not a twin but the formula oracle of AdEMAMix, a plain
-torch.optim optimizer (torch has none).
+:mod:`.optim`, :mod:`.muon`, :mod:`.factored` (the factored 4-bit Adam step, lowbit/optim/factored.py).
+:mod:`.ademamix` is not a twin but the formula oracle of AdEMAMix, a plain torch.optim optimizer (torch
+has none).
 """
 
 from lowbit._reference.activations import (
@@ -17,6 +18,7 @@ from lowbit._reference.activations import (
     fewbit_grad,
     invact_grad,
 )
+from lowbit._reference.factored import factored_adam_step_, factored_v_hat
 from lowbit._reference.muon import muon_momentum_
 from lowbit._reference.optim import lpmm_accumulate_, lpmm_step_, optimizer_step_, rank1_statistics_
 from lowbit._reference.quantize import (
@@ -39,6 +41,8 @@ __all__ = [
     "blpa_unit_backward",
     "dequantize_blockwise",
     "dequantize_linear",
+    "factored_adam_step_",
+    "factored_v_hat",
     "fewbit_encode",
     "fewbit_grad",
     "invact_grad",

@@ -27,6 +27,7 @@ OVERRIDABLE = frozenset(
         "min_8bit_size",
         "min_4bit_size",
         "rank1_normalization",
+        "factored",
         "lr",
         "betas",
         "eps",

@@ -22,7 +22,7 @@ from lowbit._checks import ROUNDING_MODES, is_betas, is_block_size, is_finite_no
 __all__ = ["GNORM_HISTORY", "LAYOUT_OPTIONS", "check_option", "check_options", "plain_lr"]
 
 #: Options that decide how states are stored: an optimizer keeps its own when it loads a state dict.
-LAYOUT_OPTIONS = ("optim_bits", "block_size", "min_8bit_size", "min_4bit_size", "rank1_normalization")
+LAYOUT_OPTIONS = ("optim_bits", "block_size", "min_8bit_size", "min_4bit_size", "rank1_normalization", "factored")
 
 #: How many past gradient norms ``percentile_clipping`` ranks.
 GNORM_HISTORY = 100
@@ -57,6 +57,7 @@ _RULES: dict[str, tuple[str, Callable[[Any], bool], str]] = {
     "min_8bit_size": ("min_8bit_size", lambda v: is_int_in(v, 0, 2**63 - 1), "a non-negative int"),
     "min_4bit_size": ("min_4bit_size", lambda v: is_int_in(v, 0, 2**63 - 1), "a non-negative int"),
     "rank1_normalization": ("rank1_normalization", _flag, "a bool"),
+    "factored": ("factored", _flag, "a bool"),
     "maximize": ("maximize", _flag, "a bool"),
     "nesterov": ("nesterov", _flag, "a bool"),
     "amsgrad": ("amsgrad", _flag, "a bool"),

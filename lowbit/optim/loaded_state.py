@@ -70,12 +70,28 @@ def _check_axis_max(value: Any, where: str, key: str, p: Tensor) -> None:
         raise _fail(where, key, "must hold finite maxima >= 0")
 
 
+def _check_factors(entry: dict[str, Any], where: str, k: int, p: Tensor) -> None:
+    """A factorized second moment (lowbit/optim/factored.py): fp32 ``row{k+1}`` of shape ``shape[:-1]`` and
+    ``col{k+1}`` of shape ``shape[:-2] + shape[-1:]``, finite and >= 0, in place of ``state{k+1}``."""
+    if p.dim() < 2:
+        raise _fail(where, f"row{k + 1}", f"needs a parameter of 2 or more axes, not shape {tuple(p.shape)}")
+    if f"state{k + 1}" in entry:
+        raise _fail(where, f"state{k + 1}", f"comes with the factors 'row{k + 1}'/'col{k + 1}' of the same state")
+    shapes = {f"row{k + 1}": p.shape[:-1], f"col{k + 1}": p.shape[:-2] + p.shape[-1:]}
+    for key, shape in shapes.items():
+        value = entry.get(key)
+        if not isinstance(value, Tensor) or value.dtype != torch.float32 or value.shape != shape:
+            raise _fail(where, key, f"must be a float32 tensor of shape {tuple(shape)} (a factor of the second moment)")
+        if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
+            raise _fail(where, key, "must hold finite values >= 0")
+
+
 def _check_entry(opt: LowbitOptimizer, p: Tensor, entry: Any, where: str) -> None:
     if not isinstance(entry, dict):
         raise ValueError(f"lowbit: cannot load the state of {where}: expected a dict, got {type(entry).__name__}")
     n = len(opt._state_names)
     known = {"step", "gnorm_vec", *opt._state_names}
-    known |= {f"{kind}{k + 1}" for kind in ("state", "absmax", "axis_max") for k in range(n)}
+    known |= {f"{kind}{k + 1}" for kind in ("state", "absmax", "axis_max", "row", "col") for k in range(n)}
     unknown = sorted(set(entry) - known)
     if unknown:
         raise _fail(where, unknown[0], f"is not a state of {type(opt).__name__} (its states: {sorted(known)})")
@@ -85,6 +101,8 @@ def _check_entry(opt: LowbitOptimizer, p: Tensor, entry: Any, where: str) -> Non
     for k, name in enumerate(opt._state_names):
         if entry.get(name) is not None:  # torch.optim's layout (torch.optim.SGD stores None without momentum)
             _check_tensor(entry[name], where, name, p.shape, floats)
+        if f"row{k + 1}" in entry or f"col{k + 1}" in entry:
+            _check_factors(entry, where, k, p)
         codes = entry.get(f"state{k + 1}")
         if codes is None:
             if f"absmax{k + 1}" in entry:

@@ -7,6 +7,8 @@ moments and AMSGrad's running maximum of them, the zero-free unsigned one holdin
 ``block_size`` elements (of the stored values). ``state{k+1}`` always holds the state named
 ``_state_names[k]``, whichever options are on; a state an option does not use is absent.
 Parameters with fewer than ``min_8bit_size`` elements, or with ``optim_bits=32``, keep fp32 states.
+With ``factored=True`` (4-bit Adam/AdamW) a parameter of 2 or more axes keeps fp32 ``row2``/``col2`` (the
+factors of its second moment, lowbit/optim/factored.py) in place of ``state2``/``absmax2``.
 ``step`` is a float32 scalar tensor, as in torch.optim.
 
 FSDP2: DTensor parameters are stepped shard by shard in the same fused call; their states are
@@ -38,6 +40,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from lowbit import _C, _ops
 from lowbit._ops import StepArgs, StepHyper
 from lowbit.optim.config import get_override
+from lowbit.optim.factored import FactoredItem, factored_step
 from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_options, plain_lr
 from lowbit.optim.loaded_state import check_loaded_state
 from lowbit.optim.rank1 import max_over_shards, rank1_layout
@@ -85,6 +88,16 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             by min(max of row i, max of column j), N-d tensors by the min over every axis of that axis'
             maxima, which cost ``sum(shape)`` floats (``axis_max{k+1}`` in the state, in place of the
             block absmaxes). Other parameters, and False, keep block-wise absmax.
+        factored: opt-in (default False), Adam and AdamW with ``optim_bits=4`` only (8-bit and fp32
+            layouts refuse it, as do ``rank1_normalization``, ``amsgrad``, ``max_unorm``,
+            ``percentile_clipping`` and FSDP2 parameters of 2 or more axes): the second moment of a 4-bit
+            parameter of 2 or more axes is factorized (Shazeer & Stern 2018, Adafactor; Li, Chen, Zhu 2023,
+            "4-bit Factor"; :mod:`lowbit.optim.factored`): fp32 EMAs of the mean of g^2 over the last axis
+            (``row2``, ``shape[:-1]``) and over axis -2 (``col2``, ``shape[:-2] + shape[-1:]``) in place of
+            ``state2``/``absmax2``, so a matrix's v costs ``(R + C) * 4`` bytes. The step is
+            torch.optim.Adam's with v replaced by ``v_hat = (row / mean(row over its last axis)) (outer)
+            col``: ``p <- p - lr / (1 - beta1^t) * m / (sqrt(v_hat) / sqrt(1 - beta2^t) + eps)``. Other
+            parameters keep the block-wise 4-bit v.
         max_unorm: if > 0, scales a tensor's update down so that its norm, divided by the learning
             rate, is at most ``max_unorm * ||param||`` (bitsandbytes' option; a zero parameter is not
             clipped, since it would never move).
@@ -102,6 +115,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
     _state_names: ClassVar[tuple[str, ...]]
     _state_signed: ClassVar[tuple[bool, ...]]
     _norm_mode: ClassVar[int] = NORM_NONE
+    _factorable: ClassVar[bool] = False  # whether ``factored=True`` is supported (Adam and AdamW)
+    _decoupled: ClassVar[bool] = False  # AdamW's decoupled weight decay, for the factored step
 
     def __init__(
         self,
@@ -113,6 +128,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         min_8bit_size: int = 4096,
         min_4bit_size: int = 4096,
         rank1_normalization: bool = False,
+        factored: bool = False,
         max_unorm: float = 0.0,
         percentile_clipping: int = 100,
     ) -> None:
@@ -125,6 +141,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             min_8bit_size=min_8bit_size,
             min_4bit_size=min_4bit_size,
             rank1_normalization=rank1_normalization,
+            factored=factored,
             max_unorm=max_unorm,
             percentile_clipping=percentile_clipping,
             state_format=STATE_FORMAT,
@@ -156,6 +173,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         """Raise ValueError naming ``where`` if an option of ``config`` is invalid; subclasses add the
         checks that combine options."""
         check_options(config, where)
+        if config.get("factored", False):
+            _check_factored(self, config, where)
 
     def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
         """The step's hyperparameters (``max_unorm`` is the base class's to fill in) and flags."""
@@ -316,6 +335,33 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
     def _prepare_step(
         self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]], places: list[str]
     ) -> Callable[[], None]:
+        """The step of ``batch``: one fused native call for the parameters with element-wise states, and the
+        factored step (:mod:`lowbit.optim.factored`) for those whose second moment is factorized."""
+        if any(_ops.local(p).is_meta for p, _ in batch):
+            return self._meta_step(config, batch, places)
+        factored = [i for i, (_, state) in enumerate(batch) if "row2" in state]
+        if not factored:
+            return self._prepare_fused(config, batch, places)
+        rest = [i for i in range(len(batch)) if i not in set(factored)]
+        fused = self._prepare_fused(config, [batch[i] for i in rest], [places[i] for i in rest]) if rest else None
+        items = [batch[i] for i in factored]
+        m_map = optimizer_state_map(True, items[0][0].device, 4)
+
+        def run() -> None:
+            if fused is not None:
+                fused()
+            work = []
+            for p, state in items:
+                step_size, bias2_sqrt, _ = self._step_scalars(config, int(state["step"]) + 1)
+                work.append(FactoredItem(p, p.grad, state, step_size, bias2_sqrt))  # type: ignore[arg-type]
+            factored_step(work, config, self._decoupled, m_map, config["block_size"])
+            torch._foreach_add_([state["step"] for _, state in items], 1.0)
+
+        return run
+
+    def _prepare_fused(
+        self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]], places: list[str]
+    ) -> Callable[[], None]:
         """The fused call of ``batch``, checked and ready: the returned function steps the parameters and
         their states and advances the step counters. ``places`` says where each parameter is in the
         user's param groups, for error messages."""
@@ -328,8 +374,6 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             if norm_mode != NORM_NONE:  # LAMB and LARS refuse it when it is set; this catches later edits
                 raise ValueError(f"lowbit: {type(self).__name__} scales its update itself; max_unorm must be 0")
             norm_mode = NORM_CLIP
-        if any(_ops.local(p).is_meta for p, _ in batch):
-            return self._meta_step(config, batch, places)
         params, grads, scalars = [], [], []
         states: list[list[Tensor]] = [[], [], []]
         absmaxes: list[list[Tensor]] = [[], [], []]
@@ -520,6 +564,29 @@ def _in_user_terms(message: str, places: list[str]) -> str:
         return f"{m.group(1)} of {places[i]}" if i < len(places) else m.group(0)
 
     return _FUSED_LISTS.sub(name, message)
+
+
+def _check_factored(opt: LowbitOptimizer, config: dict[str, Any], where: str) -> None:
+    """Refuse ``factored=True`` where it is not supported, naming the option that conflicts."""
+    if not opt._factorable:
+        raise ValueError(f"lowbit: {where}: factored=True is supported by Adam and AdamW only")
+    if config["optim_bits"] != 4:
+        raise ValueError(
+            f"lowbit: {where}: factored=True needs optim_bits=4 (got optim_bits={config['optim_bits']}); "
+            "8-bit and fp32 layouts keep an element-wise second moment"
+        )
+    conflicts = {
+        "rank1_normalization": config.get("rank1_normalization", False),
+        "amsgrad": config.get("amsgrad", False),
+        "max_unorm": config.get("max_unorm", 0.0) > 0,
+        "percentile_clipping": config.get("percentile_clipping", 100) < 100,
+    }
+    for option, on in conflicts.items():
+        if on:
+            raise ValueError(
+                f"lowbit: {where}: factored=True and {option}={config[option]!r} are mutually exclusive; "
+                "turn one of them off"
+            )
 
 
 def decay_factor(lr: float, weight_decay: float) -> float:

@@ -49,13 +49,14 @@ class Adam(LowbitOptimizer):
             Adam's.
         maximize: maximize the objective instead of minimizing.
         **options: ``optim_bits`` (4, 8 or 32, default 32), ``block_size``, ``min_8bit_size``, ``min_4bit_size``,
-            ``rank1_normalization``, ``max_unorm``, ``percentile_clipping``: see :class:`~lowbit.optim.LowbitOptimizer`.
+            ``rank1_normalization``, ``factored``, ``max_unorm``, ``percentile_clipping``: see
+            :class:`~lowbit.optim.LowbitOptimizer`.
     """
 
     _rule = "adam"
     _state_names = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     _state_signed = (True, False, False)
-    _decoupled = False
+    _factorable = True
 
     def __init__(
         self,

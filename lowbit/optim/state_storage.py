@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from lowbit import _ops
 from lowbit._ops.optim import SECOND_MOMENT_SLOTS
 from lowbit.functional import QuantState, create_dynamic_map, dequantize_blockwise, quantize_blockwise
-from lowbit.optim import rank1
+from lowbit.optim import factored, rank1
 
 _MAPS: dict[tuple[bool, int, torch.device], Tensor] = {}
 
@@ -174,6 +174,16 @@ class StoredStates:
         slot = SECOND_MOMENT_SLOTS[rule]
         return slots[slot] if 0 <= slot < len(slots) else -1
 
+    def _factored_state(self, config: dict[str, Any], p: Tensor, width: int) -> int:
+        """The state k of ``p`` that ``config`` stores factorized (lowbit/optim/factored.py), or -1: the second
+        moment of a 4-bit layout, with ``factored`` on, for 2 or more axes (FSDP2 parameters are refused)."""
+        if width != 4 or not config.get("factored", False) or not factored.factored_applies(p):
+            return -1
+        factored.check_not_sharded(p, "factored second moment")
+        slots = self._slots(config)
+        slot = SECOND_MOMENT_SLOTS[self._rule_code(config)]  # type: ignore[attr-defined]
+        return slots[slot] if 0 <= slot < len(slots) else -1
+
     def _pack(self, k: int, value: Tensor, config: dict[str, Any], width: int) -> tuple[Tensor, Tensor]:
         """(state, absmax) of state k holding ``value`` in the layout of ``width`` bits (a second moment,
         on the unsigned map, as its square root: include/lowbit/state_form.h)."""
@@ -184,7 +194,10 @@ class StoredStates:
         return value, torch.empty(0, dtype=torch.float32, device=value.device)
 
     def _unpack(self, k: int, p: Tensor, state: dict[str, Any]) -> Tensor:
-        """The fp32 values of state k of ``p``, whatever layout they are stored in."""
+        """The fp32 values of state k of ``p``, whatever layout they are stored in (a factorized second
+        moment gives its reconstruction v_hat)."""
+        if f"row{k + 1}" in state:
+            return factored.reconstruct(state[f"row{k + 1}"], state[f"col{k + 1}"])
         s = _ops.local(state[f"state{k + 1}"])
         shape = _ops.local(p).shape
         width = stored_width(s, shape.numel())
@@ -220,7 +233,17 @@ class StoredStates:
         numel = _ops.local(p).numel()
         blocks = _ops.num_blocks(numel, config["block_size"])
         ranked = self._rank1_state(config, p, width)
+        split = self._factored_state(config, p, width)
         for k in self._slots(config):
+            if k == split:
+                row, col = state.get(f"row{k + 1}"), state.get(f"col{k + 1}")
+                if row is None or col is None or f"state{k + 1}" in state:
+                    return False
+                if row.shape != p.shape[:-1] or col.shape != p.shape[:-2] + p.shape[-1:]:
+                    return False
+                continue
+            if f"row{k + 1}" in state:
+                return False
             s = state.get(f"state{k + 1}")
             if s is None or stored_width(_ops.local(s), numel) != width:
                 return False
@@ -239,7 +262,9 @@ class StoredStates:
         """
         values = {}
         for k in self._slots(config):
-            if f"state{k + 1}" in state:
+            if f"row{k + 1}" in state:
+                values[k] = self._unpack(k, p, state).clone()
+            elif f"state{k + 1}" in state:
                 held, numel = _ops.local(state[f"state{k + 1}"]), _ops.local(p).numel()
                 if not holds(held, numel):
                     raise ValueError(f"state{k + 1} has {held.numel()} elements, the parameter {numel}")
@@ -249,6 +274,9 @@ class StoredStates:
         for k in self._slots(config):
             state.pop(f"absmax{k + 1}", None)
             state.pop(f"axis_max{k + 1}", None)
+            state.pop(f"row{k + 1}", None)
+            state.pop(f"col{k + 1}", None)
+            state.pop(f"state{k + 1}", None)
         state.update(self._store(p, values, config))
 
     def _initial(self, k: int, p: Tensor, config: dict[str, Any]) -> Tensor:
@@ -269,7 +297,11 @@ class StoredStates:
                 values = {k: v.masked_fill(bad, 0.0) for k, v in values.items()}
         out: dict[str, Tensor] = {}
         ranked = self._rank1_state(config, p, width)
+        split = self._factored_state(config, p, width)
         for k, value in values.items():
+            if k == split:
+                out[f"row{k + 1}"], out[f"col{k + 1}"] = factored.project(value)
+                continue
             if k == ranked:
                 offset, dims = rank1.rank1_layout(p)  # type: ignore[misc]  (not None: _rank1_state)
                 w = value.sqrt()
@@ -298,7 +330,7 @@ class StoredStates:
         state = self.state[p]
         out: dict[str, Tensor] = {"step": state["step"].clone()}
         for k, name in enumerate(self._state_names):
-            if f"state{k + 1}" in state:
+            if f"state{k + 1}" in state or f"row{k + 1}" in state:
                 out[name] = like_param(p, self._unpack(k, p, state).clone())
         return out
 

@@ -19,10 +19,11 @@ import pytest
 import torch
 from torch import nn
 
+import lowbit._reference as R
 import lowbit.optim as O
 from lowbit import _ops
 from lowbit.functional import create_dynamic_map
-from lowbit.optim.state_storage import state_map, stored_width
+from lowbit.optim.state_storage import optimizer_state_map, state_map, stored_width
 from tests.blocks import block_absmax, half_code_gap
 from tests.test_optim import DEFAULT_BOUNDS, FOUR_BIT_BOUNDS, _relative
 
@@ -48,6 +49,8 @@ TWINS = [
 OTHERS = dict(lr=0.5, weight_decay=0.3)
 # The opt-in rank-1 normalised second moments of 4-bit matrices (include/lowbit/rank1.h).
 RANK1 = {"rank1_normalization": True}
+# The opt-in factorized second moments of 4-bit matrices (lowbit/optim/factored.py).
+FACTORED = {"factored": True}
 
 
 def _grad(gen: torch.Generator, n: int, step: int) -> torch.Tensor:
@@ -599,3 +602,59 @@ def test_lpmm_format1_checkpoint_second_moments_are_reencoded():
     got_w = lp.dequantize(torch.float32).reshape(-1)
     rounding = float((2.0**-15 * block_absmax(got_w, 256)).norm() / (want - w0).norm())
     assert _relative(got_w - w0, want - w0) < STEP_BOUND + rounding
+
+
+@pytest.mark.parametrize(("src_bits", "src_kw"), [(32, {}), (8, {}), (4, {}), (4, RANK1), (4, FACTORED)], ids=str)
+def test_factored_second_moments_load_from_every_layout_and_back(src_bits, src_kw):
+    """With ``factored=True`` a matrix's second moment is its row and column means (``row2``/``col2`` in place
+    of ``state2``/``absmax2``): a state dict of any layout loads into it as exactly the means of the v it held
+    (and m encoded once), steps as the twin (lowbit/_reference/factored.py) steps from that state, resumes
+    bit for bit from a factored state dict, and loads into the 32-bit class as v_hat exactly."""
+    shape = (40, 130)
+    gen = torch.Generator().manual_seed(5)
+    p = nn.Parameter(torch.randn(shape, generator=gen))
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    src = getattr(O, f"AdamW{src_bits}bit")([p], **kw, **src_kw)
+    for step in range(3):
+        _step(src, p, _grad(gen, p.numel(), step).view(shape))
+    saved = src.state_dict()
+    assert ("row2" in saved["state"][0]) == (src_kw == FACTORED)
+    q = nn.Parameter(p.detach().clone())
+    opt = O.AdamW4bit([q], **OTHERS, **FACTORED)
+    opt.load_state_dict(saved)
+    state = opt.state[q]
+    assert "state2" not in state and "absmax2" not in state
+    held = src.dequantized_state(p)
+    if src_kw == FACTORED:  # the factors themselves (v_hat's means equal them only in exact arithmetic)
+        assert all(torch.equal(state[k], src.state[p][k]) for k in ("row2", "col2"))
+        assert torch.equal(opt.dequantized_state(q)["exp_avg"], held["exp_avg"])
+    else:
+        assert torch.equal(state["row2"], held["exp_avg_sq"].mean(-1))
+        assert torch.equal(state["col2"], held["exp_avg_sq"].mean(-2))
+        _assert_encoded(opt.dequantized_state(q)["exp_avg"], held["exp_avg"], True, 128, 4)
+    grad = _grad(gen, p.numel(), 3).view(shape)
+    twin_p, twin_state = q.detach().clone(), {k: v.clone() for k, v in state.items() if k != "step"}
+    stepped = _step(opt, q, grad)
+    group = src.param_groups[0]
+    R.factored_adam_step_(
+        twin_p,
+        grad,
+        twin_state,
+        4,
+        lr=group["lr"],
+        betas=group["betas"],
+        eps=group["eps"],
+        weight_decay=group["weight_decay"],
+        decoupled=True,
+        maximize=False,
+        m_map=optimizer_state_map(True, p.device, 4),
+        block_size=128,
+    )
+    assert torch.equal(stepped, twin_p)
+    if src_kw == FACTORED:
+        assert torch.equal(_step(src, p, grad), stepped)
+        assert all(torch.equal(src.state[p][k], v) for k, v in opt.state[q].items())
+        full = O.AdamW32bit([nn.Parameter(p.detach().clone())], **kw)
+        full.load_state_dict(src.state_dict())
+        v_hat = R.factored_v_hat(src.state[p]["row2"], src.state[p]["col2"])
+        assert torch.equal(next(iter(full.state.values()))["state2"], v_hat)

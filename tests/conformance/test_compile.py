@@ -31,6 +31,9 @@ OPTIMIZERS = {
     # The opt-in rank-1 second moment (include/lowbit/rank1.h) of the 4-bit matrices: the head's weight
     # (test_rank1_case_normalises_the_head_rank1 checks that it is).
     "AdamW4bit-rank1": lambda p, lr: O.AdamW4bit(p, lr=lr, min_4bit_size=0, rank1_normalization=True),
+    # The opt-in factorized second moment (lowbit/optim/factored.py) of the 4-bit matrices and conv weights
+    # (test_factored_case_factors_the_matrices checks that it is).
+    "AdamW4bit-factored": lambda p, lr: O.AdamW4bit(p, lr=lr, min_4bit_size=0, factored=True),
     "SGD8bit": lambda p, lr: O.SGD8bit(p, lr=lr, momentum=0.9, min_8bit_size=0),
     "Lion8bit": lambda p, lr: O.Lion8bit(p, lr=lr, min_8bit_size=0),
     "AdamW8bit-amsgrad": lambda p, lr: O.AdamW8bit(p, lr=lr, amsgrad=True, min_8bit_size=0),
@@ -153,6 +156,17 @@ def test_rank1_case_normalises_the_head_rank1():
         assert _has_rank1_head(opt, model) == want, name
         if want:
             assert opt.state[model.head.weight]["axis_max2"].numel() == sum(model.head.weight.shape)
+
+
+def test_factored_case_factors_the_matrices():
+    # The factored case would pass as plain block-wise 4-bit if nothing were factored: every parameter of 2 or
+    # more axes must keep row2/col2 (no state2), and the 1-d ones their block-wise 4-bit v.
+    model = _model()
+    opt = OPTIMIZERS["AdamW4bit-factored"](model.parameters(), 0.01)
+    model(_batches(1)[0]).square().mean().backward()
+    opt.step()
+    for p in model.parameters():
+        assert ("row2" in opt.state[p]) == (p.dim() >= 2) and ("state2" in opt.state[p]) == (p.dim() < 2)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

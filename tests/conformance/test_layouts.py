@@ -24,6 +24,7 @@ NAMES = [
     "RMSprop-centered",
     "AdEMAMix",
     "AdamW-rank1",
+    "AdamW-factored",
 ]
 KW = {
     "SGD": dict(momentum=0.9),
@@ -34,6 +35,9 @@ KW = {
     # The opt-in rank-1 second moment of 4-bit matrices (include/lowbit/rank1.h): its axis maxima follow the
     # logical axes, whatever the strides; 8 and 32 bits ignore it.
     "AdamW-rank1": dict(rank1_normalization=True),
+    # The opt-in factorized second moment of 4-bit matrices (lowbit/optim/factored.py): its row and column
+    # means follow the logical axes; 8 and 32 bits refuse it.
+    "AdamW-factored": dict(factored=True),
 }
 # torch.optim twins of lowbit's 32-bit optimizers (Lion, LAMB and LARS have none; AdEMAMix's is the
 # pure-PyTorch formula).
@@ -94,6 +98,10 @@ def test_strided_parameters_step_like_contiguous_ones(layout, name, bits, releas
     grads = [torch.randn(value.shape, generator=gen) for _ in range(3)]
     cls = getattr(O, name.split("-")[0])
     kw = dict(KW.get(name, {}), optim_bits=bits, min_8bit_size=0, min_4bit_size=0)
+    if kw.get("factored") and bits != 4:
+        with pytest.raises(ValueError, match="factored=True needs optim_bits=4"):
+            cls([nn.Parameter(value.clone())], **kw)
+        return
     got, opt = _train(cls, value, grads, release, **kw)
     want, _ = _train(cls, value.contiguous(), grads, **kw)
     assert got.stride() == value.stride()
@@ -101,6 +109,7 @@ def test_strided_parameters_step_like_contiguous_ones(layout, name, bits, releas
     assert float(opt.state[opt.param_groups[0]["params"][0]]["step"]) == 3
     # The rank-1 case is one only where its statistics exist (4-bit states of these matrices).
     assert ("axis_max2" in opt.state[opt.param_groups[0]["params"][0]]) == (name.endswith("rank1") and bits == 4)
+    assert ("row2" in opt.state[opt.param_groups[0]["params"][0]]) == (name.endswith("factored") and bits == 4)
     if bits == 32 and name.split("-")[0] in TORCH:
         # rank1_normalization is lowbit's own option (4-bit states only): torch.optim takes the rest.
         torch_kw = {k: v for k, v in KW.get(name, {}).items() if k != "rank1_normalization"}

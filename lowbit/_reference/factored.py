@@ -1,0 +1,60 @@
+"""Pure-PyTorch twin of the factored 4-bit Adam step (lowbit/optim/factored.py; Shazeer & Stern 2018,
+Adafactor, algorithm 4; Li, Chen, Zhu 2023, "4-bit Factor"): the same fp32 operations in the same order,
+with the first moment coded by the block-wise twins of lowbit._reference.quantize, so that results agree
+bit for bit with the optimizer."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lowbit._reference.optim import _torch_lerp
+from lowbit._reference.quantize import dequantize_blockwise, quantize_blockwise
+
+__all__ = ["factored_adam_step_", "factored_v_hat"]
+
+
+def factored_v_hat(row: Tensor, col: Tensor) -> Tensor:
+    """``(row / mean(row over its last axis)) (outer) col``, 0 where that mean is 0."""
+    mean = row.mean(dim=-1, keepdim=True)
+    safe = torch.where(mean == 0, torch.ones_like(mean), mean)
+    return torch.where(mean == 0, torch.zeros_like(row), row / safe).unsqueeze(-1) * col.unsqueeze(-2)
+
+
+def factored_adam_step_(
+    param: Tensor,
+    grad: Tensor,
+    state: dict[str, Tensor],
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    decoupled: bool,
+    maximize: bool,
+    m_map: Tensor,
+    block_size: int,
+) -> None:
+    """Step ``param`` (2 or more axes) and its factored state ``state`` (``state1``/``absmax1``: 4-bit
+    block-wise m; ``row2``/``col2``: the factors of v) in place, as step number ``step``."""
+    beta1, beta2 = betas
+    n = param.numel()
+    p32, g = param.float(), grad.float()
+    if maximize:
+        g = -g
+    if weight_decay != 0 and not decoupled:
+        g = g + weight_decay * p32
+    m = dequantize_blockwise(state["state1"], state["absmax1"], m_map, 4, block_size, n, torch.float32)
+    m = _torch_lerp(m.view(param.shape), g, 1.0 - beta1)
+    square = g * g
+    row = state["row2"] * beta2 + square.mean(dim=-1) * (1.0 - beta2)
+    col = state["col2"] * beta2 + square.mean(dim=-2) * (1.0 - beta2)
+    bias2_sqrt = (1.0 - beta2**step) ** 0.5
+    denom = factored_v_hat(row, col).sqrt() / bias2_sqrt + eps
+    if weight_decay != 0 and decoupled:
+        p32 = p32 * (1.0 - lr * weight_decay)
+    p32 = p32 - (lr / (1.0 - beta1**step)) * m / denom
+    codes, absmax = quantize_blockwise(m, m_map, 4, block_size, False, 0, 0)
+    param.copy_(p32)
+    state.update(state1=codes, absmax1=absmax, row2=row, col2=col)
