@@ -44,9 +44,11 @@ void nearest_codes_u8(const MapIndex& index, const float* x, int cnt, float absm
 // xn = normalise(x, absmax) and the buckets of xn, for fp32 input (encode.cpp; an AVX2 clone).
 void normalise_buckets(const float* x, int cnt, float absmax, float* xn, uint32_t* bucket);
 
-// Element-wise normalise() with the block's division and its branches hoisted.
+// Element-wise normalise() with the block's division and its branches hoisted. Always inlined, so that
+// it is compiled into each ISA clone that calls it (encode.cpp): an out-of-line copy is built for the
+// baseline ISA only, and every clone called it.
 template <typename T>
-void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
+__attribute__((always_inline)) inline void normalise_tile(const T* x, int cnt, float absmax, float* xn) {
   const float inv = block_inverse(absmax);
   if (inv != 0.f) {
     for (int j = 0; j < cnt; ++j) xn[j] = normalise(to_float(x[j]), absmax, inv);
