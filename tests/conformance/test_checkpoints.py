@@ -444,6 +444,23 @@ def _assert_rank1_encoded(got: torch.Tensor, want: torch.Tensor) -> None:
     assert bool((err <= d * (2 * w + d) * (1 + 1e-5) + 1e-6 * want).all()), float((err - d * (2 * w + d)).max())
 
 
+SOURCE_KW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _three_adamw_steps(
+    shape: tuple[int, int], seed: int, bits: int, options: dict
+) -> tuple[nn.Parameter, torch.optim.Optimizer, dict, torch.Generator]:
+    """A matrix of ``shape``, ``AdamW{bits}bit`` with SOURCE_KW and ``options`` after three steps on seeded
+    gradients, its state dict and the generator, for the next gradient: the source checkpoint of the
+    layout-conversion tests."""
+    gen = torch.Generator().manual_seed(seed)
+    p = nn.Parameter(torch.randn(shape, generator=gen))
+    src = getattr(O, f"AdamW{bits}bit")([p], **SOURCE_KW, **options)
+    for step in range(3):
+        _step(src, p, _grad(gen, p.numel(), step).view(shape))
+    return p, src, src.state_dict(), gen
+
+
 @pytest.mark.parametrize(("src_bits", "src_kw"), [(32, {}), (8, {}), (4, {}), (4, RANK1)], ids=str)
 def test_rank1_second_moments_load_from_every_layout_and_back(src_bits, src_kw):
     """With ``rank1_normalization=True`` a matrix's 4-bit second moment is normalised rank-1 (``axis_max2`` in
@@ -451,13 +468,7 @@ def test_rank1_second_moments_load_from_every_layout_and_back(src_bits, src_kw):
     as one encode of what the checkpoint held, and steps as torch from that state; a rank-1 state dict resumes
     bit for bit and loads into the 32-bit class exactly."""
     shape = (40, 130)
-    gen = torch.Generator().manual_seed(3)
-    p = nn.Parameter(torch.randn(shape, generator=gen))
-    kw = dict(lr=1e-2, weight_decay=0.1)
-    src = getattr(O, f"AdamW{src_bits}bit")([p], **kw, **src_kw)
-    for step in range(3):
-        _step(src, p, _grad(gen, p.numel(), step).view(shape))
-    saved = src.state_dict()
+    p, src, saved, gen = _three_adamw_steps(shape, 3, src_bits, src_kw)
     assert ("axis_max2" in saved["state"][0]) == (src_kw == RANK1)
     q = nn.Parameter(p.detach().clone())
     opt = O.AdamW4bit([q], **OTHERS, **RANK1)
@@ -611,13 +622,7 @@ def test_factored_second_moments_load_from_every_layout_and_back(src_bits, src_k
     (and m encoded once), steps as the twin (lowbit/_reference/factored.py) steps from that state, resumes
     bit for bit from a factored state dict, and loads into the 32-bit class as v_hat exactly."""
     shape = (40, 130)
-    gen = torch.Generator().manual_seed(5)
-    p = nn.Parameter(torch.randn(shape, generator=gen))
-    kw = dict(lr=1e-2, weight_decay=0.1)
-    src = getattr(O, f"AdamW{src_bits}bit")([p], **kw, **src_kw)
-    for step in range(3):
-        _step(src, p, _grad(gen, p.numel(), step).view(shape))
-    saved = src.state_dict()
+    p, src, saved, gen = _three_adamw_steps(shape, 5, src_bits, src_kw)
     assert ("row2" in saved["state"][0]) == (src_kw == FACTORED)
     q = nn.Parameter(p.detach().clone())
     opt = O.AdamW4bit([q], **OTHERS, **FACTORED)
@@ -654,7 +659,7 @@ def test_factored_second_moments_load_from_every_layout_and_back(src_bits, src_k
     if src_kw == FACTORED:
         assert torch.equal(_step(src, p, grad), stepped)
         assert all(torch.equal(src.state[p][k], v) for k, v in opt.state[q].items())
-        full = O.AdamW32bit([nn.Parameter(p.detach().clone())], **kw)
+        full = O.AdamW32bit([nn.Parameter(p.detach().clone())], **SOURCE_KW)
         full.load_state_dict(src.state_dict())
         v_hat = R.factored_v_hat(src.state[p]["row2"], src.state[p]["col2"])
         assert torch.equal(next(iter(full.state.values()))["state2"], v_hat)
