@@ -59,10 +59,13 @@ __attribute__((always_inline)) inline void normalise_tile(const T* x, int cnt, f
   }
 }
 
+// fp16 and bf16 input (cnt <= kTile): widened to float first, which is exact and what normalise_tile would
+// do element by element, so that the fp32 loop's ISA clones (encode.cpp) do the work.
 template <typename T>
 void normalise_buckets(const T* x, int cnt, float absmax, float* xn, uint32_t* bucket) {
-  normalise_tile(x, cnt, absmax, xn);
-  for (int j = 0; j < cnt; ++j) bucket[j] = bucket16(xn[j]);
+  float wide[kTile];
+  for (int j = 0; j < cnt; ++j) wide[j] = to_float(x[j]);
+  normalise_buckets(wide, cnt, absmax, xn, bucket);
 }
 
 struct MapSpan {
