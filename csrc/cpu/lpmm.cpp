@@ -215,7 +215,10 @@ void step_group(const LpmmArgs& a, const LpTensor& t, int64_t g, const LpCoders&
   uint32_t max_s[2];
   update_fp32(kRule, kStates, a.hyper, t.scalars, p, grad, s[0], s[1], cnt, max_s);
   if (max_s[0] >= kNonFiniteBits || max_s[1] >= kNonFiniteBits) restart_nonfinite(s[0], s[1], kStates, cnt, max_s);
-  const float amax_p = absmax_from_bits(max_abs_bits_avx512(p, cnt));
+  uint32_t max_p = 0;
+  const int vec = lpmm_avx512_active() ? max_abs_bits_avx512(p, cnt, &max_p) : 0;
+  for (int i = vec; i < cnt; ++i) max_p = std::max(max_p, abs_bits(p[i]));
+  const float amax_p = absmax_from_bits(max_p);
   t.param_absmax[g] = amax_p;
   encode_linear(a.stochastic_param, p, lo, cnt, a.param_bits, amax_p, lpmm_key(a.seed, kStreamParam), t.offset,
                 t.param);

@@ -6,7 +6,6 @@
 // of each pair back (pack).
 #include "lpmm_avx512.h"
 
-#include <algorithm>
 
 #include "avx512.h"
 #include "lowbit/blockwise.h"
@@ -237,24 +236,20 @@ LB_TARGET int map_codes_u8_avx512(const MapIndex& index, const float* x, int cnt
   return done;
 }
 
-LB_TARGET uint32_t max_abs_bits_avx512(const float* x, int cnt) {
-  const int vec = cnt - cnt % 16;
+LB_TARGET int max_abs_bits_avx512(const float* x, int cnt, uint32_t* max_bits) {
+  const int done = cnt - cnt % 16;
   const __m512i mask = _mm512_set1_epi32(0x7FFFFFFF);
   __m512i m = _mm512_setzero_si512();
-  for (int j = 0; j < vec; j += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(x + j), mask));
-  alignas(64) uint32_t lanes[16];
-  _mm512_store_si512(lanes, m);
-  uint32_t r = *std::max_element(lanes, lanes + 16);
-  for (int j = vec; j < cnt; ++j) r = std::max(r, abs_bits(x[j]));
-  return r;
+  for (int j = 0; j < done; j += 16) m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_loadu_si512(x + j), mask));
+  *max_bits = static_cast<uint32_t>(_mm512_reduce_max_epu32(m));
+  return done;
 }
 
 #else
 
-uint32_t max_abs_bits_avx512(const float* x, int cnt) {
-  uint32_t r = 0;
-  for (int j = 0; j < cnt; ++j) r = std::max(r, abs_bits(x[j]));
-  return r;
+int max_abs_bits_avx512(const float*, int, uint32_t* max_bits) {
+  *max_bits = 0;
+  return 0;
 }
 int map_codes_u8_avx512(const MapIndex&, const float*, int, float, bool, RngKey, uint64_t, uint8_t*) { return 0; }
 int normalise_buckets_avx512(const float*, int, float, float*, uint32_t*) { return 0; }

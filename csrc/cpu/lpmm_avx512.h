@@ -41,7 +41,9 @@ class MapIndex;
 int map_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, bool stochastic, RngKey key,
                         uint64_t counter0, uint8_t* out);
 
-// The largest abs_bits(x[i]) (lowbit/blockwise.h) over all cnt elements.
-uint32_t max_abs_bits_avx512(const float* x, int cnt);
+// The largest abs_bits(x[i]) (lowbit/blockwise.h) over the whole 16-element chunks of x[0, cnt), in
+// max_bits; returns how many elements it covered (the rest is the caller's). Same contract as
+// linear_values_avx512: call only where lpmm_avx512_active().
+int max_abs_bits_avx512(const float* x, int cnt, uint32_t* max_bits);
 
 }  // namespace lowbit::cpu
