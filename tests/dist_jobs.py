@@ -219,11 +219,13 @@ def _rank1_check(opt: torch.optim.Optimizer, inputs: list[dict[str, Any]]) -> di
 
 
 def _digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
-    """A hash of the parameters and the optimizer states (every rank must call it)."""
+    """A hash of the parameters (LPMM storage: its values, gathered), and the optimizer states (every rank
+    must call it)."""
     digest = hashlib.sha256()
     params = [p for g in opt.param_groups for p in g["params"]]
     # In param-group order: opt.state's order is the order in which states were created.
-    tensors = list(model.parameters()) + [v for p in params for _, v in sorted(opt.state[p].items())]
+    lpmm_values = [lp.dequantize() for _, lp in sorted(lowbit.lpmm.low_precision_parameters(model).items())]
+    tensors = list(model.parameters()) + lpmm_values + [v for p in params for _, v in sorted(opt.state[p].items())]
     for t in tensors:
         if isinstance(t, torch.Tensor):
             t = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
@@ -273,7 +275,10 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
             with release.accumulate() if release is not None and i < micro - 1 else contextlib.nullcontext():
                 part.backward()
             loss += part.detach()
-        grads_left = max(grads_left, sum(p.grad is not None for p in model.parameters()))
+        # Gradients left after backward: .grad tensors and (LPMM) filled accumulators.
+        lps = lowbit.lpmm.low_precision_parameters(model).values()
+        left = sum(p.grad is not None for p in model.parameters()) + sum(lp.has_grad for lp in lps)
+        grads_left = max(grads_left, left)
         last = step + 1 == start + job["steps"]
         rank1_inputs = _rank1_inputs(opt) if job.get("rank1_check") and last else None
         opt.step()

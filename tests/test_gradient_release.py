@@ -428,8 +428,7 @@ if dist.is_available() and dist.is_gloo_available():
     # Every optimizer class that steps FSDP2-sharded parameters: each rule at 8 bits, the 4-bit and 32-bit
     # state forms, the whole-tensor norms of sharded tensors inside the step (LAMB; LARS's trust ratio;
     # percentile clipping) and AdEMAMix's schedules. Not here: Muon, whose step refuses a sharded matrix
-    # (lowbit/optim/muon.py), and the LPMM optimizers, which step_in_backward refuses under FSDP2
-    # (tests/test_lpmm_fsdp.py checks the error).
+    # (lowbit/optim/muon.py); the LPMM optimizers are in test_fsdp2_release_of_lpmm_equals_the_ordinary_loop.
     FSDP2_CLASSES = [
         "Adam8bit", "AdamW8bit", "SGD8bit", "Lion8bit", "RMSprop8bit", "Adagrad8bit", "AdEMAMix8bit", "LAMB8bit",
         "LARS8bit", "Adam8bit-clip", "AdamW4bit", "SGD4bit", "AdamW32bit",
@@ -460,6 +459,27 @@ if dist.is_available() and dist.is_gloo_available():
         assert released["losses"] == ordinary["losses"]
         assert released["digest"] == ordinary["digest"]
         assert released["grads_left"] == 0
+
+    @pytest.mark.parametrize("micro", [1, 2])
+    def test_fsdp2_release_of_lpmm_equals_the_ordinary_loop(tmp_path, micro):
+        # Sharded LPMM storage (12-bit parameters, 8-bit accumulators): backward reduce-scatters each use's
+        # gradient into the rank's accumulator groups, and release steps them from the storage's release
+        # leaf once the last use is in (tests/test_lpmm_fsdp.py: the same on one rank). Uneven splits
+        # included (the layer norms' single group is 1 + 0).
+        job = {
+            "parallel": "fsdp",
+            "optimizers": ["LPMMSGD", "LPMMAdamW"],
+            "lpmm": [12, 8],
+            "steps": 3,
+            "micro": micro,
+            "variants": [{}, {"release": True}],
+        }
+        ordinary, released = launch(2, job, tmp_path)
+        for name in job["optimizers"]:
+            assert released[name]["losses"] == ordinary[name]["losses"], name
+            assert released[name]["digest"] == ordinary[name]["digest"], name
+            assert released[name]["grads_left"] == 0 and ordinary[name]["grads_left"] > 0, name
+            assert released[name]["losses"][-1] < released[name]["losses"][0], name  # it trains
 
     def test_refuses_ddp(tmp_path):
         # Without the model (the second variant), plain parameters in a distributed run could be DDP's:

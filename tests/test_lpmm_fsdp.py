@@ -4,6 +4,8 @@ one. Two-rank training, uneven splits and resharding checkpoints are in tests/te
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -186,12 +188,45 @@ def test_clip_grad_norm_of_sharded_storage_matches_plain(one_rank, norm_type):
         assert torch.equal(lp.grad.reshape(-1)[: lp.numel()], lps[name].grad.reshape(-1)), name
 
 
-def test_gradient_release_refuses_sharded_storage(one_rank):
-    # FSDP2-sharded handles get no gradient (the sharded accumulator receives the reduced one), so no
-    # post-accumulate-grad hook would step them: refused, leaving the optimizer as it was.
-    model = _model(0, shard=True)
-    opt = lowbit.optim.LPMMAdamW(model.parameters())
-    with pytest.raises(NotImplementedError, match="FSDP2-sharded LPMM parameters"):
-        lowbit.optim.step_in_backward(opt, model)
-    assert not hasattr(opt, "_lowbit_release")
-    assert all(lp.accumulator_allocated for lp in low_precision_parameters(model).values())
+@pytest.mark.parametrize("optimizer", ["LPMMSGD", "LPMMAdamW"])
+@pytest.mark.parametrize("micro", [1, 2])
+def test_gradient_release_of_sharded_storage_equals_the_ordinary_loop(one_rank, optimizer, micro):
+    # FSDP2 gives a sharded handle no gradient, so release hooks the storage's release leaf: each rank
+    # steps its groups once every use has been reduce-scattered into its accumulator, and frees the
+    # accumulator. Bit for bit the ordinary loop (the step's draws depend on the seed, the step number
+    # and the position only; the accumulation draws come in the same order). Two micro-batches: the first
+    # accumulates inside release.accumulate() without stepping.
+    make = getattr(lowbit.optim, optimizer)
+    models = [_model(0, shard=True) for _ in range(2)]
+    opts = [make(m.parameters(), lr=0.05, generator=torch.Generator().manual_seed(2)) for m in models]
+    release = lowbit.optim.step_in_backward(opts[1], models[1])
+    losses: list[list[float]] = [[], []]
+    for k, (model, opt) in enumerate(zip(models, opts, strict=True)):
+        torch.manual_seed(7)
+        data = torch.Generator().manual_seed(0)
+        start = {name: lp.codes.to_local().clone() for name, lp in low_precision_parameters(model).items()}
+        for _ in range(4):
+            x, y = torch.randn(16, 40, generator=data), torch.randint(0, 5, (16,), generator=data)
+            for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
+                loss = nn.functional.cross_entropy(model(xm), ym) / micro
+                accumulating = k == 1 and i < micro - 1
+                with release.accumulate() if accumulating else contextlib.nullcontext():
+                    loss.backward()
+                losses[k].append(loss.item())
+            pending = [lp.has_grad for lp in low_precision_parameters(model).values()]
+            # Released: stepped and freed inside backward; ordinary: every accumulator waits for step().
+            assert not any(pending) if k == 1 else all(pending)
+            opt.step()
+            opt.zero_grad()
+        moved = [not torch.equal(lp.codes.to_local(), start[n]) for n, lp in low_precision_parameters(model).items()]
+        assert all(moved)  # the check below compares trained parameters, not two untouched ones
+    assert losses[0] == losses[1]
+    whole, released = export_float(models[0]), export_float(models[1])
+    for key, value in whole.items():
+        assert torch.equal(value, released[key]), key
+    lps = low_precision_parameters(models[0])
+    for name, lp in low_precision_parameters(models[1]).items():
+        for key in opts[1].state[lp.handle]:
+            assert torch.equal(_flat_state(opts[1], lp, key), _flat_state(opts[0], lps[name], key)), key
+    release.remove()
+    assert all(lp.release_leaf is None for lp in low_precision_parameters(models[1]).values())

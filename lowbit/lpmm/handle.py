@@ -25,17 +25,21 @@ class Materialize(torch.autograd.Function):
     """The full-precision value of a low-precision parameter; backward feeds its accumulator."""
 
     @staticmethod
-    def forward(ctx: Any, handle: Tensor, lp: LowPrecisionParameter) -> Tensor:
+    def forward(ctx: Any, handle: Tensor, lp: LowPrecisionParameter, release_leaf: Optional[Tensor]) -> Tensor:
         ctx.lp = lp
+        ctx.release_leaf = release_leaf is not None
         return lp.dequantize(handle.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], None, Optional[Tensor]]:
         lp = ctx.lp
         lp.accumulate_(grad)
         # An empty gradient for the empty handle marks it as used, as DDP's reducer expects; FSDP2 cannot
-        # reduce-scatter empty gradients, and the sharded accumulator already holds the reduced one.
-        return (torch.zeros_like(lp.handle) if lp.shards is None else None), None
+        # reduce-scatter empty gradients, and the sharded accumulator already holds the reduced one. The
+        # release leaf (gradient release of a sharded parameter) gets an empty gradient too: autograd runs
+        # its post-accumulate-grad hook once every use of the parameter has fed the accumulator.
+        leaf_grad = grad.new_zeros(0) if ctx.release_leaf else None
+        return (torch.zeros_like(lp.handle) if lp.shards is None else None), None, leaf_grad
 
 
 _TENSOR_GRAD = torch._C.TensorBase.grad

@@ -96,6 +96,9 @@ class LowPrecisionParameter(nn.Module):
         self.dtype = value.dtype
         self.generator = generator
         self.shards: Optional[Shards] = None
+        # Set by gradient release of a sharded parameter (lowbit.optim.step_in_backward): an empty leaf that
+        # each use's backward feeds, so that its post-accumulate-grad hook steps the parameter.
+        self.release_leaf: Optional[Tensor] = None
         # Bumped whenever the value changes; a backward pass refuses values saved before a change.
         self.version = 0
         self.has_grad = False
@@ -207,7 +210,7 @@ class LowPrecisionParameter(nn.Module):
         Its dtype is the handle's: the compute dtype, or under FSDP2 with a ``MixedPrecisionPolicy`` the
         policy's ``param_dtype`` (FSDP2 casts the handle it gathers for forward)."""
         if torch.is_grad_enabled() and self.handle.requires_grad:
-            return Materialize.apply(self.handle, self)
+            return Materialize.apply(self.handle, self, self.release_leaf)
         return self.dequantize(self.handle.dtype)
 
     # -- sharding (FSDP2) ---------------------------------------------------------------------------

@@ -44,9 +44,11 @@ once autograd has fed it every contribution. The hook steps the parameter and fr
 once), so a released LPMM model holds one accumulator at a time instead of ``grad_bits`` per parameter.
 Bit-identity holds because an LPMM step's rounding draws depend only on the optimizer's
 ``rounding_seed``, the parameter's step number and its position (:mod:`lowbit.optim.lpmm`), never on
-which parameters step together. Refused: LPMM's own data parallelism over whole parameters (it averages
-the accumulators in ``step()``, after backward), and FSDP2-sharded LPMM parameters, whose handles get no
-gradient (the sharded accumulator receives the reduced one), so no hook would fire.
+which parameters step together. FSDP2-sharded LPMM parameters work too: their handles get no gradient
+(backward reduce-scatters each use's gradient into the sharded accumulator), so the hook sits on an empty
+leaf tensor that every use's backward feeds (:attr:`~lowbit.lpmm.LowPrecisionParameter.release_leaf`);
+autograd runs it once the last use has been accumulated, and each rank steps its groups. Refused: LPMM's
+own data parallelism over whole parameters (it averages the accumulators in ``step()``, after backward).
 
 Parameters added to the optimizer after :func:`step_in_backward`, or that did not require gradients
 then, are not released (they step in ``opt.step()`` as usual); call ``remove()`` and
@@ -57,7 +59,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,6 +70,9 @@ from torch.utils.hooks import RemovableHandle
 
 from lowbit.optim.lpmm import LPMMOptimizer, storage_of
 from lowbit.optim.optimizer import LowbitOptimizer
+
+if TYPE_CHECKING:
+    from lowbit.lpmm.parameter import LowPrecisionParameter
 
 __all__ = ["GradientRelease", "step_in_backward"]
 
@@ -81,22 +86,33 @@ class GradientRelease:
         self._accumulating = False
         self._hooks: list[RemovableHandle] = []
         # Where each parameter is (group index, index in the group), read by its hook.
+        # Sharded LPMM storages whose release leaf this release set (remove() unsets them).
+        self._leaves: list[LowPrecisionParameter] = []
         for gi, group in enumerate(optimizer.param_groups):
             for j, p in enumerate(group["params"]):
-                if p.requires_grad:
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(gi, j)))
+                if not p.requires_grad:
+                    continue
+                lp = storage_of(p)
+                if lp is not None and lp.shards is not None:
+                    # FSDP2 gives a sharded LPMM handle no gradient (backward reduce-scatters into the sharded
+                    # accumulator), so the hook goes on a leaf that each use's backward feeds instead.
+                    lp.release_leaf = torch.zeros(0, device=lp.device, requires_grad=True)
+                    self._leaves.append(lp)
+                    self._hooks.append(lp.release_leaf.register_post_accumulate_grad_hook(self._hook(gi, j, p)))
+                else:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._hook(gi, j, p)))
         self._hooks.append(optimizer.register_step_pre_hook(_refuse_grad_scaler))
         # GradScaler.step then sets the optimizer's grad_scale and found_inf and calls step(), where the
         # pre-hook sees them; without it, it fails on an assertion about missing inf checks.
         optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
         optimizer._lowbit_release = self  # type: ignore[attr-defined]
 
-    def _hook(self, gi: int, j: int) -> Callable[[Tensor], None]:
+    def _hook(self, gi: int, j: int, param: Tensor) -> Callable[[Tensor], None]:
         # Not traced, as LowbitOptimizer.step is not: the backward of a torch.compile'd training step runs
         # its hooks inside dynamo's frame evaluation, which would otherwise trace the optimizer's Python
         # (AdEMAMix's schedules failed its float guards, and each step would recompile).
         @torch._disable_dynamo
-        def step_and_free(param: Tensor) -> None:
+        def step_and_free(hooked: Tensor) -> None:
             if self._accumulating:
                 return
             group = self.optimizer.param_groups[gi]["params"]
@@ -108,7 +124,7 @@ class GradientRelease:
             # The step reads param.grad; it is freed only once the step has succeeded, as a failed
             # ordinary step keeps the gradients.
             self.optimizer._step_params({gi: [j]})
-            param.grad = None
+            hooked.grad = None
             lp = storage_of(param)
             if lp is not None:
                 lp.free_grad_()
@@ -139,6 +155,9 @@ class GradientRelease:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for lp in self._leaves:
+            lp.release_leaf = None
+        self._leaves = []
         del self.optimizer._step_supports_amp_scaling  # type: ignore[attr-defined]
         del self.optimizer._lowbit_release  # type: ignore[attr-defined]
 
@@ -187,13 +206,8 @@ def _check_distributed(optimizer: LowbitOptimizer | LPMMOptimizer, model: Option
 def _check_lpmm(optimizer: LPMMOptimizer) -> None:
     """Refuse the LPMM setups whose gradients are not final (or not seen) when the handles' hooks run."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if any(storage_of(p).shards is not None for p in params):
-        raise NotImplementedError(
-            f"lowbit: step_in_backward does not support FSDP2-sharded LPMM parameters ({type(optimizer).__name__}): "
-            "their handles get no gradient (the sharded accumulator receives the reduced one), so no hook would "
-            "step them. Use the ordinary loop"
-        )
-    if optimizer._group() is not None:
+    # Sharded storages were averaged by backward's reduce-scatter; step() averages only whole ones.
+    if optimizer._group() is not None and any(storage_of(p).shards is None for p in params):
         raise ValueError(
             f"lowbit: step_in_backward cannot release {type(optimizer).__name__} with data_parallel: it averages "
             "the accumulators over the ranks in step(), after backward. Pass data_parallel=False (one process per "
@@ -216,8 +230,7 @@ def step_in_backward(optimizer: LowbitOptimizer | LPMMOptimizer, model: Optional
         A :class:`GradientRelease`; its ``remove()`` restores the ordinary loop.
 
     Raises:
-        NotImplementedError: FSDP2-sharded LPMM parameters (their handles get no gradient, so no hook
-            would fire); FSDP2 parameters on torch < 2.5, whose FSDP2 does not run the sharded
+        NotImplementedError: FSDP2 parameters on torch < 2.5, whose FSDP2 does not run the sharded
             parameters' hooks.
         TypeError: ``optimizer`` is not a lowbit optimizer.
         ValueError: DDP, a distributed run with plain parameters and no ``model``, or an LPMM optimizer
