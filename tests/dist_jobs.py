@@ -326,9 +326,16 @@ def train(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
 
 def run_job(rank: int, world: int, job: dict[str, Any]) -> Any:
     """train() for ``job``; with job["optimizers"], once per optimizer in the same ranks (which saves their
-    start-up), as {name: result}."""
+    start-up), as {name: result}, each saving and loading its checkpoint at job["save"] / job["load"] with
+    "-{name}" appended."""
     if "optimizers" in job:
-        return {name: train(rank, world, {**job, "optimizer": name}) for name in job["optimizers"]}
+
+        def own_checkpoints(name: str) -> dict[str, str]:
+            return {key: f"{job[key]}-{name}" for key in ("save", "load") if job.get(key)}
+
+        return {
+            name: train(rank, world, {**job, "optimizer": name, **own_checkpoints(name)}) for name in job["optimizers"]
+        }
     return train(rank, world, job)
 
 

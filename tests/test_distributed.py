@@ -22,46 +22,43 @@ def _relative(a: list[float], b: list[float]) -> float:
     return max(abs(y / x - 1) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize(
-    "optimizer",
-    [
-        "Adam8bit",
-        "AdamW8bit",
-        "SGD8bit",
-        "AdamW32bit",
-        "LARS8bit",
-        "Adam8bit-clip",
-        "LAMB8bit",
-        "AdamW4bit",
-        "AdamW4bit-rank1",
-    ],
-)
-def test_fsdp2_matches_one_process_on_the_full_batch(tmp_path, optimizer):
-    ref = launch(1, {"parallel": "none", "optimizer": optimizer, "steps": STEPS}, tmp_path)
-    fsdp = launch(2, {"parallel": "fsdp", "optimizer": optimizer, "steps": STEPS}, tmp_path)
-    # Whole-tensor norms of shards (LARS's and LAMB's trust ratios, percentile clipping) are those of
-    # the gathered tensors. Without the all-reduce, LARS8bit's and LAMB8bit's losses drift by up to
-    # 2.7e-2 and 1.1e-2 from one process's.
-    assert len(fsdp["norms"]) > 0
-    # Both are fp32 square roots of the same sum of squares (at most 8,192 per tensor) in different orders:
-    # torch's pairwise reduction is within about log2(8192) * 2**-24 = 7.7e-7 relative, halved by the root,
-    # plus the all-reduce's rounding. Measured worst 2.1e-7 relative (30 norms each for LARS8bit, percentile
-    # clipping, LAMB8bit); 1e-6 leaves 5x (was 1e-5). 1e-7 absolute covers norms near zero.
-    for ours, full in zip(fsdp["norms"], fsdp["full_norms"], strict=True):
-        assert abs(ours - full) <= 1e-6 * full + 1e-7
-    # The same states are 8-bit (decided by the global element count), including the position table,
-    # whose 15 rows the two ranks hold as 8 + 7.
-    assert fsdp["eight_bit_states"] == ref["eight_bit_states"]
-    if optimizer.endswith("8bit"):
-        assert fsdp["uneven_eight_bit_states"] > 0
-    # Sharded tensors are quantized in blocks of their local shards, so the 8-bit states differ from
-    # the one-process run by rounding. Measured over 8 steps: at most 1.4e-5 (Adam8bit), 1.5e-5
-    # (AdamW8bit), 5.8e-6 (SGD8bit), 2.2e-7 (AdamW32bit), 4.6e-7 (LARS8bit), 1.0e-5 (percentile
-    # clipping), 7.2e-6 (LAMB8bit) relative; 2e-4 allows 10x that.
-    assert _relative(ref["losses"], fsdp["losses"]) < 2e-4, (ref, fsdp)
-    # The run makes progress: one process's last loss over its first, measured 0.69 (LAMB8bit) to 0.79
-    # (SGD8bit) over these 8 steps; 0.85 lies between that and no progress (1).
-    assert fsdp["losses"][-1] < 0.85 * fsdp["losses"][0]
+FSDP2_OPTIMIZERS = [
+    "Adam8bit", "AdamW8bit", "SGD8bit", "AdamW32bit", "LARS8bit", "Adam8bit-clip", "LAMB8bit", "AdamW4bit",
+    "AdamW4bit-rank1",
+]  # fmt: skip
+
+
+def test_fsdp2_matches_one_process_on_the_full_batch(tmp_path):
+    # Every optimizer in one launch per world size: each train() builds its model, optimizer and batches
+    # from fixed seeds, so each gives what it would alone, without a pair of process start-ups apiece.
+    refs = launch(1, {"parallel": "none", "optimizers": FSDP2_OPTIMIZERS, "steps": STEPS}, tmp_path)
+    runs = launch(2, {"parallel": "fsdp", "optimizers": FSDP2_OPTIMIZERS, "steps": STEPS}, tmp_path)
+    for optimizer in FSDP2_OPTIMIZERS:
+        ref, fsdp = refs[optimizer], runs[optimizer]
+        # Whole-tensor norms of shards (LARS's and LAMB's trust ratios, percentile clipping) are those of
+        # the gathered tensors. Without the all-reduce, LARS8bit's and LAMB8bit's losses drift by up to
+        # 2.7e-2 and 1.1e-2 from one process's.
+        assert len(fsdp["norms"]) > 0, optimizer
+        # Both are fp32 square roots of the same sum of squares (at most 8,192 per tensor) in different
+        # orders: torch's pairwise reduction is within about log2(8192) * 2**-24 = 7.7e-7 relative, halved
+        # by the root, plus the all-reduce's rounding. Measured worst 2.1e-7 relative (30 norms each for
+        # LARS8bit, percentile clipping, LAMB8bit); 1e-6 leaves 5x (was 1e-5). 1e-7 absolute covers norms
+        # near zero.
+        for ours, full in zip(fsdp["norms"], fsdp["full_norms"], strict=True):
+            assert abs(ours - full) <= 1e-6 * full + 1e-7, optimizer
+        # The same states are 8-bit (decided by the global element count), including the position table,
+        # whose 15 rows the two ranks hold as 8 + 7.
+        assert fsdp["eight_bit_states"] == ref["eight_bit_states"], optimizer
+        if optimizer.endswith("8bit"):
+            assert fsdp["uneven_eight_bit_states"] > 0, optimizer
+        # Sharded tensors are quantized in blocks of their local shards, so the 8-bit states differ from
+        # the one-process run by rounding. Measured over 8 steps: at most 1.4e-5 (Adam8bit), 1.5e-5
+        # (AdamW8bit), 5.8e-6 (SGD8bit), 2.2e-7 (AdamW32bit), 4.6e-7 (LARS8bit), 1.0e-5 (percentile
+        # clipping), 7.2e-6 (LAMB8bit) relative; 2e-4 allows 10x that.
+        assert _relative(ref["losses"], fsdp["losses"]) < 2e-4, (optimizer, ref, fsdp)
+        # The run makes progress: one process's last loss over its first, measured 0.69 (LAMB8bit) to 0.79
+        # (SGD8bit) over these 8 steps; 0.85 lies between that and no progress (1).
+        assert fsdp["losses"][-1] < 0.85 * fsdp["losses"][0], optimizer
 
 
 def test_fsdp2_rank1_statistics_equal_one_process_bit_for_bit(tmp_path):
@@ -90,44 +87,50 @@ def test_stable_embedding_keeps_fp32_state_under_fsdp2(tmp_path):
     assert _relative(ref["losses"], fsdp["losses"]) < 2e-4, (ref, fsdp)
 
 
-@pytest.mark.parametrize("optimizer", ["Adam8bit", "AdamW8bit", "SGD8bit"])
-def test_ddp_matches_one_process_on_the_full_batch(tmp_path, optimizer):
-    ref = launch(1, {"parallel": "none", "optimizer": optimizer, "steps": STEPS}, tmp_path)
-    ddp = launch(2, {"parallel": "ddp", "optimizer": optimizer, "steps": STEPS}, tmp_path)
-    assert ddp["eight_bit_states"] == ref["eight_bit_states"] > 0
-    # Whole tensors on every rank: only the all-reduce's rounding differs (measured 1.1e-7 / 5.5e-7 / 1.1e-7
-    # for Adam8bit / AdamW8bit / SGD8bit; 2e-6 leaves 3.6x).
-    assert _relative(ref["losses"], ddp["losses"]) < 2e-6, (ref, ddp)
+def test_ddp_matches_one_process_on_the_full_batch(tmp_path):
+    optimizers = ["Adam8bit", "AdamW8bit", "SGD8bit"]  # one launch per world size, as above
+    refs = launch(1, {"parallel": "none", "optimizers": optimizers, "steps": STEPS}, tmp_path)
+    runs = launch(2, {"parallel": "ddp", "optimizers": optimizers, "steps": STEPS}, tmp_path)
+    for optimizer in optimizers:
+        ref, ddp = refs[optimizer], runs[optimizer]
+        assert ddp["eight_bit_states"] == ref["eight_bit_states"] > 0, optimizer
+        # Whole tensors on every rank: only the all-reduce's rounding differs (measured 1.1e-7 / 5.5e-7 /
+        # 1.1e-7 for Adam8bit / AdamW8bit / SGD8bit; 2e-6 leaves 3.6x).
+        assert _relative(ref["losses"], ddp["losses"]) < 2e-6, (optimizer, ref, ddp)
 
 
 LPMM = {"lpmm": [12, 8]}  # 12-bit parameters, 8-bit gradient accumulators, groups of 64
 
 
-@pytest.mark.parametrize("optimizer", ["Adam8bit", "AdamW8bit", "SGD8bit", "LPMMSGD", "AdamW4bit"])
+@pytest.mark.parametrize("optimizers", [["Adam8bit", "AdamW8bit", "SGD8bit", "AdamW4bit"], ["LPMMSGD"]])
 @pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
-def test_dcp_checkpoint_reshards_and_resumes(tmp_path, optimizer, save_world, load_world):
+def test_dcp_checkpoint_reshards_and_resumes(tmp_path, optimizers, save_world, load_world):
+    # The block-wise optimizers share each launch (as above; each saves its own checkpoint). LPMM runs
+    # alone: its accumulation draws come from torch's default generator, which a run before it would move.
     checkpoint = str(tmp_path / "checkpoint")
-    job = {"parallel": "fsdp", "optimizer": optimizer, **(LPMM if optimizer.startswith("LPMM") else {})}
-    full = launch(save_world, {**job, "steps": STEPS, "save": checkpoint, "save_after": STEPS // 2}, tmp_path)
-    resumed = launch(load_world, {**job, "steps": STEPS // 2, "start": STEPS // 2, "load": checkpoint}, tmp_path)
-    if optimizer.startswith("LPMM"):
-        # The storage reshards exactly: low-precision groups do not depend on the world size, and the
-        # sharded codes are DTensors of whole groups.
-        assert full["digests"]["saved"] == resumed["digests"]["loaded"]
-        # The resumed run draws other rounding seeds (and each rank's half-batch gradient is rounded
-        # into its accumulator): measured 4.6e-5 (2 -> 1) and 2.8e-4 (1 -> 2) relative; 1e-3 allowed.
-        tolerance = 1e-3
-    else:
-        # 8-bit states are saved dequantized (fp32 DTensors) and re-quantized in the new world size's
-        # blocks: measured at most 9.6e-6 relative (Adam8bit, AdamW8bit, SGD8bit) and 1.1e-7 (AdamW4bit);
-        # 2e-4 allowed, as above.
-        tolerance = 2e-4
-    assert _relative(full["losses"][STEPS // 2 :], resumed["losses"]) < tolerance, (full, resumed)
+    job = {"parallel": "fsdp", "optimizers": optimizers, **(LPMM if optimizers[0].startswith("LPMM") else {})}
+    fulls = launch(save_world, {**job, "steps": STEPS, "save": checkpoint, "save_after": STEPS // 2}, tmp_path)
+    resumes = launch(load_world, {**job, "steps": STEPS // 2, "start": STEPS // 2, "load": checkpoint}, tmp_path)
     # The check can fail: resuming with the weights but fresh optimizer state misses by far more
     # (measured 7.7e-3 for AdamW8bit to 5.4e-2 for SGD8bit and LPMMSGD).
     weights_only = {**job, "steps": STEPS // 2, "start": STEPS // 2, "load": checkpoint, "load_optimizer": False}
-    fresh = launch(load_world, weights_only, tmp_path)
-    assert _relative(full["losses"][STEPS // 2 :], fresh["losses"]) > 3 * tolerance, (full, fresh)
+    freshes = launch(load_world, weights_only, tmp_path)
+    for optimizer in optimizers:
+        full, resumed, fresh = fulls[optimizer], resumes[optimizer], freshes[optimizer]
+        if optimizer.startswith("LPMM"):
+            # The storage reshards exactly: low-precision groups do not depend on the world size, and the
+            # sharded codes are DTensors of whole groups.
+            assert full["digests"]["saved"] == resumed["digests"]["loaded"]
+            # The resumed run draws other rounding seeds (and each rank's half-batch gradient is rounded
+            # into its accumulator): measured 4.6e-5 (2 -> 1) and 2.8e-4 (1 -> 2) relative; 1e-3 allowed.
+            tolerance = 1e-3
+        else:
+            # 8-bit states are saved dequantized (fp32 DTensors) and re-quantized in the new world size's
+            # blocks: measured at most 9.6e-6 relative (Adam8bit, AdamW8bit, SGD8bit) and 1.1e-7
+            # (AdamW4bit); 2e-4 allowed, as above.
+            tolerance = 2e-4
+        assert _relative(full["losses"][STEPS // 2 :], resumed["losses"]) < tolerance, (optimizer, full, resumed)
+        assert _relative(full["losses"][STEPS // 2 :], fresh["losses"]) > 3 * tolerance, (optimizer, full, fresh)
 
 
 @pytest.mark.parametrize(
