@@ -16,6 +16,7 @@
 #include "kernels.h"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
+#include "lowbit/factored.h"
 #include "lowbit/norm_order.h"
 #include "lowbit/optim_rules.h"
 #include "lowbit/rank1.h"
@@ -41,6 +42,7 @@ struct TensorView {
   StepScalars scalars;
   Rank1View rank1;  // ndim 0: every quantized state is block-wise
   int rank1_slot;   // the state slot normalised rank-1 (the second moment), or -1
+  FactoredView factored;  // batch 0: the second moment is not factorized
 };
 
 TensorView view(const OptimArgs& a, int64_t t) {
@@ -56,7 +58,8 @@ TensorView view(const OptimArgs& a, int64_t t) {
                     m[kStateBits] != 32,
                     scalars_row(a.scalars, t, a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f),
                     rank1_row(a.rank1, t),
-                    a.rank1 != nullptr && a.rank1[t * kRank1Cols + kR1Ndim] > 0 ? second_moment_slot(a.rule) : -1};
+                    a.rank1 != nullptr && a.rank1[t * kRank1Cols + kR1Ndim] > 0 ? second_moment_slot(a.rule) : -1,
+                    factored_row(a.factored, t)};
 }
 
 // The element loops of the rank-1 normalised state of a block (lowbit/rank1.h), on x in place: the decoded
@@ -596,6 +599,181 @@ void rank1_stats(const OptimArgs& a, const std::vector<TensorView>& tensors, con
   }
 }
 
+
+// -- Factorized second moments (lowbit/factored.h) ------------------------------------------------------------
+
+// Columns per work item of the column pass: the item adds its columns' squares row by row into as many
+// accumulators (L1-resident), in factored.h's column order whatever the thread count.
+constexpr int kFactoredColChunk = 256;
+
+enum class FactoredLoop { kRows, kCols, kStep };
+
+// The operands of one factored loop: rows [lo, hi) of the tensor (kRows); columns [lo, hi) of slice b (kCols);
+// or the cnt = hi - lo elements from element lo, with their decoded first moments m (kStep, which returns the
+// block maximum of the new m's bit patterns in *max_bits).
+template <typename T>
+struct FactoredLoopArgs {
+  const StepHyper& h;
+  const StepScalars& sc;
+  const FactoredView& f;
+  T* param;
+  const T* grad;
+  int64_t lo;
+  int64_t hi;
+  int64_t b;
+  float* m;
+  uint32_t* max_bits;
+};
+
+template <int32_t kFlags, typename T>
+LB_ALWAYS_INLINE inline void factored_rows(const FactoredLoopArgs<T>& a, const StepHyper& h) {
+  const StepScalars sc = a.sc;
+  const int64_t cols = a.f.cols;
+  for (int64_t q = a.lo; q < a.hi; ++q) {
+    const T* __restrict p = a.param + q * cols;
+    const T* __restrict g = a.grad + q * cols;
+    float lane[kFactoredLanes] = {};
+    int64_t c = 0;
+    for (; c + kFactoredLanes <= cols; c += kFactoredLanes) {
+      for (int l = 0; l < kFactoredLanes; ++l) {
+        const float x = factored_grad(h, sc, to_float(p[c + l]), to_float(g[c + l]));
+        lane[l] += x * x;
+      }
+    }
+    for (int l = 0; c < cols; ++c, ++l) {
+      const float x = factored_grad(h, sc, to_float(p[c]), to_float(g[c]));
+      lane[l] += x * x;
+    }
+    a.f.row[q] = factored_ema(h, a.f.row[q], factored_add_lanes(lane), cols);
+  }
+}
+
+template <int32_t kFlags, typename T>
+LB_ALWAYS_INLINE inline void factored_cols(const FactoredLoopArgs<T>& a, const StepHyper& h) {
+  const StepScalars sc = a.sc;
+  const int w = static_cast<int>(a.hi - a.lo);
+  float acc[kFactoredColChunk] = {};
+  for (int64_t r = 0; r < a.f.rows; ++r) {
+    const int64_t base = (a.b * a.f.rows + r) * a.f.cols + a.lo;
+    const T* __restrict p = a.param + base;
+    const T* __restrict g = a.grad + base;
+    for (int j = 0; j < w; ++j) {
+      const float x = factored_grad(h, sc, to_float(p[j]), to_float(g[j]));
+      acc[j] += x * x;
+    }
+  }
+  float* col = a.f.col + a.b * a.f.cols + a.lo;
+  for (int j = 0; j < w; ++j) col[j] = factored_ema(h, col[j], acc[j], a.f.rows);
+}
+
+template <int32_t kFlags, typename T>
+LB_ALWAYS_INLINE inline void factored_step(const FactoredLoopArgs<T>& a, const StepHyper& h) {
+  const StepScalars sc = a.sc;
+  const int cnt = static_cast<int>(a.hi - a.lo);
+  float v_hat[kMaxBlock];
+  factored_v_hats(a.f, a.lo, cnt, v_hat);
+  T* __restrict param = a.param + a.lo;
+  const T* __restrict grad = a.grad + a.lo;
+  float* __restrict m = a.m;
+  uint32_t max1 = 0;
+  for (int i = 0; i < cnt; ++i) {
+    float p = to_float(param[i]);
+    const float g = factored_grad(h, sc, p, to_float(grad[i]));
+    factored_apply(h, sc, p, g, m[i], v_hat[i]);
+    param[i] = from_float<T>(p);
+    max1 = std::max(max1, abs_bits(m[i]));
+  }
+  *a.max_bits = max1;
+}
+
+// The loop kLoop with the flag bits of with_element_flags as constants (so that it vectorises, as update_body).
+template <FactoredLoop kLoop, typename T>
+LB_ALWAYS_INLINE inline void factored_loop_body(const FactoredLoopArgs<T>& a) {
+  with_element_flags(a.h.flags, [&](auto flags) LB_ALWAYS_INLINE {
+    constexpr int32_t kFlags = decltype(flags)::value;
+    StepHyper h = a.h;
+    h.flags = (a.h.flags & ~kElementFlags) | kFlags;
+    if constexpr (kLoop == FactoredLoop::kRows) {
+      factored_rows<kFlags>(a, h);
+    } else if constexpr (kLoop == FactoredLoop::kCols) {
+      factored_cols<kFlags>(a, h);
+    } else {
+      factored_step<kFlags>(a, h);
+    }
+  });
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// Compiled for the widest vector unit in use, as update(): adds, products, division and square root give the
+// same IEEE results at any width (no contraction: CMakeLists.txt), and the lanes keep factored.h's order.
+template <FactoredLoop kLoop, typename T>
+__attribute__((target("avx2"), flatten)) void factored_loop_avx2(const FactoredLoopArgs<T>& a) {
+  factored_loop_body<kLoop>(a);
+}
+
+template <FactoredLoop kLoop, typename T>
+__attribute__((target("avx512f"), flatten)) void factored_loop_avx512(const FactoredLoopArgs<T>& a) {
+  factored_loop_body<kLoop>(a);
+}
+#endif
+
+template <FactoredLoop kLoop, typename T>
+void factored_loop(const FactoredLoopArgs<T>& a) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx512_active()) return factored_loop_avx512<kLoop>(a);
+  if (avx2_active()) return factored_loop_avx2<kLoop>(a);
+#endif
+  factored_loop_body<kLoop>(a);
+}
+
+// The factors of one tensor: its rows' EMAs (a thread per run of rows), its columns' (a thread per run of
+// kFactoredColChunk columns of a slice), then each slice's mean of its new rows. Every sum is one thread's, in
+// factored.h's order, so no result depends on the thread count.
+template <typename T>
+void factored_factors(const StepHyper& h, const TensorView& t, int threads, bool par) {
+  const FactoredView& f = t.factored;
+  T* param = static_cast<T*>(t.param);
+  const T* grad = static_cast<const T*>(t.grad);
+  const int64_t rows = f.batch * f.rows;
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+  for (int64_t q = 0; q < rows; ++q) {
+    factored_loop<FactoredLoop::kRows, T>({h, t.scalars, f, param, grad, q, q + 1, 0, nullptr, nullptr});
+  }
+  const int64_t per_slice = (f.cols + kFactoredColChunk - 1) / kFactoredColChunk;
+#pragma omp parallel for schedule(static) num_threads(threads) if (par)
+  for (int64_t item = 0; item < f.batch * per_slice; ++item) {
+    const int64_t b = item / per_slice;
+    const int64_t lo = (item % per_slice) * kFactoredColChunk;
+    const int64_t hi = std::min(lo + kFactoredColChunk, f.cols);
+    factored_loop<FactoredLoop::kCols, T>({h, t.scalars, f, param, grad, lo, hi, b, nullptr, nullptr});
+  }
+  for (int64_t b = 0; b < f.batch; ++b) {
+    float lane[kFactoredLanes] = {};
+    const float* row = f.row + b * f.rows;
+    for (int64_t r = 0; r < f.rows; ++r) lane[r % kFactoredLanes] += row[r];
+    f.mean[b] = factored_add_lanes(lane) / static_cast<float>(f.rows);
+  }
+}
+
+// The step of one block of a factorized tensor: its 4-bit first moment decoded, factored_apply per element with
+// v_hat from the (already updated) factors, the non-finite restart of m (state_form.h), m re-encoded.
+template <typename T>
+void factored_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders) {
+  const int64_t lo = block * a.block_size;
+  const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
+  float m[kMaxBlock];
+  load_state(t, 0, block, lo, cnt, state_map(a, 0), coders.planes[0], m);
+  uint32_t max_bits[kMaxStates] = {0, 0, 0};
+  factored_loop<FactoredLoop::kStep, T>(
+      {a.hyper, t.scalars, t.factored, static_cast<T*>(t.param), static_cast<const T*>(t.grad), lo, lo + cnt, 0, m,
+       max_bits});
+  if (max_bits[0] >= kNonFiniteBits) {
+    float* s[kMaxStates] = {m, nullptr, nullptr};
+    restart_nonfinite3(s, 1, cnt, max_bits);
+  }
+  store_state(t, 0, block, lo, cnt, max_bits[0], coders.index[0], coders.gather, m);
+}
+
 template <Rule kRule>
 void step_all(const OptimArgs& a, int threads) {
   std::vector<TensorView> tensors;
@@ -658,11 +836,18 @@ void step_all(const OptimArgs& a, int threads) {
   if (a.update_scales != nullptr) {
     for (int64_t t = 0; t < a.count; ++t) tensors[t].scalars.update_scale = a.update_scales[t];
   }
+  for (const TensorView& tv : tensors) {
+    if (tv.factored.batch > 0) LB_DISPATCH_DTYPE(tv.dtype, factored_factors<scalar_t>(a.hyper, tv, threads, par));
+  }
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
   for (int64_t b = 0; b < a.total_blocks; ++b) {
     const int64_t t = tensor_of_block(a, b);
     const TensorView& tv = tensors[t];
     const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
+    if (tv.factored.batch > 0) {
+      LB_DISPATCH_DTYPE(tv.dtype, factored_block<scalar_t>(a, tv, block, coders));
+      continue;
+    }
     with_states<kRule>(a.n_states, [&](auto states) {
       LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, decltype(states)::value, scalar_t>(a, tv, block, coders));
     });
