@@ -726,32 +726,59 @@ void factored_loop(const FactoredLoopArgs<T>& a) {
   factored_loop_body<kLoop>(a);
 }
 
-// The factors of one tensor: its rows' EMAs (a thread per run of rows), its columns' (a thread per run of
-// kFactoredColChunk columns of a slice), then each slice's mean of its new rows. Every sum is one thread's, in
-// factored.h's order, so no result depends on the thread count.
+// One work item of the factor passes: rows [lo, hi) of tensor t (rows), or columns [lo, hi) of its slice b.
+struct FactorItem {
+  int64_t t;
+  int64_t lo;
+  int64_t hi;
+  int64_t b;
+  bool rows;
+};
+
 template <typename T>
-void factored_factors(const StepHyper& h, const TensorView& t, int threads, bool par) {
-  const FactoredView& f = t.factored;
-  T* param = static_cast<T*>(t.param);
-  const T* grad = static_cast<const T*>(t.grad);
-  const int64_t rows = f.batch * f.rows;
-#pragma omp parallel for schedule(static) num_threads(threads) if (par)
-  for (int64_t q = 0; q < rows; ++q) {
-    factored_loop<FactoredLoop::kRows, T>({h, t.scalars, f, param, grad, q, q + 1, 0, nullptr, nullptr});
+void factor_item(const StepHyper& h, const TensorView& tv, const FactorItem& item) {
+  const FactoredLoopArgs<T> args{h, tv.scalars, tv.factored, static_cast<T*>(tv.param), static_cast<const T*>(tv.grad),
+                                 item.lo, item.hi, item.b, nullptr, nullptr};
+  if (item.rows) return factored_loop<FactoredLoop::kRows, T>(args);
+  factored_loop<FactoredLoop::kCols, T>(args);
+}
+
+// The factors of every factorized tensor of a call, in one parallel loop: the columns' EMAs (an item per run of
+// kFactoredColChunk columns of a slice, listed first as the largest) and the rows' (an item per run of rows of
+// about kChunk elements), then each slice's mean of its new rows. Each row and column sum is one item's, in
+// factored.h's order, so neither the thread count nor the dynamic schedule (which balances the unequal
+// items) changes a result.
+void factored_factors(const OptimArgs& a, const std::vector<TensorView>& tensors, int threads, bool par) {
+  std::vector<FactorItem> items;
+  for (int64_t t = 0; t < a.count; ++t) {
+    const FactoredView& f = tensors[t].factored;
+    for (int64_t b = 0; b < f.batch; ++b) {
+      for (int64_t lo = 0; lo < f.cols; lo += kFactoredColChunk) {
+        items.push_back({t, lo, std::min(lo + kFactoredColChunk, f.cols), b, false});
+      }
+    }
   }
-  const int64_t per_slice = (f.cols + kFactoredColChunk - 1) / kFactoredColChunk;
-#pragma omp parallel for schedule(static) num_threads(threads) if (par)
-  for (int64_t item = 0; item < f.batch * per_slice; ++item) {
-    const int64_t b = item / per_slice;
-    const int64_t lo = (item % per_slice) * kFactoredColChunk;
-    const int64_t hi = std::min(lo + kFactoredColChunk, f.cols);
-    factored_loop<FactoredLoop::kCols, T>({h, t.scalars, f, param, grad, lo, hi, b, nullptr, nullptr});
+  for (int64_t t = 0; t < a.count; ++t) {
+    const FactoredView& f = tensors[t].factored;
+    const int64_t per_item = std::max<int64_t>(1, kChunk / std::max<int64_t>(f.cols, 1));
+    for (int64_t q = 0; q < f.batch * f.rows; q += per_item) {
+      items.push_back({t, q, std::min(q + per_item, f.batch * f.rows), 0, true});
+    }
   }
-  for (int64_t b = 0; b < f.batch; ++b) {
-    float lane[kFactoredLanes] = {};
-    const float* row = f.row + b * f.rows;
-    for (int64_t r = 0; r < f.rows; ++r) lane[r % kFactoredLanes] += row[r];
-    f.mean[b] = factored_add_lanes(lane) / static_cast<float>(f.rows);
+  const auto n = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (par)
+  for (int64_t i = 0; i < n; ++i) {
+    const TensorView& tv = tensors[items[i].t];
+    LB_DISPATCH_DTYPE(tv.dtype, factor_item<scalar_t>(a.hyper, tv, items[i]));
+  }
+  for (const TensorView& tv : tensors) {
+    const FactoredView& f = tv.factored;
+    for (int64_t b = 0; b < f.batch; ++b) {
+      float lane[kFactoredLanes] = {};
+      const float* row = f.row + b * f.rows;
+      for (int64_t r = 0; r < f.rows; ++r) lane[r % kFactoredLanes] += row[r];
+      f.mean[b] = factored_add_lanes(lane) / static_cast<float>(f.rows);
+    }
   }
 }
 
@@ -836,9 +863,7 @@ void step_all(const OptimArgs& a, int threads) {
   if (a.update_scales != nullptr) {
     for (int64_t t = 0; t < a.count; ++t) tensors[t].scalars.update_scale = a.update_scales[t];
   }
-  for (const TensorView& tv : tensors) {
-    if (tv.factored.batch > 0) LB_DISPATCH_DTYPE(tv.dtype, factored_factors<scalar_t>(a.hyper, tv, threads, par));
-  }
+  if (a.factored != nullptr) factored_factors(a, tensors, threads, par);
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
   for (int64_t b = 0; b < a.total_blocks; ++b) {
     const int64_t t = tensor_of_block(a, b);
