@@ -349,6 +349,7 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
   m.attr("MAX_RANK1_DIMS") = lowbit::kMaxRank1Dims;
   m.attr("FACTORED_COLS") = static_cast<int>(lowbit::kFactoredCols);
   m.attr("FACTORED_LANES") = lowbit::kFactoredLanes;
+  m.attr("FACTORED_ROW_BLOCK") = lowbit::kFactoredRowBlock;
   {
     py::list slots;  // state_form.h: second_moment_slot of each rule code
     for (int r = 0; r <= lowbit::kMaxRule; ++r) slots.append(lowbit::second_moment_slot(static_cast<lowbit::Rule>(r)));

@@ -15,7 +15,7 @@ from lowbit.optim import ademamix, optimizer, optimizers
 
 def test_reference_copies_equal_the_native_constants():
     assert reference_quantize._SEED_SALT == _C.SEED_SALT
-    assert reference_factored._LANES == _C.FACTORED_LANES
+    assert (reference_factored._LANES, reference_factored._ROW_BLOCK) == (_C.FACTORED_LANES, _C.FACTORED_ROW_BLOCK)
     rules = (
         reference_optim._RULE_ADAM,
         reference_optim._RULE_SGD,

@@ -602,13 +602,10 @@ void rank1_stats(const OptimArgs& a, const std::vector<TensorView>& tensors, con
 
 // -- Factorized second moments (lowbit/factored.h) ------------------------------------------------------------
 
-// Columns per work item of the column pass: the item adds its columns' squares row by row into as many
-// accumulators (L1-resident), in factored.h's column order whatever the thread count.
-constexpr int kFactoredColChunk = 256;
+enum class FactoredLoop { kRowBlocks, kStep };
 
-enum class FactoredLoop { kRows, kCols, kStep };
-
-// The operands of one factored loop: rows [lo, hi) of the tensor (kRows); columns [lo, hi) of slice b (kCols);
+// The operands of one factored loop: row blocks [lo, hi) of the tensor (kRowBlocks: factored.h's blocks of
+// kFactoredRowBlock rows of a slice, numbered slice by slice; their column sums go to part, C floats per block);
 // or the cnt = hi - lo elements from element lo, with their decoded first moments m (kStep, which returns the
 // block maximum of the new m's bit patterns in *max_bits).
 template <typename T>
@@ -620,50 +617,46 @@ struct FactoredLoopArgs {
   const T* grad;
   int64_t lo;
   int64_t hi;
-  int64_t b;
+  float* part;
   float* m;
   uint32_t* max_bits;
 };
 
+// Each row's sum of squares in factored.h's lanes and its EMA, and the block's column sums in row order: one
+// read of the gradients gives both.
 template <int32_t kFlags, typename T>
-LB_ALWAYS_INLINE inline void factored_rows(const FactoredLoopArgs<T>& a, const StepHyper& h) {
+LB_ALWAYS_INLINE inline void factored_row_blocks(const FactoredLoopArgs<T>& a, const StepHyper& h) {
   const StepScalars sc = a.sc;
   const int64_t cols = a.f.cols;
-  for (int64_t q = a.lo; q < a.hi; ++q) {
-    const T* __restrict p = a.param + q * cols;
-    const T* __restrict g = a.grad + q * cols;
-    float lane[kFactoredLanes] = {};
-    int64_t c = 0;
-    for (; c + kFactoredLanes <= cols; c += kFactoredLanes) {
-      for (int l = 0; l < kFactoredLanes; ++l) {
-        const float x = factored_grad(h, sc, to_float(p[c + l]), to_float(g[c + l]));
-        lane[l] += x * x;
+  const int64_t blocks = (a.f.rows + kFactoredRowBlock - 1) / kFactoredRowBlock;
+  for (int64_t j = a.lo; j < a.hi; ++j) {
+    const int64_t b = j / blocks;
+    const int64_t r0 = (j % blocks) * kFactoredRowBlock;
+    const int64_t r1 = std::min<int64_t>(r0 + kFactoredRowBlock, a.f.rows);
+    float* __restrict part = a.part + j * cols;
+    std::fill_n(part, cols, 0.f);
+    for (int64_t q = b * a.f.rows + r0; q < b * a.f.rows + r1; ++q) {
+      const T* __restrict p = a.param + q * cols;
+      const T* __restrict g = a.grad + q * cols;
+      float lane[kFactoredLanes] = {};
+      int64_t c = 0;
+      for (; c + kFactoredLanes <= cols; c += kFactoredLanes) {
+        for (int l = 0; l < kFactoredLanes; ++l) {
+          const float x = factored_grad(h, sc, to_float(p[c + l]), to_float(g[c + l]));
+          const float sq = x * x;
+          lane[l] += sq;
+          part[c + l] += sq;
+        }
       }
-    }
-    for (int l = 0; c < cols; ++c, ++l) {
-      const float x = factored_grad(h, sc, to_float(p[c]), to_float(g[c]));
-      lane[l] += x * x;
-    }
-    a.f.row[q] = factored_ema(h, a.f.row[q], factored_add_lanes(lane), cols);
-  }
-}
-
-template <int32_t kFlags, typename T>
-LB_ALWAYS_INLINE inline void factored_cols(const FactoredLoopArgs<T>& a, const StepHyper& h) {
-  const StepScalars sc = a.sc;
-  const int w = static_cast<int>(a.hi - a.lo);
-  float acc[kFactoredColChunk] = {};
-  for (int64_t r = 0; r < a.f.rows; ++r) {
-    const int64_t base = (a.b * a.f.rows + r) * a.f.cols + a.lo;
-    const T* __restrict p = a.param + base;
-    const T* __restrict g = a.grad + base;
-    for (int j = 0; j < w; ++j) {
-      const float x = factored_grad(h, sc, to_float(p[j]), to_float(g[j]));
-      acc[j] += x * x;
+      for (int l = 0; c < cols; ++c, ++l) {
+        const float x = factored_grad(h, sc, to_float(p[c]), to_float(g[c]));
+        const float sq = x * x;
+        lane[l] += sq;
+        part[c] += sq;
+      }
+      a.f.row[q] = factored_ema(h, a.f.row[q], factored_add_lanes(lane), cols);
     }
   }
-  float* col = a.f.col + a.b * a.f.cols + a.lo;
-  for (int j = 0; j < w; ++j) col[j] = factored_ema(h, col[j], acc[j], a.f.rows);
 }
 
 template <int32_t kFlags, typename T>
@@ -693,10 +686,8 @@ LB_ALWAYS_INLINE inline void factored_loop_body(const FactoredLoopArgs<T>& a) {
     constexpr int32_t kFlags = decltype(flags)::value;
     StepHyper h = a.h;
     h.flags = (a.h.flags & ~kElementFlags) | kFlags;
-    if constexpr (kLoop == FactoredLoop::kRows) {
-      factored_rows<kFlags>(a, h);
-    } else if constexpr (kLoop == FactoredLoop::kCols) {
-      factored_cols<kFlags>(a, h);
+    if constexpr (kLoop == FactoredLoop::kRowBlocks) {
+      factored_row_blocks<kFlags>(a, h);
     } else {
       factored_step<kFlags>(a, h);
     }
@@ -726,54 +717,49 @@ void factored_loop(const FactoredLoopArgs<T>& a) {
   factored_loop_body<kLoop>(a);
 }
 
-// One work item of the factor passes: rows [lo, hi) of tensor t (rows), or columns [lo, hi) of its slice b.
-struct FactorItem {
-  int64_t t;
-  int64_t lo;
-  int64_t hi;
-  int64_t b;
-  bool rows;
-};
-
-template <typename T>
-void factor_item(const StepHyper& h, const TensorView& tv, const FactorItem& item) {
-  const FactoredLoopArgs<T> args{h, tv.scalars, tv.factored, static_cast<T*>(tv.param), static_cast<const T*>(tv.grad),
-                                 item.lo, item.hi, item.b, nullptr, nullptr};
-  if (item.rows) return factored_loop<FactoredLoop::kRows, T>(args);
-  factored_loop<FactoredLoop::kCols, T>(args);
-}
-
-// The factors of every factorized tensor of a call, in one parallel loop: the columns' EMAs (an item per run of
-// kFactoredColChunk columns of a slice, listed first as the largest) and the rows' (an item per run of rows of
-// about kChunk elements), then each slice's mean of its new rows. Each row and column sum is one item's, in
-// factored.h's order, so neither the thread count nor the dynamic schedule (which balances the unequal
-// items) changes a result.
+// The factors of every factorized tensor of a call: one parallel loop over runs of factored.h's row blocks
+// (about kChunk elements per item, whole blocks), which gives the rows' EMAs and each block's column sums, then
+// per tensor the columns' sums (the blocks' in block order) and EMAs, and each slice's mean of its new rows.
+// Each sum is one thread's, in factored.h's order, so the thread count and the dynamic schedule (which
+// balances the items) change no result.
 void factored_factors(const OptimArgs& a, const std::vector<TensorView>& tensors, int threads, bool par) {
-  std::vector<FactorItem> items;
+  struct Item {
+    int64_t t;
+    int64_t lo;
+    int64_t hi;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> base(a.count + 1, 0);  // each tensor's offset in the blocks' column sums
   for (int64_t t = 0; t < a.count; ++t) {
     const FactoredView& f = tensors[t].factored;
-    for (int64_t b = 0; b < f.batch; ++b) {
-      for (int64_t lo = 0; lo < f.cols; lo += kFactoredColChunk) {
-        items.push_back({t, lo, std::min(lo + kFactoredColChunk, f.cols), b, false});
-      }
-    }
+    const int64_t blocks = f.batch * ((f.rows + kFactoredRowBlock - 1) / kFactoredRowBlock);
+    const int64_t block_elements = std::max<int64_t>(1, std::min<int64_t>(f.rows, kFactoredRowBlock) * f.cols);
+    const int64_t per_item = std::max<int64_t>(1, kChunk / block_elements);
+    for (int64_t j = 0; j < blocks; j += per_item) items.push_back({t, j, std::min(j + per_item, blocks)});
+    base[t + 1] = base[t] + blocks * f.cols;
   }
-  for (int64_t t = 0; t < a.count; ++t) {
-    const FactoredView& f = tensors[t].factored;
-    const int64_t per_item = std::max<int64_t>(1, kChunk / std::max<int64_t>(f.cols, 1));
-    for (int64_t q = 0; q < f.batch * f.rows; q += per_item) {
-      items.push_back({t, q, std::min(q + per_item, f.batch * f.rows), 0, true});
-    }
-  }
+  std::vector<float> parts(static_cast<size_t>(base[a.count]));
   const auto n = static_cast<int64_t>(items.size());
 #pragma omp parallel for schedule(dynamic) num_threads(threads) if (par)
   for (int64_t i = 0; i < n; ++i) {
     const TensorView& tv = tensors[items[i].t];
-    LB_DISPATCH_DTYPE(tv.dtype, factor_item<scalar_t>(a.hyper, tv, items[i]));
+    LB_DISPATCH_DTYPE(tv.dtype, factored_loop<FactoredLoop::kRowBlocks, scalar_t>(
+                                    {a.hyper, tv.scalars, tv.factored, static_cast<scalar_t*>(tv.param),
+                                     static_cast<const scalar_t*>(tv.grad), items[i].lo, items[i].hi,
+                                     parts.data() + base[items[i].t], nullptr, nullptr}));
   }
-  for (const TensorView& tv : tensors) {
-    const FactoredView& f = tv.factored;
+  std::vector<float> total;
+  for (int64_t t = 0; t < a.count; ++t) {
+    const FactoredView& f = tensors[t].factored;
+    const int64_t blocks = (f.rows + kFactoredRowBlock - 1) / kFactoredRowBlock;
     for (int64_t b = 0; b < f.batch; ++b) {
+      total.assign(static_cast<size_t>(f.cols), 0.f);
+      for (int64_t k = 0; k < blocks; ++k) {
+        const float* part = parts.data() + base[t] + (b * blocks + k) * f.cols;
+        for (int64_t c = 0; c < f.cols; ++c) total[c] += part[c];
+      }
+      float* col = f.col + b * f.cols;
+      for (int64_t c = 0; c < f.cols; ++c) col[c] = factored_ema(a.hyper, col[c], total[c], f.rows);
       float lane[kFactoredLanes] = {};
       const float* row = f.row + b * f.rows;
       for (int64_t r = 0; r < f.rows; ++r) lane[r % kFactoredLanes] += row[r];
@@ -792,8 +778,8 @@ void factored_block(const OptimArgs& a, const TensorView& t, int64_t block, cons
   load_state(t, 0, block, lo, cnt, state_map(a, 0), coders.planes[0], m);
   uint32_t max_bits[kMaxStates] = {0, 0, 0};
   factored_loop<FactoredLoop::kStep, T>(
-      {a.hyper, t.scalars, t.factored, static_cast<T*>(t.param), static_cast<const T*>(t.grad), lo, lo + cnt, 0, m,
-       max_bits});
+      {a.hyper, t.scalars, t.factored, static_cast<T*>(t.param), static_cast<const T*>(t.grad), lo, lo + cnt,
+       nullptr, m, max_bits});
   if (max_bits[0] >= kNonFiniteBits) {
     float* s[kMaxStates] = {m, nullptr, nullptr};
     restart_nonfinite3(s, 1, cnt, max_bits);

@@ -237,8 +237,8 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
 
 // -- Factorized second moments (lowbit/factored.h) --------------------------------------------------------------
 // Three passes before the step, each a grid-stride loop over every factorized tensor of the call: the rows'
-// EMAs (a warp per row, a thread per lane of factored.h), the columns' (a thread per column, its rows in
-// order), then each slice's mean of its new rows (a warp per slice). The step's blocks of such a tensor run
+// EMAs (a warp per row, a thread per lane of factored.h), the columns' (a thread per column, its blocks of
+// rows in order), then each slice's mean of its new rows (a warp per slice). The step's blocks of such a tensor run
 // factored_block instead of step_block.
 static_assert(kFactoredLanes == 32, "a row's lanes are the threads of one warp");
 
@@ -306,10 +306,15 @@ __global__ void factored_cols_kernel(OptimArgs a) {
         const int64_t b = i / f.cols;
         const int64_t c = i % f.cols;
         float acc = 0.f;
-        for (int64_t r = 0; r < f.rows; ++r) {
-          const int64_t e = (b * f.rows + r) * f.cols + c;
-          const float x = factored_grad(a.hyper, sc, to_float(param[e]), to_float(grad[e]));
-          acc += x * x;
+        for (int64_t r0 = 0; r0 < f.rows; r0 += kFactoredRowBlock) {
+          const int64_t r1 = r0 + kFactoredRowBlock < f.rows ? r0 + kFactoredRowBlock : f.rows;
+          float part = 0.f;
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t e = (b * f.rows + r) * f.cols + c;
+            const float x = factored_grad(a.hyper, sc, to_float(param[e]), to_float(grad[e]));
+            part += x * x;
+          }
+          acc += part;
         }
         f.col[i] = factored_ema(a.hyper, f.col[i], acc, f.rows);
       }

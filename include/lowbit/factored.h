@@ -10,7 +10,9 @@
 // that CPU, CUDA and the pure-PyTorch twin (lowbit/_reference/factored.py) agree bit for bit:
 //  - a row (n = C values) and a slice's rows (n = R values, for the mean): value i adds into lane
 //    i % kFactoredLanes, in index order, from 0; the sum is the lanes added in lane order, from 0;
-//  - a column: its R values added in row order, from 0.
+//  - a column: its R values in blocks of kFactoredRowBlock rows, each block's values added in row order
+//    from 0, then the blocks' sums added in block order from 0 (so that the CPU reads each gradient once:
+//    a block of rows gives its rows' sums and its part of every column's);
 // The mean divides that sum by n, as torch's mean divides its sum.
 #pragma once
 
@@ -24,6 +26,8 @@ namespace lowbit {
 
 // Lanes of a row sum: one CUDA warp, a thread per lane, and two AVX-512 registers on the CPU.
 constexpr int kFactoredLanes = 32;
+// Rows per block of a column sum: a block's partial column sums (a row of fp32) stay in the CPU's L1.
+constexpr int kFactoredRowBlock = 64;
 
 // Row t of the step's `factored` table (int64, kFactoredCols columns): kFacBatch is 0 for a tensor whose
 // second moment is not factorized, else B; kFacRowPtr holds B*R fp32 row factors and kFacColPtr B*C column

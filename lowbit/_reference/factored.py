@@ -4,7 +4,7 @@ with the first moment coded by the block-wise twins of lowbit._reference.quantiz
 bit for bit with the optimizer's native step (include/lowbit/factored.h). The sums of g^2 and of the rows are
 added in that header's fixed order, written here with element-wise tensor additions (which round as the
 native additions do): a row's values into 32 lanes in index order, the lanes in lane order; a column's
-values in row order."""
+values in blocks of 64 rows, row by row, the blocks' sums in block order."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ from lowbit._reference.quantize import _sqrt32, dequantize_blockwise, quantize_b
 
 __all__ = ["column_sum", "factored_adam_step_", "factored_v_hat", "lane_sum"]
 
-# include/lowbit/factored.h: kFactoredLanes (tests/test_native_constants.py checks the copy).
+# include/lowbit/factored.h: kFactoredLanes and kFactoredRowBlock (tests/test_native_constants.py checks the copies).
 _LANES = 32
+_ROW_BLOCK = 64
 
 
 def lane_sum(x: Tensor) -> Tensor:
@@ -35,10 +36,15 @@ def lane_sum(x: Tensor) -> Tensor:
 
 
 def column_sum(x: Tensor) -> Tensor:
-    """The sum of ``x`` over axis -2 in factored.h's column order: row by row, from 0."""
+    """The sum of ``x`` over axis -2 in factored.h's column order: each block of 64 rows row by row from 0, then
+    the blocks' sums block by block from 0."""
+    rows = x.shape[-2]
     total = torch.zeros(*x.shape[:-2], x.shape[-1], dtype=x.dtype, device=x.device)
-    for r in range(x.shape[-2]):
-        total = total + x[..., r, :]
+    for start in range(0, rows, _ROW_BLOCK):
+        part = torch.zeros_like(total)
+        for r in range(start, min(start + _ROW_BLOCK, rows)):
+            part = part + x[..., r, :]
+        total = total + part
     return total
 
 
