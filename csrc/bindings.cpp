@@ -147,7 +147,8 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
                              int64_t block_size, int state_bits, uintptr_t map1, uintptr_t map2, uintptr_t map3, uintptr_t meta,
                              uintptr_t scalars, uintptr_t grad_scales, int64_t count, int64_t total_blocks,
                              uintptr_t norm_sums = 0, uintptr_t update_scales = 0, uintptr_t block_sums = 0,
-                             uintptr_t tensor_scales = 0, uintptr_t rank1 = 0, bool stats_only = false) {
+                             uintptr_t tensor_scales = 0, uintptr_t rank1 = 0, bool stats_only = false,
+                             uintptr_t factored = 0) {
   if (rule < 0 || rule > lowbit::kMaxRule) {
     throw std::invalid_argument("lowbit: unknown optimizer rule " + std::to_string(rule));
   }
@@ -159,6 +160,9 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
   if (state_bits != 8 && state_bits != 4) {
     throw std::invalid_argument("lowbit: optimizer states are 8-bit or 4-bit, got state_bits " +
                                 std::to_string(state_bits));
+  }
+  if (factored != 0 && (rule != static_cast<int>(lowbit::Rule::Adam) || norm_mode != lowbit::kNormNone)) {
+    throw std::invalid_argument("lowbit: factorized second moments are Adam's, without a norm mode");
   }
   if (stats_only && rank1 == 0) {
     throw std::invalid_argument("lowbit: the rank-1 statistics pass needs the rank1 table");
@@ -190,7 +194,8 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
       ptr<double>(block_sums),
       ptr<float>(tensor_scales),
       ptr<const int64_t>(rank1),
-      stats_only};
+      stats_only,
+      ptr<const int64_t>(factored)};
 }
 
 // hyper: kHyperFields, as for optim_args; bits: param, grad, state; stochastic: param, state.
@@ -342,6 +347,9 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
   m.attr("STEP_HYPER_FIELDS") = step_hyper_fields();
   m.attr("RANK1_COLS") = static_cast<int>(lowbit::kRank1Cols);
   m.attr("MAX_RANK1_DIMS") = lowbit::kMaxRank1Dims;
+  m.attr("FACTORED_COLS") = static_cast<int>(lowbit::kFactoredCols);
+  m.attr("FACTORED_LANES") = lowbit::kFactoredLanes;
+  m.attr("FACTORED_ROW_BLOCK") = lowbit::kFactoredRowBlock;
   {
     py::list slots;  // state_form.h: second_moment_slot of each rule code
     for (int r = 0; r <= lowbit::kMaxRule; ++r) slots.append(lowbit::second_moment_slot(static_cast<lowbit::Rule>(r)));

@@ -6,6 +6,7 @@
 
 #include "lowbit/momentum_rule.h"
 #include "lowbit/optim_rules.h"
+#include "lowbit/factored.h"
 #include "lowbit/rank1.h"
 #include "lowbit/rounding.h"
 
@@ -188,6 +189,9 @@ struct OptimArgs {
   // otherwise the step decodes with kR1Stats and encodes with kR1NewStats.
   const int64_t* rank1;
   bool stats_only;
+  // Factorized 4-bit second moments of Adam (lowbit/factored.h): a count x kFactoredCols table, or null when
+  // no tensor of the call has one. The step first updates their row and column factors in place.
+  const int64_t* factored;
 };
 
 // The last row r of an int64 table (count rows of `cols` columns) with table[r][col] <= b: the

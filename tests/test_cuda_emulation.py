@@ -21,7 +21,10 @@ Launchers (csrc/cuda) and the tests that run them:
   tensor's block sums); its rank-1 statistics pass (stats_only, include/lowbit/rank1.h) and the step that
   encodes against it: test_optimizer_step's 4-bit cases with min_4bit_size=0 and rank1_normalization=True (the (64, 7)
   matrix and the (2, 3, 50) tensor, whose second moments are normalised rank-1; Adam, RMSprop's slot 0, LAMB,
-  AdEMAMix)
+  AdEMAMix); its factorized second moments (include/lowbit/factored.h: the row, column and mean passes and the
+  factored blocks of the step): test_optimizer_step's cases with factored=True (AdamW, and Adam with coupled
+  decay and maximize: the (64, 7) matrix and the (2, 3, 50) tensor, in one call with block-wise tensors) and
+  test_factored_step_over_several_row_blocks (columns over several blocks of 64 rows)
 - lpmm.cu: lpmm_accumulate: test_lpmm_accumulate; lpmm_step: test_lpmm_step,
   test_lpmm_step_blocks_of_several_groups (small groups sharing a thread block)
 - muon.cu: muon_momentum: test_muon_momentum (8-bit buffers at block sizes 64..4096 and fp32 buffers,
@@ -292,6 +295,8 @@ _OPTIMIZERS = [
     ("LARS8bit", {}),
     ("AdamW4bit", {"weight_decay": 0.1}),
     ("AdamW4bit", {"weight_decay": 0.1, "min_4bit_size": 0, "rank1_normalization": True}),
+    ("AdamW4bit", {"weight_decay": 0.1, "min_4bit_size": 0, "factored": True}),
+    ("Adam4bit", {"weight_decay": 0.1, "min_4bit_size": 0, "factored": True, "maximize": True}),
     ("RMSprop", {"optim_bits": 4, "min_4bit_size": 0, "momentum": 0.9, "rank1_normalization": True}),
     ("Adam4bit", {"max_unorm": 0.02, "amsgrad": True}),
     ("SGD4bit", {"lr": 1e-2, "momentum": 0.9}),
@@ -321,6 +326,26 @@ def test_optimizer_step(name, options, dtype):
             for s in [(300,), (1,), (64, 7), (4097,), (2, 3, 50)]
         ]
         opt = getattr(O, name)(params, **options)
+        for _ in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            opt.step()
+        return [params, [opt.state[p] for p in params]]
+
+    _identical(run)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_factored_step_over_several_row_blocks(dtype):
+    """Factorized second moments whose columns span several of factored.h's blocks of 64 rows (130 rows: 64 + 64
+    + 2; 70 rows per slice of a 3-axis tensor) and whose rows end in partial lanes (33 and 5 columns), next to a
+    block-wise vector in the same call: the emulated row, column and mean passes equal the CPU's."""
+    import lowbit.optim as O
+
+    def run() -> list:
+        gen = torch.Generator().manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in [(130, 33), (2, 70, 5), (300,)]]
+        opt = O.Adam4bit(params, weight_decay=0.1, min_4bit_size=0, factored=True)
         for _ in range(3):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen).to(dtype)

@@ -7,6 +7,7 @@ import torch
 
 from lowbit import _C, _ops
 from lowbit._ops import _common, invact, lpmm, optim
+from lowbit._reference import factored as reference_factored
 from lowbit._reference import optim as reference_optim
 from lowbit._reference import quantize as reference_quantize
 from lowbit.optim import ademamix, optimizer, optimizers
@@ -14,6 +15,7 @@ from lowbit.optim import ademamix, optimizer, optimizers
 
 def test_reference_copies_equal_the_native_constants():
     assert reference_quantize._SEED_SALT == _C.SEED_SALT
+    assert (reference_factored._LANES, reference_factored._ROW_BLOCK) == (_C.FACTORED_LANES, _C.FACTORED_ROW_BLOCK)
     rules = (
         reference_optim._RULE_ADAM,
         reference_optim._RULE_SGD,

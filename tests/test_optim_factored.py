@@ -1,7 +1,7 @@
-"""The factorized second moment of the 4-bit Adam optimizers (``factored=True``; lowbit/optim/factored.py):
-the optimizer against its pure-PyTorch twin (lowbit/_reference/factored.py), the twin's estimator against
-Adafactor's formula in float64, the direction of the first step, the bytes of a matrix's v, and the
-refusals."""
+"""The factorized second moment of the 4-bit Adam optimizers (``factored=True``; lowbit/optim/factored.py, stepped
+natively by include/lowbit/factored.h): the optimizer against its pure-PyTorch twin (lowbit/_reference/factored.py),
+the twin's fixed-order sums against torch's, the twin's estimator against Adafactor's formula in float64, the
+direction of the first step, the bytes of a matrix's v, one native call per group, and the refusals."""
 
 from __future__ import annotations
 
@@ -20,14 +20,20 @@ def _twin_states(opt: O.LowbitOptimizer, p: torch.Tensor) -> dict[str, torch.Ten
     return {k: v.clone() for k, v in opt.state[p].items() if k != "step"}
 
 
-@pytest.mark.parametrize("shape", [(48, 160), (3, 40, 72)], ids=["matrix", "3d"])
+@pytest.mark.parametrize(
+    "shape",
+    [(48, 160), (3, 40, 72), (67, 131), (2, 3, 5, 33), (129, 1), (1, 70)],
+    ids=["matrix", "3d", "odd", "4d", "one-column", "one-row"],
+)
 @pytest.mark.parametrize("cls,decoupled", [(O.AdamW4bit, True), (O.Adam4bit, False)], ids=["AdamW", "Adam"])
 @pytest.mark.parametrize("maximize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_factored_step_matches_the_twin_bit_for_bit(shape, cls, decoupled, maximize, dtype):
-    """Five steps of the optimizer and of the twin from the same start: parameters, 4-bit codes, absmaxes
-    and factors equal exactly (the twin does the same fp32 operations in the same order, and codes m with
-    lowbit._reference.quantize's independent block-wise coder); bf16 parameters keep fp32 math and factors."""
+    """Five steps of the optimizer (the native fused step) and of the twin from the same start: parameters,
+    4-bit codes, absmaxes and factors equal exactly (the twin does the same fp32 operations in the same order,
+    its sums in factored.h's fixed order, and codes m with lowbit._reference.quantize's independent block-wise
+    coder); bf16 parameters keep fp32 math and factors. The shapes end in partial lanes (131, 33, 70 columns),
+    partial blocks of m, single rows and columns, and slices of 3 and 4-axis tensors."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(shape, dtype=dtype))
     twin = p.detach().clone()
@@ -53,6 +59,79 @@ def test_factored_step_matches_the_twin_bit_for_bit(shape, cls, decoupled, maxim
             assert torch.equal(v, state[k]), f"{k} at step {step}"
     assert float(m_map[7]) == 0.0
     assert p.dtype == dtype and opt.state[p]["row2"].dtype == torch.float32
+
+
+def test_twin_sums_are_torchs_sums_to_rounding():
+    """The twin's fixed-order sums (factored.h's lanes over a row, row order over a column) are sums of the same
+    values as torch's: against float64 sums they are within (n - 1) u relative for n positive terms (u = 2**-24,
+    any order), 130 u for the 131-term rows and 66 u for the 67-term columns. Reordering shows: a sum of values
+    of seven decades in the lanes' order differs from the plain running sum (so the order is not a no-op)."""
+    torch.manual_seed(7)
+    x = torch.rand(67, 131) + 0.01
+    assert torch.allclose(R.lane_sum(x).double(), x.double().sum(-1), rtol=130 * 2**-24, atol=0)
+    assert torch.allclose(R.column_sum(x).double(), x.double().sum(-2), rtol=66 * 2**-24, atol=0)
+    wide = 10.0 ** torch.linspace(-3, 4, 64)
+    running = torch.zeros(())
+    for value in wide:
+        running = running + value
+    assert not torch.equal(R.lane_sum(wide), running)
+
+
+def test_one_native_call_steps_a_group_with_factored_and_block_wise_parameters(monkeypatch):
+    """A group of two factorized matrices, a 3-axis tensor and a vector is one native call (no per-parameter
+    Python step), and factorizes exactly the tensors of 2 or more axes."""
+    from lowbit import _ops
+    from lowbit.optim import optimizer
+
+    calls = []
+    step = _ops.optimizer_step_eager
+    monkeypatch.setattr(optimizer._ops, "optimizer_step_eager", lambda *a, **k: calls.append(a) or step(*a, **k))
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(64, 80), (33, 7), (2, 9, 40), (500,)]]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = O.AdamW4bit(params, factored=True, min_4bit_size=0)
+    opt.step()
+    assert len(calls) == 1
+    assert calls[0][0].factored == [1, 1, 1, 0]
+    assert ["row2" in opt.state[p] for p in params] == [True, True, True, False]
+
+
+def _factored_args(factors: torch.Tensor, rule: str = "adam"):
+    """The op's arguments for one factorized (8, 300) fp32 parameter, AdamW's hyperparameters."""
+    from lowbit import _C, _ops
+
+    p, g = torch.randn(8, 300), torch.randn(8, 300)
+    hyper = _ops.StepHyper.with_betas(1e-3, (0.9, 0.999), eps=1e-8, weight_decay=0.01, decay=1 - 1e-5)
+    maps = [optimizer_state_map(s, p.device, 4) for s in (True, False, True)]
+    empty8, empty32 = torch.empty(0, dtype=torch.uint8), torch.empty(0)
+    return _ops.StepArgs(
+        [p], [g], [torch.full((1200,), 0x77, dtype=torch.uint8)], [empty8], [empty8],
+        [torch.zeros(19)], [empty32], [empty32], [1e-3 / 0.1, 0.001**0.5, 1.0], None, *maps,
+        _C.RULES[rule], hyper.values(), _C.FLAG_DECOUPLED, 0, 2, 128, state_bits=4, factored=[1], factors=factors,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "factors,rule,match",
+    [
+        (torch.zeros(307), "adam", (ValueError, "factors must hold 308")),
+        (torch.zeros(308, dtype=torch.float64), "adam", (TypeError, "factors has dtype torch.float64")),
+        (torch.zeros(308), "lion", (ValueError, "only Adam's rule")),
+    ],
+)
+def test_the_op_refuses_bad_factors_and_changes_nothing(factors, rule, match):
+    from lowbit import _ops
+
+    args = _factored_args(factors, rule)
+    before = [t.clone() for t in (args.params[0], args.state1[0], args.absmax1[0], factors)]
+    with pytest.raises(match[0], match=match[1]):
+        _ops.optimizer_step_(*args)
+    after = (args.params[0], args.state1[0], args.absmax1[0], factors)
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    good = _factored_args(torch.zeros(308))
+    start = good.params[0].clone()
+    _ops.optimizer_step_(*good)  # the call with the factors it needs steps: every factor and element moves
+    assert bool((good.factors > 0).all()) and bool((good.params[0] != start).all())
 
 
 def test_twin_estimator_is_adafactors_formula():

@@ -16,6 +16,7 @@
 #include "kernels.h"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
+#include "lowbit/factored.h"
 #include "lowbit/norm_order.h"
 #include "lowbit/optim_rules.h"
 #include "lowbit/rank1.h"
@@ -41,6 +42,7 @@ struct TensorView {
   StepScalars scalars;
   Rank1View rank1;  // ndim 0: every quantized state is block-wise
   int rank1_slot;   // the state slot normalised rank-1 (the second moment), or -1
+  FactoredView factored;  // batch 0: the second moment is not factorized
 };
 
 TensorView view(const OptimArgs& a, int64_t t) {
@@ -56,7 +58,8 @@ TensorView view(const OptimArgs& a, int64_t t) {
                     m[kStateBits] != 32,
                     scalars_row(a.scalars, t, a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f),
                     rank1_row(a.rank1, t),
-                    a.rank1 != nullptr && a.rank1[t * kRank1Cols + kR1Ndim] > 0 ? second_moment_slot(a.rule) : -1};
+                    a.rank1 != nullptr && a.rank1[t * kRank1Cols + kR1Ndim] > 0 ? second_moment_slot(a.rule) : -1,
+                    factored_row(a.factored, t)};
 }
 
 // The element loops of the rank-1 normalised state of a block (lowbit/rank1.h), on x in place: the decoded
@@ -596,6 +599,194 @@ void rank1_stats(const OptimArgs& a, const std::vector<TensorView>& tensors, con
   }
 }
 
+
+// -- Factorized second moments (lowbit/factored.h) ------------------------------------------------------------
+
+enum class FactoredLoop { kRowBlocks, kStep };
+
+// The operands of one factored loop: row blocks [lo, hi) of the tensor (kRowBlocks: factored.h's blocks of
+// kFactoredRowBlock rows of a slice, numbered slice by slice; their column sums go to part, C floats per block);
+// or the cnt = hi - lo elements from element lo, with their decoded first moments m (kStep, which returns the
+// block maximum of the new m's bit patterns in *max_bits).
+template <typename T>
+struct FactoredLoopArgs {
+  const StepHyper& h;
+  const StepScalars& sc;
+  const FactoredView& f;
+  T* param;
+  const T* grad;
+  int64_t lo;
+  int64_t hi;
+  float* part;
+  float* m;
+  uint32_t* max_bits;
+};
+
+// Each row's sum of squares in factored.h's lanes and its EMA, and the block's column sums in row order: one
+// read of the gradients gives both.
+template <int32_t kFlags, typename T>
+LB_ALWAYS_INLINE inline void factored_row_blocks(const FactoredLoopArgs<T>& a, const StepHyper& h) {
+  const StepScalars sc = a.sc;
+  const int64_t cols = a.f.cols;
+  const int64_t blocks = (a.f.rows + kFactoredRowBlock - 1) / kFactoredRowBlock;
+  for (int64_t j = a.lo; j < a.hi; ++j) {
+    const int64_t b = j / blocks;
+    const int64_t r0 = (j % blocks) * kFactoredRowBlock;
+    const int64_t r1 = std::min<int64_t>(r0 + kFactoredRowBlock, a.f.rows);
+    float* __restrict part = a.part + j * cols;
+    std::fill_n(part, cols, 0.f);
+    for (int64_t q = b * a.f.rows + r0; q < b * a.f.rows + r1; ++q) {
+      const T* __restrict p = a.param + q * cols;
+      const T* __restrict g = a.grad + q * cols;
+      float lane[kFactoredLanes] = {};
+      int64_t c = 0;
+      for (; c + kFactoredLanes <= cols; c += kFactoredLanes) {
+        for (int l = 0; l < kFactoredLanes; ++l) {
+          const float x = factored_grad(h, sc, to_float(p[c + l]), to_float(g[c + l]));
+          const float sq = x * x;
+          lane[l] += sq;
+          part[c + l] += sq;
+        }
+      }
+      for (int l = 0; c < cols; ++c, ++l) {
+        const float x = factored_grad(h, sc, to_float(p[c]), to_float(g[c]));
+        const float sq = x * x;
+        lane[l] += sq;
+        part[c] += sq;
+      }
+      a.f.row[q] = factored_ema(h, a.f.row[q], factored_add_lanes(lane), cols);
+    }
+  }
+}
+
+template <int32_t kFlags, typename T>
+LB_ALWAYS_INLINE inline void factored_step(const FactoredLoopArgs<T>& a, const StepHyper& h) {
+  const StepScalars sc = a.sc;
+  const int cnt = static_cast<int>(a.hi - a.lo);
+  float v_hat[kMaxBlock];
+  factored_v_hats(a.f, a.lo, cnt, v_hat);
+  T* __restrict param = a.param + a.lo;
+  const T* __restrict grad = a.grad + a.lo;
+  float* __restrict m = a.m;
+  uint32_t max1 = 0;
+  for (int i = 0; i < cnt; ++i) {
+    float p = to_float(param[i]);
+    const float g = factored_grad(h, sc, p, to_float(grad[i]));
+    factored_apply(h, sc, p, g, m[i], v_hat[i]);
+    param[i] = from_float<T>(p);
+    max1 = std::max(max1, abs_bits(m[i]));
+  }
+  *a.max_bits = max1;
+}
+
+// The loop kLoop with the flag bits of with_element_flags as constants (so that it vectorises, as update_body).
+template <FactoredLoop kLoop, typename T>
+LB_ALWAYS_INLINE inline void factored_loop_body(const FactoredLoopArgs<T>& a) {
+  with_element_flags(a.h.flags, [&](auto flags) LB_ALWAYS_INLINE {
+    constexpr int32_t kFlags = decltype(flags)::value;
+    StepHyper h = a.h;
+    h.flags = (a.h.flags & ~kElementFlags) | kFlags;
+    if constexpr (kLoop == FactoredLoop::kRowBlocks) {
+      factored_row_blocks<kFlags>(a, h);
+    } else {
+      factored_step<kFlags>(a, h);
+    }
+  });
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// Compiled for the widest vector unit in use, as update(): adds, products, division and square root give the
+// same IEEE results at any width (no contraction: CMakeLists.txt), and the lanes keep factored.h's order.
+template <FactoredLoop kLoop, typename T>
+__attribute__((target("avx2"), flatten)) void factored_loop_avx2(const FactoredLoopArgs<T>& a) {
+  factored_loop_body<kLoop>(a);
+}
+
+template <FactoredLoop kLoop, typename T>
+__attribute__((target("avx512f"), flatten)) void factored_loop_avx512(const FactoredLoopArgs<T>& a) {
+  factored_loop_body<kLoop>(a);
+}
+#endif
+
+template <FactoredLoop kLoop, typename T>
+void factored_loop(const FactoredLoopArgs<T>& a) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (avx512_active()) return factored_loop_avx512<kLoop>(a);
+  if (avx2_active()) return factored_loop_avx2<kLoop>(a);
+#endif
+  factored_loop_body<kLoop>(a);
+}
+
+// The factors of every factorized tensor of a call: one parallel loop over runs of factored.h's row blocks
+// (about kChunk elements per item, whole blocks), which gives the rows' EMAs and each block's column sums, then
+// per tensor the columns' sums (the blocks' in block order) and EMAs, and each slice's mean of its new rows.
+// Each sum is one thread's, in factored.h's order, so the thread count and the dynamic schedule (which
+// balances the items) change no result.
+void factored_factors(const OptimArgs& a, const std::vector<TensorView>& tensors, int threads, bool par) {
+  struct Item {
+    int64_t t;
+    int64_t lo;
+    int64_t hi;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> base(a.count + 1, 0);  // each tensor's offset in the blocks' column sums
+  for (int64_t t = 0; t < a.count; ++t) {
+    const FactoredView& f = tensors[t].factored;
+    const int64_t blocks = f.batch * ((f.rows + kFactoredRowBlock - 1) / kFactoredRowBlock);
+    const int64_t block_elements = std::max<int64_t>(1, std::min<int64_t>(f.rows, kFactoredRowBlock) * f.cols);
+    const int64_t per_item = std::max<int64_t>(1, kChunk / block_elements);
+    for (int64_t j = 0; j < blocks; j += per_item) items.push_back({t, j, std::min(j + per_item, blocks)});
+    base[t + 1] = base[t] + blocks * f.cols;
+  }
+  std::vector<float> parts(static_cast<size_t>(base[a.count]));
+  const auto n = static_cast<int64_t>(items.size());
+#pragma omp parallel for schedule(dynamic) num_threads(threads) if (par)
+  for (int64_t i = 0; i < n; ++i) {
+    const TensorView& tv = tensors[items[i].t];
+    LB_DISPATCH_DTYPE(tv.dtype, factored_loop<FactoredLoop::kRowBlocks, scalar_t>(
+                                    {a.hyper, tv.scalars, tv.factored, static_cast<scalar_t*>(tv.param),
+                                     static_cast<const scalar_t*>(tv.grad), items[i].lo, items[i].hi,
+                                     parts.data() + base[items[i].t], nullptr, nullptr}));
+  }
+  std::vector<float> total;
+  for (int64_t t = 0; t < a.count; ++t) {
+    const FactoredView& f = tensors[t].factored;
+    const int64_t blocks = (f.rows + kFactoredRowBlock - 1) / kFactoredRowBlock;
+    for (int64_t b = 0; b < f.batch; ++b) {
+      total.assign(static_cast<size_t>(f.cols), 0.f);
+      for (int64_t k = 0; k < blocks; ++k) {
+        const float* part = parts.data() + base[t] + (b * blocks + k) * f.cols;
+        for (int64_t c = 0; c < f.cols; ++c) total[c] += part[c];
+      }
+      float* col = f.col + b * f.cols;
+      for (int64_t c = 0; c < f.cols; ++c) col[c] = factored_ema(a.hyper, col[c], total[c], f.rows);
+      float lane[kFactoredLanes] = {};
+      const float* row = f.row + b * f.rows;
+      for (int64_t r = 0; r < f.rows; ++r) lane[r % kFactoredLanes] += row[r];
+      f.mean[b] = factored_add_lanes(lane) / static_cast<float>(f.rows);
+    }
+  }
+}
+
+// The step of one block of a factorized tensor: its 4-bit first moment decoded, factored_apply per element with
+// v_hat from the (already updated) factors, the non-finite restart of m (state_form.h), m re-encoded.
+template <typename T>
+void factored_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders) {
+  const int64_t lo = block * a.block_size;
+  const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
+  float m[kMaxBlock];
+  load_state(t, 0, block, lo, cnt, state_map(a, 0), coders.planes[0], m);
+  uint32_t max_bits[kMaxStates] = {0, 0, 0};
+  factored_loop<FactoredLoop::kStep, T>(
+      {a.hyper, t.scalars, t.factored, static_cast<T*>(t.param), static_cast<const T*>(t.grad), lo, lo + cnt,
+       nullptr, m, max_bits});
+  if (max_bits[0] >= kNonFiniteBits) {
+    float* s[kMaxStates] = {m, nullptr, nullptr};
+    restart_nonfinite3(s, 1, cnt, max_bits);
+  }
+  store_state(t, 0, block, lo, cnt, max_bits[0], coders.index[0], coders.gather, m);
+}
+
 template <Rule kRule>
 void step_all(const OptimArgs& a, int threads) {
   std::vector<TensorView> tensors;
@@ -658,11 +849,16 @@ void step_all(const OptimArgs& a, int threads) {
   if (a.update_scales != nullptr) {
     for (int64_t t = 0; t < a.count; ++t) tensors[t].scalars.update_scale = a.update_scales[t];
   }
+  if (a.factored != nullptr) factored_factors(a, tensors, threads, par);
 #pragma omp parallel for schedule(static) num_threads(threads) if (par)
   for (int64_t b = 0; b < a.total_blocks; ++b) {
     const int64_t t = tensor_of_block(a, b);
     const TensorView& tv = tensors[t];
     const int64_t block = b - a.meta[t * kMetaCols + kFirstBlock];
+    if (tv.factored.batch > 0) {
+      LB_DISPATCH_DTYPE(tv.dtype, factored_block<scalar_t>(a, tv, block, coders));
+      continue;
+    }
     with_states<kRule>(a.n_states, [&](auto states) {
       LB_DISPATCH_DTYPE(tv.dtype, step_block<kRule, decltype(states)::value, scalar_t>(a, tv, block, coders));
     });

@@ -12,6 +12,7 @@
 #include "launch.cuh"
 #include "lowbit/blockwise.h"
 #include "lowbit/dispatch.h"
+#include "lowbit/factored.h"
 #include "lowbit/norm_order.h"
 #include "lowbit/optim_rules.h"
 #include "lowbit/qmap.h"
@@ -233,6 +234,155 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
   }
 }
 
+
+// -- Factorized second moments (lowbit/factored.h) --------------------------------------------------------------
+// Three passes before the step, each a grid-stride loop over every factorized tensor of the call: the rows'
+// EMAs (a warp per row, a thread per lane of factored.h), the columns' (a thread per column, its blocks of
+// rows in order), then each slice's mean of its new rows (a warp per slice). The step's blocks of such a tensor run
+// factored_block instead of step_block.
+static_assert(kFactoredLanes == 32, "a row's lanes are the threads of one warp");
+
+// The parameter and gradient of tensor t, as T.
+template <typename T>
+__device__ const T* tensor_ptr(const OptimArgs& a, int64_t t, int col) {
+  return reinterpret_cast<const T*>(static_cast<uintptr_t>(a.meta[t * kMetaCols + col]));
+}
+
+// A warp-per-item loop: fn(item, lane) for each of n items; every thread of the block makes the same number of
+// trips, so that the warps may share barriers. fn adds into lanes[threadIdx.x]; done(item, lanes of its warp)
+// runs on the warp's first thread once they are all in.
+template <typename Add, typename Done>
+__device__ void warp_items(int64_t n, float* lanes, Add&& add, Done&& done) {
+  const int warps = static_cast<int>(blockDim.x) / kFactoredLanes;
+  const int warp = static_cast<int>(threadIdx.x) / kFactoredLanes;
+  const int lane = static_cast<int>(threadIdx.x) % kFactoredLanes;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * warps; base < n; base += static_cast<int64_t>(gridDim.x) * warps) {
+    const int64_t item = base + warp;
+    lanes[threadIdx.x] = item < n ? add(item, lane) : 0.f;
+    __syncthreads();
+    if (lane == 0 && item < n) done(item, lanes + warp * kFactoredLanes);
+    __syncthreads();  // the next trip overwrites the lanes
+  }
+}
+
+__global__ void factored_rows_kernel(OptimArgs a) {
+  __shared__ float lanes[kMaxThreads];
+  for (int64_t t = 0; t < a.count; ++t) {
+    const FactoredView f = factored_row(a.factored, t);
+    if (f.batch == 0) continue;
+    const StepScalars sc = tensor_scalars(a, t, nullptr);
+    visit_dtype(static_cast<int>(a.meta[t * kMetaCols + kDtype]), [&](auto dtype) {
+      using T = typename decltype(dtype)::type;
+      const T* param = tensor_ptr<T>(a, t, kParam);
+      const T* grad = tensor_ptr<T>(a, t, kGrad);
+      warp_items(
+          f.batch * f.rows, lanes,
+          [&](int64_t q, int lane) {
+            float acc = 0.f;
+            for (int64_t c = lane; c < f.cols; c += kFactoredLanes) {
+              const float x = factored_grad(a.hyper, sc, to_float(param[q * f.cols + c]), to_float(grad[q * f.cols + c]));
+              acc += x * x;
+            }
+            return acc;
+          },
+          [&](int64_t q, const float* row_lanes) {
+            f.row[q] = factored_ema(a.hyper, f.row[q], factored_add_lanes(row_lanes), f.cols);
+          });
+    });
+  }
+}
+
+__global__ void factored_cols_kernel(OptimArgs a) {
+  for (int64_t t = 0; t < a.count; ++t) {
+    const FactoredView f = factored_row(a.factored, t);
+    if (f.batch == 0) continue;
+    const StepScalars sc = tensor_scalars(a, t, nullptr);
+    visit_dtype(static_cast<int>(a.meta[t * kMetaCols + kDtype]), [&](auto dtype) {
+      using T = typename decltype(dtype)::type;
+      const T* param = tensor_ptr<T>(a, t, kParam);
+      const T* grad = tensor_ptr<T>(a, t, kGrad);
+      const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+      for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < f.batch * f.cols; i += stride) {
+        const int64_t b = i / f.cols;
+        const int64_t c = i % f.cols;
+        float acc = 0.f;
+        for (int64_t r0 = 0; r0 < f.rows; r0 += kFactoredRowBlock) {
+          const int64_t r1 = r0 + kFactoredRowBlock < f.rows ? r0 + kFactoredRowBlock : f.rows;
+          float part = 0.f;
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t e = (b * f.rows + r) * f.cols + c;
+            const float x = factored_grad(a.hyper, sc, to_float(param[e]), to_float(grad[e]));
+            part += x * x;
+          }
+          acc += part;
+        }
+        f.col[i] = factored_ema(a.hyper, f.col[i], acc, f.rows);
+      }
+    });
+  }
+}
+
+__global__ void factored_mean_kernel(OptimArgs a) {
+  __shared__ float lanes[kMaxThreads];
+  for (int64_t t = 0; t < a.count; ++t) {
+    const FactoredView f = factored_row(a.factored, t);
+    if (f.batch == 0) continue;
+    warp_items(
+        f.batch, lanes,
+        [&](int64_t b, int lane) {
+          float acc = 0.f;
+          for (int64_t r = lane; r < f.rows; r += kFactoredLanes) acc += f.row[b * f.rows + r];
+          return acc;
+        },
+        [&](int64_t b, const float* slice_lanes) {
+          f.mean[b] = factored_add_lanes(slice_lanes) / static_cast<float>(f.rows);
+        });
+  }
+}
+
+// The step of one block of a factorized tensor: m (state 1, 4-bit block-wise) decoded, factored_apply with v_hat
+// from the updated factors, the non-finite restart of m (state_form.h), m re-encoded against its new absmax.
+template <typename T>
+__device__ void factored_block(const OptimArgs& a, const BlockTask& task, const FactoredView& f,
+                               const float (*maps)[256], uint32_t* scratch, uint8_t* nibbles) {
+  const int64_t* meta = a.meta + task.tensor * kMetaCols;
+  const StepScalars sc = tensor_scalars(a, task.tensor, nullptr);
+  const int64_t block = task.lo / a.block_size;
+  T* param = reinterpret_cast<T*>(static_cast<uintptr_t>(meta[kParam])) + task.lo;
+  const T* grad = reinterpret_cast<const T*>(static_cast<uintptr_t>(meta[kGrad])) + task.lo;
+  float* absmax = reinterpret_cast<float*>(static_cast<uintptr_t>(meta[kAbsmax1]));
+  const float amax = absmax[block];
+  float m[kMaxPerThread];
+  uint32_t max_bits = 0;
+  const int per = (task.cnt + blockDim.x - 1) / blockDim.x;
+  for (int j = 0; j < per; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i < task.cnt) {
+      float v_hat;
+      factored_v_hats(f, task.lo + i, 1, &v_hat);
+      float mv = maps[0][state_code(meta[kState1], task.lo + i, 4)] * amax;
+      float p = to_float(param[i]);
+      factored_apply(a.hyper, sc, p, factored_grad(a.hyper, sc, p, to_float(grad[i])), mv, v_hat);
+      param[i] = from_float<T>(p);
+      m[j] = state_finite(mv) ? mv : 0.f;
+      max_bits = max(max_bits, abs_bits(m[j]));
+    }
+  }
+  const float new_amax = stored_absmax(block_max(max_bits, scratch), false);
+  if (threadIdx.x == 0) absmax[block] = new_amax;
+  for (int j = 0; j < per; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i < task.cnt) nibbles[i] = static_cast<uint8_t>(map_encode_nearest(maps[0], 16u, normalise(m[j], new_amax)));
+  }
+  __syncthreads();
+  uint8_t* codes = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(meta[kState1])) + task.lo / 2;
+  for (int b = threadIdx.x; 2 * b < task.cnt; b += blockDim.x) {
+    const uint32_t high = 2 * b + 1 < task.cnt ? nibbles[2 * b + 1] : 0u;
+    codes[b] = static_cast<uint8_t>(nibbles[2 * b] | (high << 4));
+  }
+  __syncthreads();  // the next block overwrites the nibbles
+}
+
 __device__ void load_maps(const OptimArgs& a, float (*smap)[256]) {
   for (int k = 0; k < kMaxStates; ++k) {
     const float* map = state_map(a, k);
@@ -305,8 +455,13 @@ __global__ void optimizer_kernel(OptimArgs a, const float* update_scales) {
   load_maps(a, smap);
   for (int64_t b = blockIdx.x; b < a.total_blocks; b += gridDim.x) {
     const BlockTask task = find_block(a, b);
+    const FactoredView f = factored_row(a.factored, task.tensor);
     visit_dtype(static_cast<int>(a.meta[task.tensor * kMetaCols + kDtype]), [&](auto dtype) {
-      step_block<kRule, typename decltype(dtype)::type>(a, task, smap, scratch, nibbles, update_scales);
+      if (f.batch > 0) {
+        factored_block<typename decltype(dtype)::type>(a, task, f, smap, scratch, nibbles);
+      } else {
+        step_block<kRule, typename decltype(dtype)::type>(a, task, smap, scratch, nibbles, update_scales);
+      }
     });
   }
 }
@@ -331,6 +486,18 @@ void launch(const OptimArgs& a, cudaStream_t stream) {
     LB_LAUNCH(tensors, kBlockSumLanes, 0, stream, scale_kernel)(a, a.block_sums, a.tensor_scales);
     LB_CUDA_LAUNCH_CHECK();
     update_scales = a.tensor_scales;
+  }
+  if (a.factored != nullptr && a.norm_sums == nullptr) {
+    // The factors first (their passes read the gradients, which the step leaves as they are), each pass after
+    // the one before it on the stream: the means read the rows' new EMAs, the step all of them.
+    // Grid-stride loops: a few blocks per SM cover any size (each block walks the call's table once).
+    const auto passes = std::min(grid, 2048u);
+    LB_LAUNCH(passes, kMaxThreads, 0, stream, factored_rows_kernel)(a);
+    LB_CUDA_LAUNCH_CHECK();
+    LB_LAUNCH(passes, kMaxThreads, 0, stream, factored_cols_kernel)(a);
+    LB_CUDA_LAUNCH_CHECK();
+    LB_LAUNCH(passes, kMaxThreads, 0, stream, factored_mean_kernel)(a);
+    LB_CUDA_LAUNCH_CHECK();
   }
   if (a.norm_sums == nullptr) {
     LB_LAUNCH(grid, threads, 0, stream, optimizer_kernel<kRule>)(a, update_scales);

@@ -19,6 +19,7 @@ META_COLS = _C.META_COLS
 MAX_STATES = _C.MAX_STATES
 SCALAR_COLS = _C.SCALAR_COLS
 RANK1_COLS, MAX_RANK1_DIMS = _C.RANK1_COLS, _C.MAX_RANK1_DIMS
+FACTORED_COLS = _C.FACTORED_COLS
 # include/lowbit/state_form.h: second_moment_slot of each rule code (-1: the rule has none).
 SECOND_MOMENT_SLOTS: list[int] = list(_C.SECOND_MOMENT_SLOTS)
 
@@ -85,6 +86,12 @@ class StepArgs(NamedTuple):
     in ``axis_max`` (flat fp32, the statistics of every such tensor in turn), and ``new_axis_max`` (laid out
     alike) holds the statistics of the step's new values, to which :func:`rank1_statistics_` raises it
     (pass zeros) and which the step encodes against.
+
+    ``factored`` (optional) gives, for each tensor in turn, 1 where its second moment is factorized
+    (include/lowbit/factored.h; Adam's rule, 4-bit states, 2 or more axes), else 0. Such a tensor has no
+    ``state2``/``absmax2`` (their entries are ignored): its factors are in ``factors`` (flat fp32: for each such
+    tensor in turn, its ``B * R`` row factors then its ``B * C`` column factors, for ``B x R x C`` the tensor seen as
+    slices of its last two axes), which the step updates in place before the parameters.
     """
 
     params: list[Tensor]
@@ -111,13 +118,16 @@ class StepArgs(NamedTuple):
     rank1: Optional[list[int]] = None
     axis_max: Optional[Tensor] = None
     new_axis_max: Optional[Tensor] = None
+    factored: Optional[list[int]] = None
+    factors: Optional[Tensor] = None
 
     def written(self) -> list[Tensor]:
         """The tensors a step writes in place."""
-        return [*self.params, *self.state1, *self.state2, *self.state3, *self.absmax1, *self.absmax2, *self.absmax3]
+        states = [*self.state1, *self.state2, *self.state3, *self.absmax1, *self.absmax2, *self.absmax3]
+        return [*self.params, *states, *([self.factors] if self.factors is not None else [])]
 
 
-_MUTATED = ("params", "state1", "state2", "state3", "absmax1", "absmax2", "absmax3")
+_MUTATED = ("params", "state1", "state2", "state3", "absmax1", "absmax2", "absmax3", "factors")
 
 
 def _tensor_widths(
@@ -129,6 +139,7 @@ def _tensor_widths(
     state_bits: int,
     rank1: dict[int, tuple[int, list[int]]],
     rank1_slot: int,
+    factored: frozenset[int] = frozenset(),
 ) -> list[int]:
     """Checks every tensor of a step (parameters, gradients, and the states and absmaxes in use) and returns
     each one's state width, ``state_bits`` or 32. Each rule is one condition, written out inline (this runs for every
@@ -162,6 +173,8 @@ def _tensor_widths(
         eight = bool(states) and isinstance(states[0][i], Tensor) and states[0][i].dtype == torch.uint8
         size = (n * state_bits + 7) // 8 if eight else n
         for k, state in enumerate(states):
+            if k == rank1_slot and i in factored:
+                continue  # a factorized second moment: its factors are checked by _check_factored
             s = state[i]
             if not (
                 isinstance(s, Tensor)
@@ -226,8 +239,13 @@ def check_optimizer_step(args: StepArgs) -> list[int]:
         return []
     rank1 = rank1_layouts(args)
     slot = SECOND_MOMENT_SLOTS[args.rule] if 0 <= args.rule < len(SECOND_MOMENT_SLOTS) else -1
-    widths = _tensor_widths(args.params, args.grads, states, absmaxes, args.block_size, args.state_bits, rank1, slot)
+    factored = factored_tensors(args)
+    _check_factored_rule(args, factored)
+    widths = _tensor_widths(
+        args.params, args.grads, states, absmaxes, args.block_size, args.state_bits, rank1, slot, factored
+    )
     _check_rank1(args, rank1, widths, slot)
+    _check_factored(args, factored, rank1, widths)
     maps = {"map1": args.map1, "map2": args.map2, "map3": args.map3}
     scales = {name: getattr(args, name) for name in ("grad_scales", "update_scales") if getattr(args, name) is not None}
     _common.check_same_device("params[0]", args.params[0], **maps, **scales)
@@ -284,6 +302,87 @@ def _check_rank1(args: StepArgs, rank1: dict[int, tuple[int, list[int]]], widths
             0 <= offset and offset + n <= math.prod(dims),
             f"rank1 entry of params[{i}]: its {n} elements from offset {offset} do not fit in shape {dims}",
         )
+
+
+def factored_tensors(args: StepArgs) -> frozenset[int]:
+    """The tensors of ``args.factored`` whose second moment is factorized."""
+    if args.factored is None:
+        return frozenset()
+    entries = list(args.factored)
+    _common.check(
+        len(entries) == len(args.params) and all(e in (0, 1) for e in entries),
+        f"factored must hold 0 or 1 for each of the {len(args.params)} tensors, got {entries}",
+    )
+    return frozenset(i for i, e in enumerate(entries) if e)
+
+
+def _factor_shape(p: Tensor) -> tuple[int, int, int]:
+    """(B, R, C): a tensor of 2 or more axes as B slices of its last two axes, R x C."""
+    return p.numel() // (p.shape[-2] * p.shape[-1]) if p.numel() else 0, p.shape[-2], p.shape[-1]
+
+
+def _check_factored_rule(args: StepArgs, factored: frozenset[int]) -> None:
+    """The rule and norm mode of a step with factorized tensors: Adam's, without a norm mode."""
+    if not factored:
+        return
+    adam = _C.RULES["adam"]
+    _common.check(
+        args.rule == adam and args.n_states == 2,
+        f"factored: only Adam's rule ({adam}, 2 states) factorizes its second moment, got rule {args.rule} "
+        f"with {args.n_states} states",
+    )
+    _common.check(
+        args.norm_mode == 0, f"factored: the norm modes do not apply to factorized tensors, got {args.norm_mode}"
+    )
+
+
+def _check_factored(args: StepArgs, factored: frozenset[int], rank1: dict[int, Any], widths: list[int]) -> None:
+    """The checks of the factorized tensors of a step (see :class:`StepArgs`)."""
+    if not factored:
+        return
+    total = 0
+    for i in sorted(factored):
+        p = args.params[i]
+        _common.check(p.dim() >= 2 and p.numel() > 0, f"factored: params[{i}] must have 2 or more axes and elements")
+        _common.check(widths[i] == 4, f"factored: the states of params[{i}] must be 4-bit to be factorized")
+        _common.check(i not in rank1, f"params[{i}] cannot be both factorized and normalised rank-1")
+        b, r, c = _factor_shape(p)
+        total += b * (r + c)
+    device = args.params[0].device
+    t = args.factors
+    _common.check(t is not None, "factors must be given with factored")
+    assert t is not None
+    _common.check_input("factors", t, (torch.float32,))
+    _common.check(
+        t.numel() == total and t.device == device and t.is_contiguous(),
+        f"factors must hold {total} contiguous fp32 values (the row and column factors of the factorized tensors) "
+        f"on {device}",
+    )
+
+
+def _factored_table(args: StepArgs, device: torch.device) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The native ``factored`` table (include/lowbit/factored.h: FactoredCol) and its scratch (one fp32 mean per
+    slice, from torch's allocator on the step's stream), or None where no tensor is factorized."""
+    factored = factored_tensors(args)
+    if not factored:
+        return None, None
+    assert args.factors is not None  # _check_factored
+    shapes = [_factor_shape(args.params[i]) for i in sorted(factored)]
+    means = torch.empty(sum(b for b, _, _ in shapes), dtype=torch.float32, device=device)
+    rows = []
+    factors, mean, base, slices = args.factors.data_ptr(), means.data_ptr(), 0, 0
+    shape_of = dict(zip(sorted(factored), shapes, strict=True))
+    for i in range(len(args.params)):
+        if i not in factored:
+            rows.append([0] * FACTORED_COLS)
+            continue
+        b, r, c = shape_of[i]
+        rows.append([b, r, c, factors + 4 * base, factors + 4 * (base + b * r), mean + 4 * slices])
+        base += b * (r + c)
+        slices += b
+    table = torch.tensor(rows, dtype=torch.int64)
+    table = table.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else table
+    return table, means
 
 
 def _rank1_table(args: StepArgs, rank1: dict[int, tuple[int, list[int]]], device: torch.device) -> Optional[Tensor]:
@@ -347,6 +446,7 @@ def _call(
     rank1 = _rank1_table(args, rank1_layouts(args), device)
     if stats_only and rank1 is None:
         return
+    factored, _means = _factored_table(args, device)  # _means: the table's scratch, alive until the call returns
     launch(_STEP, device)(
         args.rule,
         args.hyper,
@@ -369,6 +469,7 @@ def _call(
         tensor_scales.data_ptr() if tensor_scales is not None else 0,
         rank1.data_ptr() if rank1 is not None else 0,
         stats_only,
+        factored.data_ptr() if factored is not None and not stats_only else 0,
     )
 
 

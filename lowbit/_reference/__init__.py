@@ -18,7 +18,7 @@ from lowbit._reference.activations import (
     fewbit_grad,
     invact_grad,
 )
-from lowbit._reference.factored import factored_adam_step_, factored_v_hat
+from lowbit._reference.factored import column_sum, factored_adam_step_, factored_v_hat, lane_sum
 from lowbit._reference.muon import muon_momentum_
 from lowbit._reference.optim import lpmm_accumulate_, lpmm_step_, optimizer_step_, rank1_statistics_
 from lowbit._reference.quantize import (
@@ -43,6 +43,8 @@ __all__ = [
     "dequantize_linear",
     "factored_adam_step_",
     "factored_v_hat",
+    "lane_sum",
+    "column_sum",
     "fewbit_encode",
     "fewbit_grad",
     "invact_grad",

@@ -40,7 +40,6 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from lowbit import _C, _ops
 from lowbit._ops import StepArgs, StepHyper
 from lowbit.optim.config import get_override
-from lowbit.optim.factored import FactoredItem, factored_step
 from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_options, plain_lr
 from lowbit.optim.loaded_state import check_loaded_state
 from lowbit.optim.rank1 import max_over_shards, rank1_layout
@@ -335,29 +334,10 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
     def _prepare_step(
         self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]], places: list[str]
     ) -> Callable[[], None]:
-        """The step of ``batch``: one fused native call for the parameters with element-wise states, and the
-        factored step (:mod:`lowbit.optim.factored`) for those whose second moment is factorized."""
+        """The step of ``batch``: one fused native call, factorized second moments included."""
         if any(_ops.local(p).is_meta for p, _ in batch):
             return self._meta_step(config, batch, places)
-        factored = [i for i, (_, state) in enumerate(batch) if "row2" in state]
-        if not factored:
-            return self._prepare_fused(config, batch, places)
-        rest = [i for i in range(len(batch)) if i not in set(factored)]
-        fused = self._prepare_fused(config, [batch[i] for i in rest], [places[i] for i in rest]) if rest else None
-        items = [batch[i] for i in factored]
-        m_map = optimizer_state_map(True, items[0][0].device, 4)
-
-        def run() -> None:
-            if fused is not None:
-                fused()
-            work = []
-            for p, state in items:
-                step_size, bias2_sqrt, _ = self._step_scalars(config, int(state["step"]) + 1)
-                work.append(FactoredItem(p, p.grad, state, step_size, bias2_sqrt))  # type: ignore[arg-type]
-            factored_step(work, config, self._decoupled, m_map, config["block_size"])
-            torch._foreach_add_([state["step"] for _, state in items], 1.0)
-
-        return run
+        return self._prepare_fused(config, batch, places)
 
     def _prepare_fused(
         self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]], places: list[str]
@@ -381,6 +361,11 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         rank1_entries: list[int] = []
         axis_max: list[Tensor] = []
         ranked_items: list[tuple[int, str, int]] = []  # (index in batch, state key, length of its statistics)
+        # Factorized second moments (lowbit/optim/factored.py): the op's flags, and the states whose row2 and
+        # col2 the op updates in ``factors`` (their concatenation), copied back once it has.
+        factored_entries: list[int] = []
+        factors: list[Tensor] = []
+        factored_items: list[dict[str, Any]] = []
         # The step numbers this step takes; the counters advance once the native call has succeeded.
         steps = [int(s) + 1 for s in torch.stack([state["step"] for _, state in batch]).tolist()]
         copied: list[tuple[Tensor, Tensor]] = []
@@ -395,8 +380,14 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             params.append(shard)
             grads.append(grad.contiguous() if grad.dtype == shard.dtype else grad.to(shard.dtype).contiguous())
             scalars += self._step_scalars(config, step)
+            factored = "row2" in state  # lowbit/optim/factored.py: no state2/absmax2, the factors instead
+            factored_entries.append(int(factored))
+            if factored:
+                factors += [state["row2"].reshape(-1), state["col2"].reshape(-1)]
+                factored_items.append(state)
             for j, k in enumerate(slots):
-                states[j].append(_ops.local(state[f"state{k + 1}"]))
+                key = f"state{k + 1}"
+                states[j].append(_NO_STATE if factored and key not in state else _ops.local(state[key]))
                 absmaxes[j].append(state.get(f"absmax{k + 1}", _NO_ABSMAX))
             ranked = next((k for k in slots if f"axis_max{k + 1}" in state), None)
             layout = rank1_layout(p) if ranked is not None else None
@@ -441,6 +432,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             # The rank-1 statistics of the call, flat (lowbit/_ops/optim.py: StepArgs).
             new_axis_max = torch.zeros(sum(n for *_, n in ranked_items), dtype=torch.float32, device=device)
             args = args._replace(rank1=rank1_entries, axis_max=torch.cat(axis_max), new_axis_max=new_axis_max)
+        if factored_items:
+            args = args._replace(factored=factored_entries, factors=torch.cat(factors))
         if norm_mode != NORM_NONE and any(isinstance(p, DTensor) for p in originals):
             # The norms of FSDP2 shards span ranks: the pre-pass sums are all-reduced, and the step
             # takes the scales computed from them.
@@ -460,6 +453,14 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                 for (i, _, _), part in zip(ranked_items, parts, strict=True):
                     max_over_shards(part, originals[i])  # in place: parts are views
             _ops.optimizer_step_eager(args, widths)
+            if factored_items:
+                assert args.factors is not None
+                parts = args.factors.split(
+                    [t.numel() for state in factored_items for t in (state["row2"], state["col2"])]
+                )
+                for j, state in enumerate(factored_items):
+                    state["row2"].copy_(parts[2 * j].view_as(state["row2"]))
+                    state["col2"].copy_(parts[2 * j + 1].view_as(state["col2"]))
             if ranked_items:
                 parts = new_axis_max.split([n for *_, n in ranked_items])
                 for (i, key, _), part in zip(ranked_items, parts, strict=True):
@@ -549,8 +550,10 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                     self._relayout(p, state, config)
 
 
-# The absmax entry of a state that has none (a rank-1 second moment: the op ignores it).
+# The absmax entry of a state that has none (a rank-1 or factorized second moment: the op ignores it).
 _NO_ABSMAX = torch.empty(0, dtype=torch.float32)
+# The state entry of a factorized second moment (the op ignores it: its factors are in ``factors``).
+_NO_STATE = torch.empty(0, dtype=torch.uint8)
 
 _FUSED_LISTS = re.compile(r"\b(params|grads|state[123]|absmax[123])\[(\d+)\]")
 
