@@ -251,6 +251,75 @@ def test_quantized_trajectory_stays_within_the_quantization_bound(seq, dtype):
     _check_against_twins(p0, grads, dtype, block, kinds)
 
 
+# Factored second moments (AdamW4bit(factored=True); Adafactor, Shazeer & Stern 2018, alg. 4): v of a
+# matrix is kept as fp32 EMAs of its row and column means of g^2 and read back as v_hat = R C / mean(R), so
+# only m is 4-bit. The reference is that rule with an fp32 m, written below from the paper. Its bound
+# follows Adam's: per element |m| <= (1 - b1) sqrt(sum_k (b1^2 / b2)^k) / sqrt(1 - b2) * sqrt(v) with v the
+# element's own (unfactored) EMA of g^2 (Cauchy-Schwarz, as _adam_step_bound), so a step divided by
+# sqrt(v_hat) is at most _adam_step_bound(t) * sqrt(v / v_hat), times the signed 4-bit map's code ratio for
+# the quantized m (no factor for v, which is not quantized). v_hat is the reference's: the optimizer's fp32
+# EMAs of the same means differ from it by a few roundings a step, under 12 steps * 3 * 2^-24 = 2.1e-6
+# relative, 1.1e-6 in the root, which the factor 1 + 1e-5 covers. Where v_hat is 0 and v is not (an
+# overflowed row mean makes mean(R) infinite and every other row's v_hat 0: lr * m / eps steps in both
+# runs), the bound is infinite; where v is 0 so is m, quantized exactly (the map has a zero code).
+RHO_M4 = _largest_code_ratio(True, 4)
+
+
+def _factored_reference_step(
+    p: torch.Tensor, g: torch.Tensor, state: dict[str, torch.Tensor], t: int, weight_decay: float
+) -> torch.Tensor:
+    """One AdamW step of the factored rule with an fp32 first moment (fp32, as the optimizer, so that the
+    same sums overflow); returns v_hat."""
+    b1, b2 = ADAM_BETAS
+    state["m"] = state["m"] + (1 - b1) * (g - state["m"])
+    square = g * g
+    state["row"] = b2 * state["row"] + (1 - b2) * square.mean(dim=-1)
+    state["col"] = b2 * state["col"] + (1 - b2) * square.mean(dim=-2)
+    mean = state["row"].mean(dim=-1, keepdim=True)
+    v_hat = torch.where(mean == 0, 0.0, state["row"] / mean).unsqueeze(-1) * state["col"].unsqueeze(-2)
+    denom = v_hat.sqrt() / math.sqrt(1 - b2**t) + 1e-8
+    p.mul_(1 - LR * weight_decay).sub_(LR / (1 - b1**t) * state["m"] / denom)
+    return v_hat
+
+
+@settings(max_examples=60)
+@given(seq=sequences, dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_factored_trajectory_stays_within_the_quantization_bound(seq, dtype):
+    seed, n, block, kinds = seq
+    gen = torch.Generator().manual_seed(seed)
+    p0 = _as_matrix(torch.randn(n, generator=gen))
+    grads = [_as_matrix(_gradient(k, n, gen)) for k in kinds]
+    wd = 0.1
+    p4 = nn.Parameter(p0.to(dtype, copy=True))
+    opt = O.AdamW4bit([p4], lr=LR, weight_decay=wd, factored=True, block_size=block, min_4bit_size=0)
+    ref = p0.to(dtype, copy=True).float()
+    state = {"m": torch.zeros_like(ref), "row": torch.zeros(ref.shape[:-1]), "col": torch.zeros(ref.shape[-1:])}
+    unit = 2.0**-24 if dtype == torch.float32 else 2.0**-8
+    v = torch.zeros(p0.shape, dtype=torch.float64)
+    allowed = torch.zeros(p0.shape, dtype=torch.float64)
+    for t, g in enumerate(grads, start=1):
+        p4.grad = g.to(dtype)
+        opt.step()
+        before = ref.double().clone()
+        g_ref = g.to(dtype).float()
+        v_hat = _factored_reference_step(ref, g_ref, state, t, wd).double()
+        ref = ref.to(dtype).float()  # the reference's parameter rounds as the optimizer's does
+        after = ref.double()
+        v = ADAM_BETAS[1] * v + (1 - ADAM_BETAS[1]) * g_ref.double() ** 2
+        ratio = torch.where(v == 0, 0.0, (v / v_hat).sqrt()).nan_to_num(0.0, math.inf, 0.0)
+        u4 = RHO_M4 * _adam_step_bound(t) * (1 + 1e-5) * ratio
+        u32 = (before * (1 - LR * wd) - after).abs().nan_to_num(0.0, 0.0, 0.0)
+        allowed = allowed + u4 + u32 + unit * 2 * (after.abs().nan_to_num(0.0, 0.0, 0.0) + allowed + u4 + u32)
+    end4, end_ref = p4.detach().float(), ref
+    finite = end4.isfinite()
+    assert torch.equal(finite, end_ref.isfinite()), kinds
+    diff = (end4.double() - end_ref.double()).abs()
+    over = (diff > allowed) & finite
+    assert not bool(over.any()), (float((diff - allowed)[over].max()), kinds)
+    if dtype == torch.float32:
+        _assert_moves_toward(p0.reshape(-1), end4.reshape(-1), end_ref.reshape(-1), ("factored", kinds))
+
+
 def test_second_moment_below_the_map_floor_stays_within_the_bound():
     # Element 1's only gradient, 1.5e-6, comes six steps after element 0's 10 in the same block. Then its
     # first moment is 2.8e-7 of the block's absmax, just over half the signed map's smallest non-zero code
