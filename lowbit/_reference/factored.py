@@ -48,9 +48,15 @@ def column_sum(x: Tensor) -> Tensor:
     return total
 
 
+def _div(x: Tensor, d: float) -> Tensor:
+    """x / d in fp32, as the native division: by a tensor, since torch on CUDA divides by a Python number as a
+    multiplication by its reciprocal."""
+    return x / torch.tensor(d, dtype=torch.float32, device=x.device)
+
+
 def factored_v_hat(row: Tensor, col: Tensor) -> Tensor:
     """``(row / mean(row over its last axis)) (outer) col``, 0 where that mean is 0."""
-    mean = (lane_sum(row) / row.shape[-1]).unsqueeze(-1)
+    mean = _div(lane_sum(row), row.shape[-1]).unsqueeze(-1)
     safe = torch.where(mean == 0, torch.ones_like(mean), mean)
     return torch.where(mean == 0, torch.zeros_like(row), row / safe).unsqueeze(-1) * col.unsqueeze(-2)
 
@@ -82,10 +88,10 @@ def factored_adam_step_(
     m = dequantize_blockwise(state["state1"], state["absmax1"], m_map, 4, block_size, n, torch.float32)
     m = _torch_lerp(m.view(param.shape), g, 1.0 - beta1)
     square = g * g
-    row = state["row2"] * beta2 + (lane_sum(square) / square.shape[-1]) * (1.0 - beta2)
-    col = state["col2"] * beta2 + (column_sum(square) / square.shape[-2]) * (1.0 - beta2)
+    row = state["row2"] * beta2 + _div(lane_sum(square), square.shape[-1]) * (1.0 - beta2)
+    col = state["col2"] * beta2 + _div(column_sum(square), square.shape[-2]) * (1.0 - beta2)
     bias2_sqrt = (1.0 - beta2**step) ** 0.5
-    denom = _sqrt32(factored_v_hat(row, col)) / bias2_sqrt + eps  # sqrtf's rounding, which torch's sqrt can miss
+    denom = _div(_sqrt32(factored_v_hat(row, col)), bias2_sqrt) + eps  # sqrtf's rounding, which torch's can miss
     if weight_decay != 0 and decoupled:
         p32 = p32 * (1.0 - lr * weight_decay)
     p32 = p32 - (lr / (1.0 - beta1**step)) * m / denom

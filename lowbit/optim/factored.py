@@ -61,7 +61,7 @@ def row_mean(row: Tensor) -> Tensor:
     total = torch.zeros_like(acc[..., :1])
     for lane in range(FACTORED_LANES):
         total += acc[..., lane : lane + 1]
-    return total / n
+    return total / torch.tensor(n, dtype=torch.float32, device=row.device)  # a true division on CUDA too
 
 
 def reconstruct(row: Tensor, col: Tensor) -> Tensor:
