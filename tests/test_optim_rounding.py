@@ -157,3 +157,14 @@ def test_draws_depend_on_the_step_and_the_seed():
     assert not torch.equal(one[0], two[0])
     # With lr 0 and momentum 0.5 the decoded buffer of step 2 is 0.5 * decoded + g: other draws, other codes.
     assert not torch.equal(one[0], one[1])
+
+
+def test_each_parameter_draws_its_own_counters():
+    """Two parameters with the same values and gradients round differently: each takes its own counter range
+    (its position times 2^40), so their rounding errors are independent, not repeated."""
+    torch.manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.zeros(4096)) for _ in range(2))
+    opt = O.SGD4bit([a, b], lr=0.0, momentum=0.5, rounding="stochastic")
+    a.grad, b.grad = torch.linspace(-1, 1, 4096), torch.linspace(-1, 1, 4096)
+    opt.step()
+    assert not torch.equal(opt.state[a]["state1"], opt.state[b]["state1"])
