@@ -7,8 +7,9 @@ Run from the repository root::
     python benchmarks/bench_mlp_4bit.py --n 512 --noise 0 --seeds 0 1 2
 
 Rows: torch AdamW (the baseline), lowbit AdamW8bit, AdamW4bit (block-wise second moments, the default), with
-``rank1_normalization=True`` and with ``factored=True`` (Adafactor row/column second moments,
-lowbit/optim/factored.py, a PyTorch step), the block-wise and rank-1 ones stepped by lowbit's pure-PyTorch
+``rank1_normalization=True``, with ``factored=True`` (Adafactor row/column second moments,
+lowbit/optim/factored.py, a PyTorch step) and with ``rounding="stochastic"`` (block-wise, its states rounded
+stochastically), the block-wise, rank-1 and stochastic ones stepped by lowbit's pure-PyTorch
 twins (lowbit/_reference) instead of the native step, torchao's AdamW4bit when ``import torchao.optim`` works,
 and a decomposition of the 4-bit error: torch AdamW's formula in plain torch with m (the signed 4-bit map)
 and/or sqrt(v) (the unsigned zero-free 4-bit map) round-tripped block-wise through ``lowbit.functional`` after
@@ -163,14 +164,17 @@ def factories(args: argparse.Namespace) -> dict[str, Factory]:
     kw = dict(lr=args.lr, eps=args.eps, weight_decay=args.weight_decay)
     four = dict(kw, min_4bit_size=args.min_size)
     rank1 = dict(four, rank1_normalization=True)
+    stochastic = dict(four, rounding="stochastic")  # its rounding_seed: drawn after model(seed) seeds torch
     rows: dict[str, Factory] = {
         "torch AdamW": lambda ps: torch.optim.AdamW(ps, **kw),
         "lowbit AdamW8bit": lambda ps: O.AdamW8bit(ps, **kw, min_8bit_size=args.min_size),
         "lowbit AdamW4bit (block-wise)": lambda ps: O.AdamW4bit(ps, **four),
         "lowbit AdamW4bit (rank-1)": lambda ps: O.AdamW4bit(ps, **rank1),
         "lowbit AdamW4bit (factored)": lambda ps: O.AdamW4bit(ps, **four, factored=True),
+        "lowbit AdamW4bit (stochastic)": lambda ps: O.AdamW4bit(ps, **stochastic),
         "twin AdamW4bit (block-wise)": lambda ps: Twin(O.AdamW4bit(ps, **four)),
         "twin AdamW4bit (rank-1)": lambda ps: Twin(O.AdamW4bit(ps, **rank1)),
+        "twin AdamW4bit (stochastic)": lambda ps: Twin(O.AdamW4bit(ps, **stochastic)),
     }
     # Imported only for its row: importing torchao takes seconds.
     if wanted("torchao AdamW4bit"):

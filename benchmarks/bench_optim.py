@@ -34,7 +34,8 @@ the first step: the storage bytes of every tensor in ``optimizer.state`` except 
 shared storages counted once, divided by the number of parameters. The 4-bit rows (blocks of 128,
 ``min_4bit_size`` 4096) also give their median over that of their 8-bit twin from the same run (``x 8-bit``);
 ``AdamW4bit (rank-1 v)`` is AdamW4bit with ``rank1_normalization=True``: the second moments of matrices
-normalised rank-1 instead of in blocks of 128.
+normalised rank-1 instead of in blocks of 128; ``AdamW4bit (stochastic)`` is AdamW4bit with
+``rounding="stochastic"`` (its cost over nearest rounding: its median over ``lowbit AdamW4bit``'s).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ FOUR_BIT_TWINS = {
     "lowbit AdamW4bit": "lowbit AdamW8bit",
     "lowbit SGD4bit (momentum 0.9)": "lowbit SGD8bit (momentum 0.9)",
     "lowbit AdamW4bit (rank-1 v)": "lowbit AdamW8bit",
+    "lowbit AdamW4bit (stochastic)": "lowbit AdamW8bit",
 }
 FOUR_BIT_HEADLINE = "lowbit AdamW4bit"
 LAYERS = 24
@@ -201,6 +203,7 @@ def make_factories(
         "lowbit Adam4bit": lambda ps: lowbit.optim.Adam4bit(ps, lr=LR),
         FOUR_BIT_HEADLINE: lambda ps: lowbit.optim.AdamW4bit(ps, lr=LR),
         "lowbit AdamW4bit (rank-1 v)": lambda ps: lowbit.optim.AdamW4bit(ps, lr=LR, rank1_normalization=True),
+        "lowbit AdamW4bit (stochastic)": lambda ps: lowbit.optim.AdamW4bit(ps, lr=LR, rounding="stochastic"),
         "lowbit SGD4bit (momentum 0.9)": lambda ps: lowbit.optim.SGD4bit(ps, lr=LR, momentum=MOMENTUM),
         "lowbit AdamW32bit": lambda ps: lowbit.optim.AdamW32bit(ps, lr=LR),
         BASELINE: lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True),

@@ -148,7 +148,7 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
                              uintptr_t scalars, uintptr_t grad_scales, int64_t count, int64_t total_blocks,
                              uintptr_t norm_sums = 0, uintptr_t update_scales = 0, uintptr_t block_sums = 0,
                              uintptr_t tensor_scales = 0, uintptr_t rank1 = 0, bool stats_only = false,
-                             uintptr_t factored = 0) {
+                             uintptr_t factored = 0, uintptr_t rounding = 0) {
   if (rule < 0 || rule > lowbit::kMaxRule) {
     throw std::invalid_argument("lowbit: unknown optimizer rule " + std::to_string(rule));
   }
@@ -195,7 +195,8 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
       ptr<float>(tensor_scales),
       ptr<const int64_t>(rank1),
       stats_only,
-      ptr<const int64_t>(factored)};
+      ptr<const int64_t>(factored),
+      ptr<const int64_t>(rounding)};
 }
 
 // hyper: kHyperFields, as for optim_args; bits: param, grad, state; stochastic: param, state.
@@ -346,6 +347,7 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
   m.attr("MAX_STATES") = lowbit::kMaxStates;
   m.attr("STEP_HYPER_FIELDS") = step_hyper_fields();
   m.attr("RANK1_COLS") = static_cast<int>(lowbit::kRank1Cols);
+  m.attr("ROUND_COLS") = static_cast<int>(lowbit::kRoundCols);
   m.attr("MAX_RANK1_DIMS") = lowbit::kMaxRank1Dims;
   m.attr("FACTORED_COLS") = static_cast<int>(lowbit::kFactoredCols);
   m.attr("FACTORED_LANES") = lowbit::kFactoredLanes;

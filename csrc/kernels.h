@@ -9,6 +9,7 @@
 #include "lowbit/factored.h"
 #include "lowbit/rank1.h"
 #include "lowbit/rounding.h"
+#include "lowbit/state_rounding.h"
 
 namespace lowbit {
 
@@ -192,6 +193,9 @@ struct OptimArgs {
   // Factorized 4-bit second moments of Adam (lowbit/factored.h): a count x kFactoredCols table, or null when
   // no tensor of the call has one. The step first updates their row and column factors in place.
   const int64_t* factored;
+  // Stochastic rounding of the quantized states (lowbit/state_rounding.h): a count x kRoundCols table of
+  // each tensor's step seed and counter offset, or null for nearest rounding.
+  const int64_t* rounding;
 };
 
 // The last row r of an int64 table (count rows of `cols` columns) with table[r][col] <= b: the
@@ -275,7 +279,7 @@ struct LpmmArgs {
 
 enum LpmmStream : int { kStreamParam = 0, kStreamState1 = 1, kStreamState2 = 2 };
 
-LB_HD RngKey lpmm_key(uint64_t seed, int stream) { return rng_key(mix64(seed + static_cast<uint64_t>(stream))); }
+LB_HD RngKey lpmm_key(uint64_t seed, int stream) { return stream_key(seed, stream); }
 
 LB_HD int64_t lpmm_tensor_of_group(const LpmmArgs& a, int64_t b) {
   return last_row_at_most(a.meta, a.count, kLpCols, kLpFirstGroup, b);

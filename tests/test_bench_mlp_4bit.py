@@ -23,8 +23,10 @@ ROWS = [
     "lowbit AdamW4bit (block-wise)",
     "lowbit AdamW4bit (rank-1)",
     "lowbit AdamW4bit (factored)",
+    "lowbit AdamW4bit (stochastic)",
     "twin AdamW4bit (block-wise)",
     "twin AdamW4bit (rank-1)",
+    "twin AdamW4bit (stochastic)",
     "AdamW, m 4-bit",
     "AdamW, sqrt(v) 4-bit",
     "AdamW, m and sqrt(v) 4-bit",
@@ -66,7 +68,7 @@ def test_tiny_run_prints_every_row_and_exits_0():
     for got, ref in zip(losses["torch AdamW"], want, strict=True):
         assert abs(got - ref) <= 5e-5 * ref, (got, ref)
     # The native steps equal their pure-PyTorch twins bit for bit, so they print the same digits.
-    for kind in ("block-wise", "rank-1"):
+    for kind in ("block-wise", "rank-1", "stochastic"):
         assert losses[f"lowbit AdamW4bit ({kind})"] == losses[f"twin AdamW4bit ({kind})"], kind
     # Each ratio is the row's loss over torch's, to 3 decimals (the losses printed to 5 digits: the ratio of
     # the printed values is within 1e-4 of the true one, below the 3rd decimal's half unit 5e-4 + that).

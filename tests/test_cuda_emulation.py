@@ -24,7 +24,9 @@ Launchers (csrc/cuda) and the tests that run them:
   AdEMAMix); its factorized second moments (include/lowbit/factored.h: the row, column and mean passes and the
   factored blocks of the step): test_optimizer_step's cases with factored=True (AdamW, and Adam with coupled
   decay and maximize: the (64, 7) matrix and the (2, 3, 50) tensor, in one call with block-wise tensors) and
-  test_factored_step_over_several_row_blocks (columns over several blocks of 64 rows)
+  test_factored_step_over_several_row_blocks (columns over several blocks of 64 rows); stochastic rounding of the
+  states (rounding="stochastic"): test_optimizer_step's cases with that option (4-bit block-wise and rank-1, 8-bit
+  with AMSGrad's third state, SGD's one state)
 - lpmm.cu: lpmm_accumulate: test_lpmm_accumulate; lpmm_step: test_lpmm_step,
   test_lpmm_step_blocks_of_several_groups (small groups sharing a thread block)
 - muon.cu: muon_momentum: test_muon_momentum (8-bit buffers at block sizes 64..4096 and fp32 buffers,
@@ -310,6 +312,11 @@ _OPTIMIZERS = [
     ("AdEMAMix", {"optim_bits": 4, "min_4bit_size": 0, "max_unorm": 0.02}),
     ("AdEMAMix", {"optim_bits": 4, "min_4bit_size": 0, "max_unorm": 0.02, "rank1_normalization": True}),
     ("AdEMAMix32bit", {}),
+    # Stochastic rounding of the states (include/lowbit/state_rounding.h): the same draws and codes.
+    ("AdamW4bit", {"weight_decay": 0.1, "rounding": "stochastic"}),
+    ("AdamW4bit", {"min_4bit_size": 0, "rank1_normalization": True, "rounding": "stochastic"}),
+    ("Adam8bit", {"amsgrad": True, "rounding": "stochastic"}),
+    ("SGD4bit", {"lr": 1e-2, "momentum": 0.9, "rounding": "stochastic"}),
 ]
 
 
@@ -325,7 +332,9 @@ def test_optimizer_step(name, options, dtype):
             torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))
             for s in [(300,), (1,), (64, 7), (4097,), (2, 3, 50)]
         ]
-        opt = getattr(O, name)(params, **options)
+        with torch.random.fork_rng():
+            torch.manual_seed(0)  # the same rounding_seed in both runs
+            opt = getattr(O, name)(params, **options)
         for _ in range(3):
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen).to(dtype)

@@ -44,7 +44,30 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "Adam8bit-percentile_clipping": lambda p: lowbit.optim.Adam8bit(p, lr=1e-2, percentile_clipping=50, **SMALL),
     "Adam4bit-percentile_clipping": lambda p: lowbit.optim.Adam4bit(p, lr=1e-2, percentile_clipping=50, **SMALL),
     "AdEMAMix8bit-warmups": lambda p: lowbit.optim.AdEMAMix8bit(p, lr=1e-2, t_alpha=3, t_beta3=3, **SMALL),
+    # Stochastic rounding: release steps one parameter per native call, whose draws must be the loop's.
+    "Adam4bit-stochastic": lambda p: _seeded(lowbit.optim.Adam4bit, p, lr=1e-2, rounding="stochastic", **SMALL),
+    "AdamW-optim_bits=4-amsgrad-rank1-stochastic": lambda p: _seeded(
+        lowbit.optim.AdamW,
+        p,
+        lr=1e-2,
+        optim_bits=4,
+        amsgrad=True,
+        rank1_normalization=True,
+        rounding="stochastic",
+        **SMALL,
+    ),
+    "SGD8bit-stochastic": lambda p: _seeded(
+        lowbit.optim.SGD8bit, p, lr=5e-2, momentum=0.9, rounding="stochastic", **SMALL
+    ),
 }
+
+
+def _seeded(cls: Callable[..., torch.optim.Optimizer], params: Any, **kw: Any) -> torch.optim.Optimizer:
+    """``cls(params, **kw)`` with the rounding_seed that torch's generator seeded with 1 draws: both optimizers
+    of a pair round alike."""
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        return cls(params, **kw)
 
 
 class Net(nn.Module):
@@ -148,11 +171,12 @@ def test_schedulers_and_param_groups_match(name, tensor_lr):
     release.remove()
 
 
+@pytest.mark.parametrize("name", ["Adam8bit", "Adam4bit-stochastic"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiled_model_matches(backend):
+def test_compiled_model_matches(backend, name):
     # torch.compile compiles forward (and, with aot_eager, backward) graphs; parameters stay leaves whose
     # gradients autograd's engine accumulates, so the hooks run as in eager mode.
-    ref, ref_opt, model, opt = _pair(OPTIMIZERS["Adam8bit"])
+    ref, ref_opt, model, opt = _pair(OPTIMIZERS[name])
     ref_c, model_c = torch.compile(ref, backend=backend), torch.compile(model, backend=backend)
     release = step_in_backward(opt, model)
     for batch in _batches(STEPS):

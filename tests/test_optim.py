@@ -643,8 +643,8 @@ def test_norm_sums_add_in_the_documented_order():
 
 def test_norm_prepass_scratch_comes_from_torch_only_when_the_prepass_runs(monkeypatch):
     # The pre-pass's per-block sums and per-tensor scales are torch tensors that the op passes to the
-    # native step (the two pointers before the rank-1 table, the statistics-only flag and the factored
-    # table), not native allocations; calls without a pre-pass get none.
+    # native step (the two pointers before the rank-1 table, the statistics-only flag, the factored table and
+    # the rounding table), not native allocations; calls without a pre-pass get none.
     from lowbit._ops import optim as optim_ops
 
     calls = []
@@ -654,7 +654,7 @@ def test_norm_prepass_scratch_comes_from_torch_only_when_the_prepass_runs(monkey
         fn = real_launch(kernel, device)
 
         def record(*native_args):
-            calls.append(native_args[-5:-3])
+            calls.append(native_args[-6:-4])
             fn(*native_args)
 
         return record

@@ -48,6 +48,9 @@ SIGNED = {
 
 # The quantized states' block size per width: the optimizers' defaults.
 BLOCK = {8: 256, 4: 128}
+# A stochastic rounding table for _tensors' four tensors (seed, counter offset): parameter positions as the
+# optimizers give them, and a counter range that crosses 2^32 inside the third tensor (its carry).
+ROUNDING = [12345, 0, 2**62 - 1, 1 << 40, 7, (2 << 40) + 2**32 - 1000, 99, 3 << 40]
 
 
 def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int, bits: int = 8) -> list:
@@ -83,7 +86,8 @@ def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int, bits: int 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("grad_scale", [False, True])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, bits, cpu_kernels):
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, bits, stochastic, cpu_kernels):
     rule, n_states, flags, hyper = RULES[name]
     tensors = _tensors(rule, n_states, dtype, seed=len(name), bits=bits)
     params, grads, s1, s2, s3, a1, a2, a3, scalars, map1, map2, map3 = tensors
@@ -91,6 +95,8 @@ def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, bits,
     ours = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
     ref = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
     args = (scalars, scales, map1, map2, map3, rule, hyper, flags, 0, n_states, BLOCK[bits], None, bits)
+    if stochastic:
+        args = (*args, None, None, None, ROUNDING)
     _ops.optimizer_step_(ours[0], grads, *ours[1:], *args)
     R.optimizer_step_(ref[0], grads, *ref[1:], *args)
     for got, want in zip(ours, ref, strict=True):
@@ -214,17 +220,20 @@ def _rank1_case(rule: int, n_states: int, shape: tuple[int, ...], seed: int, nan
 
 
 @pytest.mark.parametrize(
-    ("name", "shape", "nan"),
+    ("name", "shape", "nan", "rounding"),
     [
-        ("adamw", (96, 130), False),
-        ("adamw", (96, 130), True),
-        ("adam-max", (7, 1, 33, 5), False),
-        ("rmsprop", (40, 3, 50), False),
-        ("adagrad", (130, 96), False),
-        ("adam-amsgrad", (33, 65), False),
+        ("adamw", (96, 130), False, None),
+        ("adamw", (96, 130), True, None),
+        ("adam-max", (7, 1, 33, 5), False, None),
+        ("rmsprop", (40, 3, 50), False, None),
+        ("adagrad", (130, 96), False, None),
+        ("adam-amsgrad", (33, 65), False, None),
+        ("adamw", (96, 130), False, [321, 5 << 40]),
+        ("adam-amsgrad", (33, 65), False, [2**62 - 5, 2**32 - 700]),
+        ("rmsprop", (40, 3, 50), False, [8, 0]),
     ],
 )
-def test_rank1_statistics_and_step_are_bit_identical_to_reference(name, shape, nan, cpu_kernels):
+def test_rank1_statistics_and_step_are_bit_identical_to_reference(name, shape, nan, rounding, cpu_kernels):
     """Rank-1 normalised 4-bit second moments (include/lowbit/rank1.h): the statistics pass and the step that
     encodes against its statistics, against the twin's (whose maxima are a reshape and amax per axis and whose
     scales a torch.minimum: a max in place of the min, or one axis left out, changes codes)."""
@@ -236,7 +245,7 @@ def test_rank1_statistics_and_step_are_bit_identical_to_reference(name, shape, n
     ours = copy.deepcopy((params, *states, *absmax, [new_axis_max]))
     ref = copy.deepcopy((params, *states, *absmax, [new_axis_max]))
     for impl, t in ((_ops, ours), (R, ref)):
-        args = (scalars, None, *maps, rule, hyper, flags, 0, n_states, 128, None, 4, rank1, axis_max, t[7][0])
+        args = (scalars, None, *maps, rule, hyper, flags, 0, n_states, 128, None, 4, rank1, axis_max, t[7][0], rounding)
         impl.rank1_statistics_(t[0], grads, *t[1:7], *args)
         impl.optimizer_step_(t[0], grads, *t[1:7], *args)
     assert bool((ours[7][0] > 0).all()), "every row and column has a non-zero second moment"

@@ -21,6 +21,7 @@
 #include "lowbit/optim_rules.h"
 #include "lowbit/rank1.h"
 #include "lowbit/state_form.h"
+#include "lowbit/state_rounding.h"
 #include "map_index.h"
 #include "pack_chunk.h"
 #include "parallel.h"
@@ -43,6 +44,9 @@ struct TensorView {
   Rank1View rank1;  // ndim 0: every quantized state is block-wise
   int rank1_slot;   // the state slot normalised rank-1 (the second moment), or -1
   FactoredView factored;  // batch 0: the second moment is not factorized
+  bool stochastic;  // stochastic rounding of the quantized states (lowbit/state_rounding.h)
+  uint64_t round_seed;
+  uint64_t round_offset;
 };
 
 TensorView view(const OptimArgs& a, int64_t t) {
@@ -59,7 +63,30 @@ TensorView view(const OptimArgs& a, int64_t t) {
                     scalars_row(a.scalars, t, a.grad_scales != nullptr ? a.grad_scales[t] : 1.f, 1.f),
                     rank1_row(a.rank1, t),
                     a.rank1 != nullptr && a.rank1[t * kRank1Cols + kR1Ndim] > 0 ? second_moment_slot(a.rule) : -1,
-                    factored_row(a.factored, t)};
+                    factored_row(a.factored, t),
+                    a.rounding != nullptr,
+                    a.rounding != nullptr ? static_cast<uint64_t>(a.rounding[t * kRoundCols + kRoundSeed]) : 0,
+                    a.rounding != nullptr ? static_cast<uint64_t>(a.rounding[t * kRoundCols + kRoundOffset]) : 0};
+}
+
+// Stochastic rounding of quantized state k of a block (lowbit/state_rounding.h): the codes of `in`
+// against absmax, element lo + j drawing at counter round_offset + lo + j of the state's stream. The
+// tile encoders' stochastic path (encode.h) rather than the nearest-only vector loops.
+void store_stochastic(const TensorView& t, int k, int64_t lo, int cnt, float amax, const MapIndex* index, bool gather,
+                      const float* in) {
+  const RngKey key = state_stream_key(t.round_seed, k);
+  uint8_t* out = static_cast<uint8_t*>(t.state[k]) + (t.bits == 4 ? lo / 2 : lo);
+  uint32_t tile[kTile];
+  const MapSpan span{*index, gather};
+  for (int j = 0; j < cnt; j += kTile) {
+    const int m = std::min(kTile, cnt - j);
+    span.encode<true>(in + j, m, amax, key, t.round_offset + static_cast<uint64_t>(lo + j), tile);
+    if (t.bits == 4) {
+      pack_chunk(tile, m, std::integral_constant<int, 4>{}, out + j / 2);
+    } else {
+      for (int i = 0; i < m; ++i) out[j + i] = static_cast<uint8_t>(tile[i]);
+    }
+  }
 }
 
 // The element loops of the rank-1 normalised state of a block (lowbit/rank1.h), on x in place: the decoded
@@ -133,6 +160,7 @@ void store_rank1(const TensorView& t, int k, int64_t lo, int cnt, const MapIndex
   float normalised[kMaxBlock];
   std::copy_n(in, cnt, normalised);
   rank1_loop<Rank1Loop::kEncode>(t.rank1, t.rank1.new_stats, lo, cnt, normalised, nullptr);
+  if (t.stochastic) return store_stochastic(t, k, lo, cnt, 1.f, index, gather, normalised);
   uint8_t* packed = static_cast<uint8_t*>(t.state[k]) + lo / 2;
   uint32_t tile[kTile];
   const MapSpan span{*index, gather};
@@ -179,6 +207,7 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
   if (k == t.rank1_slot) return store_rank1(t, k, lo, cnt, index, gather, in);
   const float amax = absmax_from_bits(max_bits);
   t.absmax[k][block] = amax;
+  if (t.stochastic) return store_stochastic(t, k, lo, cnt, amax, index, gather, in);
   if (t.bits == 4) {
     uint8_t* packed = static_cast<uint8_t*>(t.state[k]) + lo / 2;
     uint32_t tile[kTile];

@@ -18,6 +18,7 @@
 #include "lowbit/qmap.h"
 #include "lowbit/rank1.h"
 #include "lowbit/state_form.h"
+#include "lowbit/state_rounding.h"
 #include "reduce.cuh"
 
 namespace lowbit::cuda {
@@ -166,6 +167,9 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
   // The state slot normalised rank-1 (lowbit/rank1.h), or -1: it has no absmax.
   const Rank1View r1 = rank1_row(a.rank1, task.tensor);
   const int ranked = quantized && r1.ndim > 0 ? second_moment_slot(kRule) : -1;
+  // Stochastic rounding (lowbit/state_rounding.h): the tensor's step seed and counter offset.
+  const bool stochastic = a.rounding != nullptr;
+  const int64_t* round = stochastic ? a.rounding + task.tensor * kRoundCols : nullptr;
   float s[kMaxStates][kMaxPerThread];
   uint32_t max_bits[kMaxStates] = {0, 0, 0};
   const int per = (task.cnt + blockDim.x - 1) / blockDim.x;
@@ -210,12 +214,14 @@ __device__ void step_block(const OptimArgs& a, const BlockTask& task, const floa
     if (threadIdx.x == 0 && k != ranked) absmax[k][block] = amax;
     const uint32_t map_n = 1u << a.state_bits;
     uint8_t* codes = static_cast<uint8_t*>(state[k]) + (a.state_bits == 8 ? task.lo : task.lo / 2);
+    const RngKey key = stochastic ? state_stream_key(static_cast<uint64_t>(round[kRoundSeed]), k) : RngKey{0, 0};
     for (int j = 0; j < per; ++j) {
       const int i = threadIdx.x + j * blockDim.x;
       if (i < task.cnt) {
         const float scale = k == ranked ? rank1_scale_at(r1, r1.new_stats, task.lo + i) : amax;
+        const uint64_t counter = stochastic ? static_cast<uint64_t>(round[kRoundOffset] + task.lo + i) : 0;
         const auto code = static_cast<uint8_t>(
-            map_encode_nearest(maps[k], map_n, normalise(stored_form(s[k][j], root), scale)));
+            state_encode(maps[k], map_n, normalise(stored_form(s[k][j], root), scale), stochastic, key, counter));
         if (a.state_bits == 8) {
           codes[i] = code;
         } else {

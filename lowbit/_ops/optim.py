@@ -20,6 +20,7 @@ MAX_STATES = _C.MAX_STATES
 SCALAR_COLS = _C.SCALAR_COLS
 RANK1_COLS, MAX_RANK1_DIMS = _C.RANK1_COLS, _C.MAX_RANK1_DIMS
 FACTORED_COLS = _C.FACTORED_COLS
+ROUND_COLS = _C.ROUND_COLS
 # include/lowbit/state_form.h: second_moment_slot of each rule code (-1: the rule has none).
 SECOND_MOMENT_SLOTS: list[int] = list(_C.SECOND_MOMENT_SLOTS)
 
@@ -92,6 +93,11 @@ class StepArgs(NamedTuple):
     ``state2``/``absmax2`` (their entries are ignored): its factors are in ``factors`` (flat fp32: for each such
     tensor in turn, its ``B * R`` row factors then its ``B * C`` column factors, for ``B x R x C`` the tensor seen as
     slices of its last two axes), which the step updates in place before the parameters.
+
+    ``rounding`` (optional) selects stochastic rounding of the quantized states (include/lowbit/
+    state_rounding.h): two entries per tensor, its step seed (``0 <= seed < 2**63``) and the counter of its
+    first element (``>= 0``); state ``k`` of element ``e`` then rounds with the draw at counter ``offset + e``
+    of stream ``1 + k`` of the seed, as the LPMM step's states do. None rounds to nearest.
     """
 
     params: list[Tensor]
@@ -120,6 +126,7 @@ class StepArgs(NamedTuple):
     new_axis_max: Optional[Tensor] = None
     factored: Optional[list[int]] = None
     factors: Optional[Tensor] = None
+    rounding: Optional[list[int]] = None
 
     def written(self) -> list[Tensor]:
         """The tensors a step writes in place."""
@@ -246,6 +253,7 @@ def check_optimizer_step(args: StepArgs) -> list[int]:
     )
     _check_rank1(args, rank1, widths, slot)
     _check_factored(args, factored, rank1, widths)
+    _check_rounding(args.rounding, count)
     maps = {"map1": args.map1, "map2": args.map2, "map3": args.map3}
     scales = {name: getattr(args, name) for name in ("grad_scales", "update_scales") if getattr(args, name) is not None}
     _common.check_same_device("params[0]", args.params[0], **maps, **scales)
@@ -275,6 +283,25 @@ def rank1_layouts(args: StepArgs) -> dict[int, tuple[int, list[int]]]:
         pos += 2 + ndim
     _common.check(pos == len(entries), f"rank1 has {len(entries) - pos} entries beyond the last tensor's")
     return out
+
+
+def _check_rounding(rounding: Optional[list[int]], count: int) -> None:
+    """The checks of a step's ``rounding`` table (see :class:`StepArgs`)."""
+    if rounding is None:
+        return
+    _common.check(len(rounding) == ROUND_COLS * count, f"rounding must hold {ROUND_COLS} entries per tensor")
+    for i in range(count):
+        seed, offset = rounding[ROUND_COLS * i : ROUND_COLS * i + ROUND_COLS]
+        _common.check(0 <= seed < 2**63, f"rounding seed of params[{i}] must be in [0, 2**63), got {seed}")
+        _common.check(0 <= offset < 2**63, f"rounding offset of params[{i}] must be in [0, 2**63), got {offset}")
+
+
+def _rounding_table(rounding: Optional[list[int]], device: torch.device) -> Optional[Tensor]:
+    """The native ``rounding`` table (include/lowbit/state_rounding.h: RoundCol), or None for nearest rounding."""
+    if rounding is None:
+        return None
+    table = torch.tensor(rounding, dtype=torch.int64)
+    return table.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else table
 
 
 def _check_rank1(args: StepArgs, rank1: dict[int, tuple[int, list[int]]], widths: list[int], slot: int) -> None:
@@ -447,6 +474,7 @@ def _call(
     if stats_only and rank1 is None:
         return
     factored, _means = _factored_table(args, device)  # _means: the table's scratch, alive until the call returns
+    rounding = _rounding_table(args.rounding, device)
     launch(_STEP, device)(
         args.rule,
         args.hyper,
@@ -470,6 +498,7 @@ def _call(
         rank1.data_ptr() if rank1 is not None else 0,
         stats_only,
         factored.data_ptr() if factored is not None and not stats_only else 0,
+        rounding.data_ptr() if rounding is not None else 0,
     )
 
 

@@ -260,14 +260,25 @@ def _step(a: StepArgs, stats_only: bool) -> None:
             continue
         p.data.copy_(pf.reshape(p.shape).to(p.dtype))
         for k, value in enumerate(new_states):
+            # Stochastic rounding (include/lowbit/state_rounding.h): stream 1 + k of the tensor's step seed,
+            # element e at counter offset + e; nearest without a rounding table.
+            sr = a.rounding is not None
+            seed = _lpmm_stream_seed(a.rounding[2 * i], 1 + k) if a.rounding is not None else 0
+            offset = a.rounding[2 * i + 1] if a.rounding is not None else 0
             if i in rank1 and k == slot:
                 assert a.new_axis_max is not None
                 w = _sqrt32(value)
-                codes = map_codes(_normalise(w, _rank1_scales(a.new_axis_max[where[i]], *rank1[i], n)), maps[k])
-                states[k][i].copy_(_store(codes, 4))
+                xn = _normalise(w, _rank1_scales(a.new_axis_max[where[i]], *rank1[i], n))
+                states[k][i].copy_(_store(map_codes(xn, maps[k], sr, seed, offset), 4))
             elif eight:
                 codes, amax = quantize_blockwise(
-                    _sqrt32(value) if _root_slot(rule, k) else value, maps[k], a.state_bits, block_size, False, 0, 0
+                    _sqrt32(value) if _root_slot(rule, k) else value,
+                    maps[k],
+                    a.state_bits,
+                    block_size,
+                    sr,
+                    seed,
+                    offset,
                 )
                 states[k][i].copy_(codes.reshape(states[k][i].shape))
                 absmaxes[k][i].copy_(amax)

@@ -155,17 +155,22 @@ class AdEMAMix(LowbitOptimizer):
         return config["lr"] / (1.0 - b1**step), math.sqrt(1.0 - b2**step), float(step == 1)
 
     def _prepare_step(
-        self, config: dict[str, Any], batch: list[tuple[torch.Tensor, dict[str, Any]]], places: list[str]
+        self,
+        config: dict[str, Any],
+        batch: list[tuple[torch.Tensor, dict[str, Any]]],
+        places: list[str],
+        positions: list[int],
     ) -> Callable[[], None]:
         if not (config["t_alpha"] or config["t_beta3"]):
-            return super()._prepare_step(config, batch, places)
+            return super()._prepare_step(config, batch, places, positions)
         # alpha and beta3 depend on the step number, and a fused call takes one of each.
         steps = [int(s) + 1 for s in torch.stack([state["step"] for _, state in batch]).tolist()]
-        parts: dict[int, tuple[list[tuple[torch.Tensor, dict[str, Any]]], list[str]]] = {}
-        for item, place, step in zip(batch, places, steps, strict=True):
-            items, where = parts.setdefault(step, ([], []))
+        parts: dict[int, tuple[list[tuple[torch.Tensor, dict[str, Any]]], list[str], list[int]]] = {}
+        for item, place, position, step in zip(batch, places, positions, steps, strict=True):
+            items, where, at = parts.setdefault(step, ([], [], []))
             items.append(item)
             where.append(place)
+            at.append(position)
         runs = [super(AdEMAMix, self)._prepare_step({**config, "step_number": s}, *part) for s, part in parts.items()]
 
         def run() -> None:

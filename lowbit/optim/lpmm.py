@@ -32,6 +32,7 @@ from lowbit._ops import LpmmStepArgs, StepHyper
 from lowbit.lpmm.parameter import LowPrecisionParameter, any_alive, draw_seed
 from lowbit.optim.hyperparams import check_options, plain_lr
 from lowbit.optim.optimizer import FLAG_DECOUPLED, FLAG_NESTEROV, RULE_CODES, Params, decay_factor
+from lowbit.optim.rounding import COUNTER_BITS, stream_seed
 from lowbit.optim.state_storage import (
     STATE_FORMAT,
     check_state_format,
@@ -41,15 +42,6 @@ from lowbit.optim.state_storage import (
 )
 
 __all__ = ["LPMMAdamW", "LPMMOptimizer", "LPMMSGD"]
-
-
-# Each parameter's draws take a counter range of 2**40 elements of its own (see the module docstring).
-_COUNTER_BITS = 40
-
-
-def _stream_seed(base: int, stream: int) -> int:
-    """A seed for draw stream ``stream`` of a step whose base seed is ``base`` (same on every rank)."""
-    return (base * 0x9E3779B97F4A7C15 + stream * 0xBF58476D1CE4E5B9) % 2**62
 
 
 def storage_of(p: Tensor) -> Optional[LowPrecisionParameter]:
@@ -196,7 +188,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
             total = lp.grad if lp.has_grad else torch.zeros(lp.shape, dtype=torch.float32, device=lp.device)
             dist.all_reduce(total, group=group)
             lp.zero_grad_()
-            lp.accumulate_(total.div_(world), seed=_stream_seed(base, 1 + i))
+            lp.accumulate_(total.div_(world), seed=stream_seed(base, 1 + i))
 
     def _check_config(self, config: dict[str, Any], where: str) -> None:
         """Raise ValueError naming ``where`` if an option of ``config`` (a group's, possibly edited in
@@ -275,9 +267,9 @@ class LPMMOptimizer(torch.optim.Optimizer):
                     state.update(self._init_state(lp, group))
                 step = int(state["step"].item()) + 1
                 key = (lp.bits, lp.grad_bits, lp.group_size, lp.rounding, lp.device, step)
-                batches.setdefault(key, []).append((lp, state, (firsts[gi] + j) << _COUNTER_BITS))
+                batches.setdefault(key, []).append((lp, state, (firsts[gi] + j) << COUNTER_BITS))
             for key, items in batches.items():
-                self._fused_step(group, items, _stream_seed(group["rounding_seed"], key[-1]))
+                self._fused_step(group, items, stream_seed(group["rounding_seed"], key[-1]))
 
     def _fused_step(
         self, group: dict[str, Any], items: list[tuple[LowPrecisionParameter, dict[str, Any], int]], seed: int

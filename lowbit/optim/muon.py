@@ -186,10 +186,15 @@ class Muon(LowbitOptimizer):
         return dequantize_blockwise(s, QuantState(absmax, code, block, s.shape, torch.float32, 8))
 
     def _prepare_step(
-        self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]], places: list[str]
+        self,
+        config: dict[str, Any],
+        batch: list[tuple[Tensor, dict[str, Any]]],
+        places: list[str],
+        positions: list[int],
     ) -> Callable[[], None]:
         """Checks every parameter of ``batch``, then returns the step: for each, the fused momentum step,
-        Newton-Schulz, decay and update, in torch.optim.Muon's order."""
+        Newton-Schulz, decay and update, in torch.optim.Muon's order. ``positions`` (the draws of stochastic
+        rounding) go unused: Muon's momentum rounds to nearest."""
         name = type(self).__name__
         lr, momentum, block_size = config["lr"], config["momentum"], config["block_size"]
         work = []

@@ -39,10 +39,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from lowbit import _C, _ops
 from lowbit._ops import StepArgs, StepHyper
+from lowbit.lpmm.parameter import draw_seed
 from lowbit.optim.config import get_override
-from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_options, plain_lr
+from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_option, check_options, plain_lr
 from lowbit.optim.loaded_state import check_loaded_state
 from lowbit.optim.rank1 import max_over_shards, rank1_layout
+from lowbit.optim.rounding import COUNTER_BITS, global_offset, stream_seed
 from lowbit.optim.sharded_norms import sum_over_shards, update_scales
 from lowbit.optim.state_storage import (
     STATE_FORMAT,
@@ -103,6 +105,16 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         percentile_clipping: if < 100, clips each gradient to this percentile of its last 100 norms
             (bitsandbytes' option; lowbit ranks only the norms recorded so far, so the first steps
             are not scaled towards zero by the empty history).
+        rounding: how 8-bit and 4-bit states are rounded to their codes: ``"nearest"`` (default) or
+            ``"stochastic"`` (one of the two neighbouring codes, with probability proportional to
+            closeness, so the stored state is unbiased; Li, Chen, Zhu 2023 list it as an option of their
+            4-bit states). fp32 states are stored as they are. The draws are the LPMM optimizers'
+            (:mod:`lowbit.optim.rounding`): keyed by the param group's ``rounding_seed``, the step, the
+            parameter's position and the element's index in the whole parameter, so CPU and CUDA, gradient
+            release and any batching of the native calls round alike. ``rounding_seed`` is drawn from
+            torch's default generator when an optimizer (or a param group added later) asks for stochastic
+            rounding, and saved in the state dict; 0 otherwise, so nearest rounding draws nothing.
+            Not with ``factored=True`` (its step encodes to nearest).
 
     Subclasses set ``_rule`` (a key of ``RULE_CODES``), ``_state_names`` (the torch.optim state names
     of state1/state2/state3, used for interop) and ``_state_signed`` (which dynamic map each state uses),
@@ -130,7 +142,9 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         factored: bool = False,
         max_unorm: float = 0.0,
         percentile_clipping: int = 100,
+        rounding: str = "nearest",
     ) -> None:
+        check_option("rounding", rounding, type(self).__name__)
         if block_size is None:
             block_size = 128 if optim_bits == 4 else 256
         defaults = dict(
@@ -143,6 +157,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             factored=factored,
             max_unorm=max_unorm,
             percentile_clipping=percentile_clipping,
+            rounding=rounding,
+            rounding_seed=draw_seed() if rounding == "stochastic" else 0,
             state_format=STATE_FORMAT,
         )
         # Every group is validated as it is added (lowbit.optim.hyperparams), the first one included.
@@ -152,6 +168,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         """torch.optim's ``add_param_group``; the group's options are validated before it is added."""
         options = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._check_config(options, f"{type(self).__name__} param_groups[{len(self.param_groups)}]")
+        if options["rounding"] == "stochastic" and "rounding_seed" not in param_group and not options["rounding_seed"]:
+            param_group = {**param_group, "rounding_seed": draw_seed()}  # the optimizer's rounds to nearest
         super().add_param_group(param_group)
 
     # -- subclass hooks -------------------------------------------------------------------------
@@ -174,6 +192,11 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         check_options(config, where)
         if config.get("factored", False):
             _check_factored(self, config, where)
+        if config.get("factored", False) and config.get("rounding") == "stochastic":
+            raise ValueError(
+                f"lowbit: {where}: factored=True and rounding='stochastic' are mutually exclusive (the factored "
+                "step encodes its states to nearest); turn one of them off"
+            )
 
     def _hyper(self, config: dict[str, Any]) -> tuple[StepHyper, int]:
         """The step's hyperparameters (``max_unorm`` is the base class's to fill in) and flags."""
@@ -280,7 +303,11 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         name = type(self).__name__
         params = group["params"]
         # Parameters with the same overrides (usually none) share one fused call.
-        batches: dict[tuple[Any, ...], tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any]]], list[str]]] = {}
+        batches: dict[
+            tuple[Any, ...], tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any]]], list[str], list[int]]
+        ] = {}
+        # The position of the group's first parameter in the optimizer: the draws of stochastic rounding.
+        first = sum(len(g["params"]) for g in self.param_groups[:gi])
         for j in range(len(params)) if indices is None else indices:
             p = params[j]
             if p.grad is None:
@@ -295,8 +322,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             overrides = get_override(p)
             key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
             if key not in batches:
-                batches[key] = (self._merge(base, overrides), [], [])
-            config, items, places = batches[key]
+                batches[key] = (self._merge(base, overrides), [], [], [])
+            config, items, places, positions = batches[key]
             state = self.state[p]
             try:
                 if not state:
@@ -308,7 +335,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                 raise type(exc)(f"lowbit: {name} {where}: {str(exc).removeprefix('lowbit: ')}") from exc
             items.append((p, state))
             places.append(where)
-        return [self._prepare_step(config, items, places) for config, items, places in batches.values()]
+            positions.append(first + j)
+        return [self._prepare_step(*batch) for batch in batches.values()]
 
     def _grad_scales(
         self, config: dict[str, Any], grads: list[Tensor], originals: list[Tensor], steps: list[int]
@@ -332,15 +360,24 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         return torch.stack(scales).float(), histories
 
     def _prepare_step(
-        self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]], places: list[str]
+        self,
+        config: dict[str, Any],
+        batch: list[tuple[Tensor, dict[str, Any]]],
+        places: list[str],
+        positions: list[int],
     ) -> Callable[[], None]:
-        """The step of ``batch``: one fused native call, factorized second moments included."""
+        """The step of ``batch``: one fused native call, factorized second moments included. ``positions``: each
+        parameter's position in the optimizer (:mod:`lowbit.optim.rounding`)."""
         if any(_ops.local(p).is_meta for p, _ in batch):
             return self._meta_step(config, batch, places)
-        return self._prepare_fused(config, batch, places)
+        return self._prepare_fused(config, batch, places, positions)
 
     def _prepare_fused(
-        self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]], places: list[str]
+        self,
+        config: dict[str, Any],
+        batch: list[tuple[Tensor, dict[str, Any]]],
+        places: list[str],
+        positions: list[int],
     ) -> Callable[[], None]:
         """The fused call of ``batch``, checked and ready: the returned function steps the parameters and
         their states and advances the step counters. ``places`` says where each parameter is in the
@@ -428,6 +465,13 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             block_size=config["block_size"],
             state_bits=state_bits,
         )
+        if config["rounding"] == "stochastic":
+            # Each tensor's step seed and the counter of its first local element (lowbit/optim/rounding.py).
+            rounding: list[int] = []
+            for (p, _), step, position in zip(batch, steps, positions, strict=True):
+                offset = (position << COUNTER_BITS) + global_offset(p)
+                rounding += [stream_seed(config["rounding_seed"], step), offset]
+            args = args._replace(rounding=rounding)
         if ranked_items:
             # The rank-1 statistics of the call, flat (lowbit/_ops/optim.py: StepArgs).
             new_axis_max = torch.zeros(sum(n for *_, n in ranked_items), dtype=torch.float32, device=device)

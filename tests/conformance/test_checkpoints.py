@@ -242,20 +242,26 @@ def test_muon_state_dict_round_trips_and_resumes_bit_for_bit(bits, release):
 
 
 @pytest.mark.parametrize("release", [False, True], ids=["loop", "release"])
-@pytest.mark.parametrize("bits", [4, 8, 32])
-def test_ademamix_state_dict_round_trips_and_resumes_bit_for_bit(bits, release):
+@pytest.mark.parametrize(
+    ("bits", "rounding"), [(4, "nearest"), (8, "nearest"), (32, "nearest"), (4, "stochastic"), (8, "stochastic")]
+)
+def test_ademamix_state_dict_round_trips_and_resumes_bit_for_bit(bits, rounding, release):
     # bitsandbytes#1382: AdEMAMix8bit gave NaN after load_state_dict with t_alpha / t_beta3 set. The resumed
     # optimizer is built without the warm-ups and with other hyperparameters: the checkpoint's come back, and
     # its three states and step count continue the run exactly (the same codes, the same parameters). With
     # release, the checkpoint is written and resumed under gradient release, against the ordinary loop (opt).
+    # Stochastic rounding: the resumed optimizer draws another rounding_seed and rounds to nearest until the
+    # checkpoint's option and seed come back (a lost seed or step gives other draws, other codes).
     n = 5000
     gen = torch.Generator().manual_seed(2)
     grads = [_grad(gen, n, step) for step in range(8)]
     p = nn.Parameter(torch.randn(n, generator=gen))
     mine = nn.Parameter(p.detach().clone())
-    kw = dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=4.0, t_alpha=6, t_beta3=6, weight_decay=0.1)
+    kw = dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=4.0, t_alpha=6, t_beta3=6, weight_decay=0.1, rounding=rounding)
     size = {"min_4bit_size": 0} if bits == 4 else {}
+    torch.manual_seed(5)  # the same rounding_seed for opt and saving
     opt = O.AdEMAMix([p], optim_bits=bits, **kw, **size)
+    torch.manual_seed(5)
     saving = O.AdEMAMix([mine], optim_bits=bits, **kw, **size)
     if release:
         O.step_in_backward(saving)
