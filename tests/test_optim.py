@@ -677,4 +677,4 @@ def test_norm_prepass_scratch_comes_from_torch_only_when_the_prepass_runs(monkey
     maps = [m.data_ptr() for m in args[10:13]]
     step = real_launch(optim_ops._STEP, torch.device("cpu"))
     with pytest.raises(ValueError, match="block_sums"):
-        step(5, args[14], 0, 1, 2, 256, 8, *maps, 0, 0, 0, 2, 21, 0, 0, 0, 0, 0, False, 0)
+        step(5, args[14], 0, 1, 2, 256, 8, *maps, 0, 0, 0, 2, 21, 0, 0, 0, 0, 0, False, 0, 0)

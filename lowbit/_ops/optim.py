@@ -124,9 +124,9 @@ class StepArgs(NamedTuple):
     rank1: Optional[list[int]] = None
     axis_max: Optional[Tensor] = None
     new_axis_max: Optional[Tensor] = None
+    rounding: Optional[list[int]] = None
     factored: Optional[list[int]] = None
     factors: Optional[Tensor] = None
-    rounding: Optional[list[int]] = None
 
     def written(self) -> list[Tensor]:
         """The tensors a step writes in place."""
