@@ -320,20 +320,18 @@ _OPTIMIZERS = [
 ]
 
 
-@pytest.mark.parametrize("name,options", _OPTIMIZERS, ids=[f"{n}-{sorted(o)}" for n, o in _OPTIMIZERS])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_optimizer_step(name, options, dtype):
+def _three_steps(
+    name: str, options: dict, shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int
+) -> Callable[[], list]:
+    """A run for _identical: three steps of lowbit.optim's ``name`` over parameters of ``shapes`` in one fused call,
+    from fixed seeds (the same rounding_seed in both runs)."""
     import lowbit.optim as O
 
     def run() -> list:
-        gen = torch.Generator().manual_seed(0)
-        # Uneven tensors in one fused call: partial last blocks, a single element, more than one block.
-        params = [
-            torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))
-            for s in [(300,), (1,), (64, 7), (4097,), (2, 3, 50)]
-        ]
+        gen = torch.Generator().manual_seed(seed)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
         with torch.random.fork_rng():
-            torch.manual_seed(0)  # the same rounding_seed in both runs
+            torch.manual_seed(0)
             opt = getattr(O, name)(params, **options)
         for _ in range(3):
             for p in params:
@@ -341,7 +339,14 @@ def test_optimizer_step(name, options, dtype):
             opt.step()
         return [params, [opt.state[p] for p in params]]
 
-    _identical(run)
+    return run
+
+
+@pytest.mark.parametrize("name,options", _OPTIMIZERS, ids=[f"{n}-{sorted(o)}" for n, o in _OPTIMIZERS])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_optimizer_step(name, options, dtype):
+    # Uneven tensors in one fused call: partial last blocks, a single element, more than one block.
+    _identical(_three_steps(name, options, [(300,), (1,), (64, 7), (4097,), (2, 3, 50)], dtype, 0))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -349,19 +354,8 @@ def test_factored_step_over_several_row_blocks(dtype):
     """Factorized second moments whose columns span several of factored.h's blocks of 64 rows (130 rows: 64 + 64
     + 2; 70 rows per slice of a 3-axis tensor) and whose rows end in partial lanes (33 and 5 columns), next to a
     block-wise vector in the same call: the emulated row, column and mean passes equal the CPU's."""
-    import lowbit.optim as O
-
-    def run() -> list:
-        gen = torch.Generator().manual_seed(1)
-        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in [(130, 33), (2, 70, 5), (300,)]]
-        opt = O.Adam4bit(params, weight_decay=0.1, min_4bit_size=0, factored=True)
-        for _ in range(3):
-            for p in params:
-                p.grad = torch.randn(p.shape, generator=gen).to(dtype)
-            opt.step()
-        return [params, [opt.state[p] for p in params]]
-
-    _identical(run)
+    options = {"weight_decay": 0.1, "min_4bit_size": 0, "factored": True}
+    _identical(_three_steps("Adam4bit", options, [(130, 33), (2, 70, 5), (300,)], dtype, 1))
 
 
 def _norms_then_step(rule: int, norm_mode: int, max_unorm: float) -> Callable[[], list]:

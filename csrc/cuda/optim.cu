@@ -271,61 +271,60 @@ __device__ void warp_items(int64_t n, float* lanes, Add&& add, Done&& done) {
   }
 }
 
-__global__ void factored_rows_kernel(OptimArgs a) {
-  __shared__ float lanes[kMaxThreads];
+// fn(f, sc, param, grad) for each factorized tensor of the call: its factors, scalars, and parameter and gradient
+// as their element type.
+template <typename Fn>
+__device__ void for_factored_tensors(const OptimArgs& a, Fn&& fn) {
   for (int64_t t = 0; t < a.count; ++t) {
     const FactoredView f = factored_row(a.factored, t);
     if (f.batch == 0) continue;
     const StepScalars sc = tensor_scalars(a, t, nullptr);
     visit_dtype(static_cast<int>(a.meta[t * kMetaCols + kDtype]), [&](auto dtype) {
       using T = typename decltype(dtype)::type;
-      const T* param = tensor_ptr<T>(a, t, kParam);
-      const T* grad = tensor_ptr<T>(a, t, kGrad);
-      warp_items(
-          f.batch * f.rows, lanes,
-          [&](int64_t q, int lane) {
-            float acc = 0.f;
-            for (int64_t c = lane; c < f.cols; c += kFactoredLanes) {
-              const float x = factored_grad(a.hyper, sc, to_float(param[q * f.cols + c]), to_float(grad[q * f.cols + c]));
-              acc += x * x;
-            }
-            return acc;
-          },
-          [&](int64_t q, const float* row_lanes) {
-            f.row[q] = factored_ema(a.hyper, f.row[q], factored_add_lanes(row_lanes), f.cols);
-          });
+      fn(f, sc, tensor_ptr<T>(a, t, kParam), tensor_ptr<T>(a, t, kGrad));
     });
   }
 }
 
-__global__ void factored_cols_kernel(OptimArgs a) {
-  for (int64_t t = 0; t < a.count; ++t) {
-    const FactoredView f = factored_row(a.factored, t);
-    if (f.batch == 0) continue;
-    const StepScalars sc = tensor_scalars(a, t, nullptr);
-    visit_dtype(static_cast<int>(a.meta[t * kMetaCols + kDtype]), [&](auto dtype) {
-      using T = typename decltype(dtype)::type;
-      const T* param = tensor_ptr<T>(a, t, kParam);
-      const T* grad = tensor_ptr<T>(a, t, kGrad);
-      const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-      for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < f.batch * f.cols; i += stride) {
-        const int64_t b = i / f.cols;
-        const int64_t c = i % f.cols;
-        float acc = 0.f;
-        for (int64_t r0 = 0; r0 < f.rows; r0 += kFactoredRowBlock) {
-          const int64_t r1 = r0 + kFactoredRowBlock < f.rows ? r0 + kFactoredRowBlock : f.rows;
-          float part = 0.f;
-          for (int64_t r = r0; r < r1; ++r) {
-            const int64_t e = (b * f.rows + r) * f.cols + c;
-            const float x = factored_grad(a.hyper, sc, to_float(param[e]), to_float(grad[e]));
-            part += x * x;
+__global__ void factored_rows_kernel(OptimArgs a) {
+  __shared__ float lanes[kMaxThreads];
+  for_factored_tensors(a, [&](const FactoredView& f, const StepScalars& sc, const auto* param, const auto* grad) {
+    warp_items(
+        f.batch * f.rows, lanes,
+        [&](int64_t q, int lane) {
+          float acc = 0.f;
+          for (int64_t c = lane; c < f.cols; c += kFactoredLanes) {
+            const float x = factored_grad(a.hyper, sc, to_float(param[q * f.cols + c]), to_float(grad[q * f.cols + c]));
+            acc += x * x;
           }
-          acc += part;
+          return acc;
+        },
+        [&](int64_t q, const float* row_lanes) {
+          f.row[q] = factored_ema(a.hyper, f.row[q], factored_add_lanes(row_lanes), f.cols);
+        });
+  });
+}
+
+__global__ void factored_cols_kernel(OptimArgs a) {
+  for_factored_tensors(a, [&](const FactoredView& f, const StepScalars& sc, const auto* param, const auto* grad) {
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < f.batch * f.cols; i += stride) {
+      const int64_t b = i / f.cols;
+      const int64_t c = i % f.cols;
+      float acc = 0.f;
+      for (int64_t r0 = 0; r0 < f.rows; r0 += kFactoredRowBlock) {
+        const int64_t r1 = r0 + kFactoredRowBlock < f.rows ? r0 + kFactoredRowBlock : f.rows;
+        float part = 0.f;
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t e = (b * f.rows + r) * f.cols + c;
+          const float x = factored_grad(a.hyper, sc, to_float(param[e]), to_float(grad[e]));
+          part += x * x;
         }
-        f.col[i] = factored_ema(a.hyper, f.col[i], acc, f.rows);
+        acc += part;
       }
-    });
-  }
+      f.col[i] = factored_ema(a.hyper, f.col[i], acc, f.rows);
+    }
+  });
 }
 
 __global__ void factored_mean_kernel(OptimArgs a) {
