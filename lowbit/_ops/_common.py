@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -157,7 +157,9 @@ def op_signature(fields: type[tuple]) -> inspect.Signature:
     )
 
 
-def call_tables(rows: list[list[int]], cols: int, scalars: list[float], device: torch.device) -> tuple[Tensor, Tensor]:
+def call_tables(
+    rows: Sequence[Sequence[int]], cols: int, scalars: list[float], device: torch.device
+) -> tuple[Tensor, Tensor]:
     """The per-tensor tables of a fused call: ``rows`` as an int64 (count, cols) table and ``scalars`` as
     fp32, on ``device`` (pinned and copied in stream order to a GPU, so the host does not wait)."""
     meta = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), cols)

@@ -134,6 +134,9 @@ class StepArgs(NamedTuple):
         return [*self.params, *states, *([self.factors] if self.factors is not None else [])]
 
 
+# Tensor types that are plain tensors (no subclass wrapping them): the common case of the checks, tested first.
+_PLAIN = (Tensor, torch.nn.Parameter)
+
 _MUTATED = ("params", "state1", "state2", "state3", "absmax1", "absmax2", "absmax3", "factors")
 
 
@@ -147,21 +150,21 @@ def _tensor_widths(
     rank1: dict[int, tuple[int, list[int]]],
     rank1_slot: int,
     factored: frozenset[int] = frozenset(),
+    known: Optional[list[int]] = None,
 ) -> list[int]:
     """Checks every tensor of a step (parameters, gradients, and the states and absmaxes in use) and returns
     each one's state width, ``state_bits`` or 32. Each rule is one condition, written out inline (this runs for every
     tensor of every step); the message, and the type check that names what is wrong, are built only when it
-    fails."""
+    fails. ``known``: the widths an earlier check of these very states returned; then only the parameters and
+    gradients are checked, and ``known`` is returned."""
     device = params[0].device
     num_blocks = _common.num_blocks
     widths = []
     for i, p in enumerate(params):
         g = grads[i]
         if not (
-            isinstance(p, Tensor)
-            and isinstance(g, Tensor)
-            and not is_traceable_wrapper_subclass(p)
-            and not is_traceable_wrapper_subclass(g)
+            (type(p) in _PLAIN or (isinstance(p, Tensor) and not is_traceable_wrapper_subclass(p)))
+            and (type(g) in _PLAIN or (isinstance(g, Tensor) and not is_traceable_wrapper_subclass(g)))
             and p.dtype in DTYPE_CODES
             and g.dtype == p.dtype
             and g.shape == p.shape
@@ -176,6 +179,8 @@ def _tensor_widths(
                 g.shape == p.shape, f"grads[{i}] has shape {tuple(g.shape)} but params[{i}] has {tuple(p.shape)}"
             )
             _common.check(False, f"params[{i}] and grads[{i}] must be on {device}")
+        if known is not None:
+            continue
         n = p.numel()
         eight = bool(states) and isinstance(states[0][i], Tensor) and states[0][i].dtype == torch.uint8
         size = (n * state_bits + 7) // 8 if eight else n
@@ -213,12 +218,19 @@ def _tensor_widths(
                 blocks = num_blocks(n, block_size)
                 _common.check(False, f"absmax{k + 1}[{i}] must have {blocks} entries")
         widths.append(state_bits if eight else 32)
+    if known is not None:
+        _common.check(len(known) == len(params), f"{len(known)} known widths for {len(params)} tensors")
+        return known
     return widths
 
 
-def check_optimizer_step(args: StepArgs) -> list[int]:
+def check_optimizer_step(args: StepArgs, known_widths: Optional[list[int]] = None) -> list[int]:
     """The checks of ``lowbit::optimizer_step_``; returns each tensor's state width (``state_bits`` or 32).
-    An optimizer that steps several fused calls checks every one before the first one writes."""
+    An optimizer that steps several fused calls checks every one before the first one writes.
+
+    ``known_widths``: what this function returned for a step of the very same state tensors (the same objects,
+    unchanged since, as :mod:`lowbit.optim.step_plan` makes sure); the per-tensor checks of the states are then
+    skipped, and everything else is checked as always."""
     count = len(args.params)
     _common.check(args.state_bits in (8, 4), f"state_bits must be 8 or 4, got {args.state_bits}")
     _common.check(0 <= args.n_states <= MAX_STATES, f"n_states must be 0 to {MAX_STATES}, got {args.n_states}")
@@ -249,7 +261,16 @@ def check_optimizer_step(args: StepArgs) -> list[int]:
     factored = factored_tensors(args)
     _check_factored_rule(args, factored)
     widths = _tensor_widths(
-        args.params, args.grads, states, absmaxes, args.block_size, args.state_bits, rank1, slot, factored
+        args.params,
+        args.grads,
+        states,
+        absmaxes,
+        args.block_size,
+        args.state_bits,
+        rank1,
+        slot,
+        factored,
+        known_widths,
     )
     _check_rank1(args, rank1, widths, slot)
     _check_factored(args, factored, rank1, widths)
@@ -458,17 +479,29 @@ def _call(
         return
     states = (args.state1, args.state2, args.state3)
     absmaxes = (args.absmax1, args.absmax2, args.absmax3)
-    n_states, block_size, grads, num_blocks = args.n_states, args.block_size, args.grads, _common.num_blocks
-    rows = []
-    first_block = 0
-    for i, p in enumerate(args.params):
-        ptrs = [states[k][i].data_ptr() if k < n_states else 0 for k in range(MAX_STATES)]
-        amax = [absmaxes[k][i].data_ptr() if k < n_states and widths[i] != 32 else 0 for k in range(MAX_STATES)]
-        n = p.numel()
-        rows.append([p.data_ptr(), grads[i].data_ptr(), *ptrs, *amax, n, DTYPE_CODES[p.dtype], widths[i], first_block])
+    n_states, block_size, num_blocks = args.n_states, args.block_size, _common.num_blocks
+    # The table's columns (csrc/kernels.h: MetaCol), each built over all tensors at once.
+    none = [0] * len(args.params)
+    numels = [p.numel() for p in args.params]
+    first_blocks, first_block = [], 0
+    for n in numels:
+        first_blocks.append(first_block)
         first_block += num_blocks(n, block_size)
+    columns = [
+        [p.data_ptr() for p in args.params],
+        [g.data_ptr() for g in args.grads],
+        *([s.data_ptr() for s in states[k]] if k < n_states else none for k in range(MAX_STATES)),
+        *(
+            [a.data_ptr() if w != 32 else 0 for a, w in zip(absmaxes[k], widths, strict=True)] if k < n_states else none
+            for k in range(MAX_STATES)
+        ),
+        numels,
+        [DTYPE_CODES[p.dtype] for p in args.params],
+        widths,
+        first_blocks,
+    ]
     device = args.params[0].device
-    meta, scal = _common.call_tables(rows, META_COLS, args.scalars, device)
+    meta, scal = _common.call_tables(list(zip(*columns, strict=True)), META_COLS, args.scalars, device)
     block_sums, tensor_scales = _norm_scratch(args, norm_sums, first_block, device)
     rank1 = _rank1_table(args, rank1_layouts(args), device)
     if stats_only and rank1 is None:

@@ -16,7 +16,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lowbit.optim.hyperparams import check_options
 
-__all__ = ["OVERRIDABLE", "clear_override", "get_override", "override"]
+__all__ = ["OVERRIDABLE", "clear_override", "get_override", "override", "overrides_version"]
 
 #: Options that can be overridden per parameter. Hyperparameters must also exist in the optimizer's
 #: param groups; the optimizer rejects an override it does not know when it steps.
@@ -43,6 +43,9 @@ OVERRIDABLE = frozenset(
 )
 
 _OVERRIDES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Counts the calls that changed overrides: an optimizer's prepared steps (lowbit/optim/step_plan.py) are
+# reused only while it is unchanged.
+_version = 0
 
 Target = Union[nn.Module, Tensor, Iterable[Tensor]]
 
@@ -70,14 +73,25 @@ def override(target: Target, **options: Any) -> None:
     if unknown:
         raise ValueError(f"lowbit: cannot override {unknown}; overridable options: {sorted(OVERRIDABLE)}")
     check_options(options, "lowbit.optim.override")
-    for p in _params(target):
+    global _version
+    params = _params(target)
+    _version += 1
+    for p in params:
         _OVERRIDES.setdefault(p, {}).update(options)
 
 
 def clear_override(target: Target) -> None:
     """Remove every override of the parameters of ``target``."""
-    for p in _params(target):
+    global _version
+    params = _params(target)
+    _version += 1
+    for p in params:
         _OVERRIDES.pop(p, None)
+
+
+def overrides_version() -> int:
+    """A number that changes whenever :func:`override` or :func:`clear_override` is called."""
+    return _version
 
 
 def get_override(param: Tensor) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from lowbit import _C, _ops
 from lowbit._ops import StepArgs, StepHyper
 from lowbit.lpmm.parameter import draw_seed
-from lowbit.optim.config import get_override
+from lowbit.optim.config import get_override, overrides_version
 from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_option, check_options, plain_lr
 from lowbit.optim.loaded_state import check_loaded_state
 from lowbit.optim.rank1 import max_over_shards, rank1_layout
@@ -54,6 +54,7 @@ from lowbit.optim.state_storage import (
     optimizer_state_map,
     restore_state_dtypes,
 )
+from lowbit.optim.step_plan import FusedLayout, GroupPlan, layout_options
 
 __all__ = ["LowbitOptimizer"]
 
@@ -298,16 +299,27 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         self, gi: int, group: dict[str, Any], created: list[Tensor], indices: Optional[list[int]] = None
     ) -> list[Callable[[], None]]:
         """The fused calls of ``param_groups[gi]`` (of its params at ``indices``, or all of them), prepared
-        and checked; parameters whose state this creates are appended to ``created``."""
+        and checked; parameters whose state this creates are appended to ``created``. A step of the whole
+        group reuses the previous step's plan while it matches (:mod:`lowbit.optim.step_plan`)."""
         base = self._group_config(group, gi)
         name = type(self).__name__
         params = group["params"]
-        # Parameters with the same overrides (usually none) share one fused call.
-        batches: dict[
-            tuple[Any, ...], tuple[dict[str, Any], list[tuple[Tensor, dict[str, Any]]], list[str], list[int]]
-        ] = {}
         # The position of the group's first parameter in the optimizer: the draws of stochastic rounding.
         first = sum(len(g["params"]) for g in self.param_groups[:gi])
+        options, version = layout_options(base), overrides_version()
+        plans = self.__dict__.setdefault("_plans", {})
+        if indices is None:
+            plan = plans.get(gi)
+            if plan is not None and plan.matches(options, version, first, self.state, params):
+                return [
+                    self._prepare_fused(self._merge(base, overrides), layout.items, places, positions, layout)
+                    for overrides, places, positions, layout in plan.batches
+                ]
+        # Parameters with the same overrides (usually none) share one fused call.
+        batches: dict[
+            tuple[Any, ...],
+            tuple[dict[str, Any], dict[str, Any], list[tuple[Tensor, dict[str, Any]]], list[str], list[int]],
+        ] = {}
         for j in range(len(params)) if indices is None else indices:
             p = params[j]
             if p.grad is None:
@@ -322,8 +334,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             overrides = get_override(p)
             key = tuple(sorted((k, repr(v)) for k, v in overrides.items()))
             if key not in batches:
-                batches[key] = (self._merge(base, overrides), [], [], [])
-            config, items, places, positions = batches[key]
+                batches[key] = (overrides, self._merge(base, overrides), [], [], [])
+            _, config, items, places, positions = batches[key]
             state = self.state[p]
             try:
                 if not state:
@@ -336,7 +348,38 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             items.append((p, state))
             places.append(where)
             positions.append(first + j)
-        return [self._prepare_step(*batch) for batch in batches.values()]
+        if indices is not None or not self._plannable(params):
+            return [self._prepare_step(*batch[1:]) for batch in batches.values()]
+        runs, planned = [], []
+        for overrides, config, items, places, positions in batches.values():
+            layout = self._fused_layout(config, items)
+            runs.append(self._prepare_fused(config, items, places, positions, layout))
+            planned.append((overrides, places, positions, layout))
+        stepped = [p.grad is not None for p in params]
+        plans[gi] = GroupPlan(
+            options=options,
+            overrides_version=version,
+            first=first,
+            state=self.state,
+            params=list(params),
+            shapes=[p.shape for p in params],
+            stepped=stepped,
+            device=params[stepped.index(True)].device if any(stepped) else None,
+            batches=planned,
+        )
+        return runs
+
+    def _plannable(self, params: list[Tensor]) -> bool:
+        """Whether a plan (:mod:`lowbit.optim.step_plan`) may keep the preparation of a group of ``params``: the
+        optimizer prepares its calls with :meth:`_prepare_fused` alone, and the parameters are plain, contiguous
+        tensors off the meta device (FSDP2 shards are new tensors each step)."""
+        if type(self)._prepare_step is not LowbitOptimizer._prepare_step:
+            return False
+        return all(
+            type(p) in (Tensor, torch.nn.Parameter) and not p.is_meta and p.is_contiguous()
+            for p in params
+            if p.grad is not None
+        )
 
     def _grad_scales(
         self, config: dict[str, Any], grads: list[Tensor], originals: list[Tensor], steps: list[int]
@@ -372,17 +415,53 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             return self._meta_step(config, batch, places)
         return self._prepare_fused(config, batch, places, positions)
 
+    def _fused_layout(self, config: dict[str, Any], batch: list[tuple[Tensor, dict[str, Any]]]) -> FusedLayout:
+        """What the fused call of ``batch`` takes from its parameters and their states
+        (:class:`~lowbit.optim.step_plan.FusedLayout`)."""
+        slots = self._slots(config)
+        layout = FusedLayout(slots, list(batch), [], [], [[], [], []], [[], [], []], [], [], [], [])
+        for p, state in batch:
+            layout.shards.append(_ops.local(p))  # FSDP2: the local shards of the parameter and its states
+            held: list[tuple[str, Tensor]] = []
+            factored = "row2" in state  # lowbit/optim/factored.py: no state2/absmax2, the factors instead
+            layout.factored_entries.append(int(factored))
+            if factored:
+                held += [("row2", state["row2"]), ("col2", state["col2"])]
+                layout.factored_items.append(state)
+            for j, k in enumerate(slots):
+                key, amax = f"state{k + 1}", f"absmax{k + 1}"
+                if key in state:
+                    held.append((key, state[key]))
+                if amax in state:
+                    held.append((amax, state[amax]))
+                layout.states[j].append(_NO_STATE if factored and key not in state else _ops.local(state[key]))
+                layout.absmaxes[j].append(state.get(amax, _NO_ABSMAX))
+            ranked = next((k for k in slots if f"axis_max{k + 1}" in state), None)
+            rank1 = rank1_layout(p) if ranked is not None else None
+            if ranked is not None and rank1 is not None:
+                offset, dims = rank1
+                layout.rank1_entries += [len(dims), offset, *dims]
+                layout.ranked_items.append((len(layout.shards) - 1, f"axis_max{ranked + 1}", sum(dims)))
+            else:
+                layout.rank1_entries.append(0)
+            layout.held.append(tuple(held))
+        return layout
+
     def _prepare_fused(
         self,
         config: dict[str, Any],
         batch: list[tuple[Tensor, dict[str, Any]]],
         places: list[str],
         positions: list[int],
+        layout: Optional[FusedLayout] = None,
     ) -> Callable[[], None]:
         """The fused call of ``batch``, checked and ready: the returned function steps the parameters and
         their states and advances the step counters. ``places`` says where each parameter is in the
-        user's param groups, for error messages."""
-        slots = self._slots(config)
+        user's param groups, for error messages. ``layout``: :meth:`_fused_layout` of ``batch``, made now if
+        None; its widths, once a step has checked every tensor, spare later steps the checks of the states."""
+        if layout is None:
+            layout = self._fused_layout(config, batch)
+        slots = layout.slots
         n_states = len(slots)
         hyper, flags = self._hyper(config)
         hyper = hyper._replace(max_unorm=config["max_unorm"])
@@ -391,24 +470,18 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             if norm_mode != NORM_NONE:  # LAMB and LARS refuse it when it is set; this catches later edits
                 raise ValueError(f"lowbit: {type(self).__name__} scales its update itself; max_unorm must be 0")
             norm_mode = NORM_CLIP
-        params, grads, scalars = [], [], []
-        states: list[list[Tensor]] = [[], [], []]
-        absmaxes: list[list[Tensor]] = [[], [], []]
-        # Rank-1 second moments (lowbit/optim/rank1.py): the op's layout entries, old and new statistics.
-        rank1_entries: list[int] = []
-        axis_max: list[Tensor] = []
-        ranked_items: list[tuple[int, str, int]] = []  # (index in batch, state key, length of its statistics)
-        # Factorized second moments (lowbit/optim/factored.py): the op's flags, and the states whose row2 and
-        # col2 the op updates in ``factors`` (their concatenation), copied back once it has.
-        factored_entries: list[int] = []
-        factors: list[Tensor] = []
-        factored_items: list[dict[str, Any]] = []
         # The step numbers this step takes; the counters advance once the native call has succeeded.
         steps = [int(s) + 1 for s in torch.stack([state["step"] for _, state in batch]).tolist()]
+        scalars: list[float] = []
+        by_step: dict[int, tuple[float, float, float]] = {}
+        for step in steps:
+            if step not in by_step:
+                by_step[step] = self._step_scalars(config, step)
+            scalars += by_step[step]
+        params, grads = [], []
         copied: list[tuple[Tensor, Tensor]] = []
-        for (p, state), step in zip(batch, steps, strict=True):
-            # FSDP2: the local shards of the parameter, its gradient and its states.
-            shard, grad = _ops.local(p), _ops.local(p.grad)
+        for (p, _), shard in zip(batch, layout.shards, strict=True):
+            grad = _ops.local(p.grad)
             if not shard.is_contiguous():
                 # channels_last or strided parameters: a contiguous copy is stepped (states are in the
                 # parameter's logical order, as for a contiguous one) and written back.
@@ -416,25 +489,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                 shard = copied[-1][1]
             params.append(shard)
             grads.append(grad.contiguous() if grad.dtype == shard.dtype else grad.to(shard.dtype).contiguous())
-            scalars += self._step_scalars(config, step)
-            factored = "row2" in state  # lowbit/optim/factored.py: no state2/absmax2, the factors instead
-            factored_entries.append(int(factored))
-            if factored:
-                factors += [state["row2"].reshape(-1), state["col2"].reshape(-1)]
-                factored_items.append(state)
-            for j, k in enumerate(slots):
-                key = f"state{k + 1}"
-                states[j].append(_NO_STATE if factored and key not in state else _ops.local(state[key]))
-                absmaxes[j].append(state.get(f"absmax{k + 1}", _NO_ABSMAX))
-            ranked = next((k for k in slots if f"axis_max{k + 1}" in state), None)
-            layout = rank1_layout(p) if ranked is not None else None
-            if ranked is not None and layout is not None:
-                offset, dims = layout
-                rank1_entries += [len(dims), offset, *dims]
-                axis_max.append(state[f"axis_max{ranked + 1}"])
-                ranked_items.append((len(params) - 1, f"axis_max{ranked + 1}", sum(dims)))
-            else:
-                rank1_entries.append(0)
+        states, absmaxes = layout.states, layout.absmaxes
+        ranked_items, factored_items = layout.ranked_items, layout.factored_items
         device = params[0].device
         originals = [p for p, _ in batch]
         grad_scales, histories = self._grad_scales(config, grads, originals, steps)
@@ -475,18 +531,21 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         if ranked_items:
             # The rank-1 statistics of the call, flat (lowbit/_ops/optim.py: StepArgs).
             new_axis_max = torch.zeros(sum(n for *_, n in ranked_items), dtype=torch.float32, device=device)
-            args = args._replace(rank1=rank1_entries, axis_max=torch.cat(axis_max), new_axis_max=new_axis_max)
+            axis_max = torch.cat([batch[i][1][key] for i, key, _ in ranked_items])
+            args = args._replace(rank1=layout.rank1_entries, axis_max=axis_max, new_axis_max=new_axis_max)
         if factored_items:
-            args = args._replace(factored=factored_entries, factors=torch.cat(factors))
+            factors = torch.cat([t.reshape(-1) for state in factored_items for t in (state["row2"], state["col2"])])
+            args = args._replace(factored=layout.factored_entries, factors=factors)
         if norm_mode != NORM_NONE and any(isinstance(p, DTensor) for p in originals):
             # The norms of FSDP2 shards span ranks: the pre-pass sums are all-reduced, and the step
             # takes the scales computed from them.
             sums = sum_over_shards(_ops.optimizer_norms(*args), originals)
             args = args._replace(update_scales=update_scales(sums, hyper, norm_mode))
         try:
-            widths = _ops.check_optimizer_step(args)
+            widths = _ops.check_optimizer_step(args, layout.widths)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise type(exc)(_in_user_terms(str(exc), places)) from exc
+        layout.widths = widths
 
         def run() -> None:
             if ranked_items:

@@ -1,0 +1,117 @@
+"""The preparation of a param group's fused calls, kept from one step to the next.
+
+Preparing a step walks every parameter in Python: its overrides, its state's layout against the options,
+the state tensors each fused call takes, and the checks of each of them. On a model of a few hundred
+tensors that walk cost four times the native step itself (387 tensors, 16M parameters). Nothing it derives
+changes while the group's options (the learning rate aside), the overrides, the parameters (identity,
+shape, which have a gradient) and the state tensors stay the same, which is every step of an ordinary
+training loop. So the first step of a group keeps what it derived (:class:`GroupPlan`, one
+:class:`FusedLayout` per fused call), and a later step reuses it once :meth:`GroupPlan.matches` has
+confirmed, cheaply and per parameter, that none of those inputs changed; otherwise the step is prepared
+from scratch, as the first one was. What depends on the step is derived every step: the learning rate and
+the other hyperparameters, the step counters and their scalars, the gradients (checked each step: dtype,
+shape, device, layout), the rank-1 statistics, the factors and the rounding draws.
+
+The plan holds references to the parameters and their states only while the optimizer does. It is not
+part of the state dict, and a copied or unpickled optimizer starts without one (``torch.optim.Optimizer``
+pickles only its defaults, state and param groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["FusedLayout", "GroupPlan", "layout_options"]
+
+
+def layout_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The options of a validated group config that a plan depends on: all but the learning rate, which
+    each step reads afresh (a scheduler changes it every step)."""
+    return {k: v for k, v in config.items() if k != "lr"}
+
+
+@dataclasses.dataclass
+class FusedLayout:
+    """What the preparation of one fused call derives from its parameters and their states, not from the
+    step: the local tensors the native call takes, in the call's order, and the entries of the rank-1 and
+    factored tables (lowbit/_ops/optim.py: StepArgs)."""
+
+    slots: tuple[int, ...]
+    """The rule's states, as indexes k of the optimizer's ``_state_names``."""
+    items: list[tuple[Tensor, dict[str, Any]]]
+    """(parameter, its state dict), in the call's order."""
+    shards: list[Tensor]
+    """The local tensor of each parameter (its FSDP2 shard, or itself)."""
+    held: list[tuple[tuple[str, Tensor], ...]]
+    """For each parameter, the state entries the layout took (key, tensor)."""
+    states: list[list[Tensor]]
+    absmaxes: list[list[Tensor]]
+    rank1_entries: list[int]
+    ranked_items: list[tuple[int, str, int]]
+    """(index in the call, state key of its statistics, length of its statistics) of rank-1 tensors."""
+    factored_entries: list[int]
+    factored_items: list[dict[str, Any]]
+    """The states whose ``row2``/``col2`` the call updates."""
+    widths: Optional[list[int]] = None
+    """Each tensor's state width, once a step of this layout has passed ``check_optimizer_step``."""
+
+    def holds(self, state: Any) -> bool:
+        """Whether ``state`` (the optimizer's state mapping) still holds, for every parameter, the same state
+        dict with the same tensors under the keys this layout took."""
+        for (p, entries), held in zip(self.items, self.held, strict=True):
+            if state.get(p) is not entries:
+                return False
+            for key, t in held:
+                if entries.get(key) is not t:
+                    return False
+        return True
+
+
+@dataclasses.dataclass
+class GroupPlan:
+    """The prepared fused calls of one param group (:mod:`lowbit.optim.step_plan`)."""
+
+    options: dict[str, Any]
+    """:func:`layout_options` of the group's config."""
+    overrides_version: int
+    """:func:`lowbit.optim.config.overrides_version` when the plan was made."""
+    first: int
+    """The position of the group's first parameter in the optimizer (stochastic rounding's draws)."""
+    state: Any
+    """The optimizer's state mapping (``load_state_dict`` replaces it)."""
+    params: list[Tensor]
+    """The group's parameters, all of them, in order."""
+    shapes: list[torch.Size]
+    stepped: list[bool]
+    """Whether each parameter had a gradient (and so is in a call)."""
+    device: Optional[torch.device]
+    """The device of the first stepped parameter (the step checks every tensor against that parameter's)."""
+    batches: list[tuple[dict[str, Any], list[str], list[int], FusedLayout]]
+    """For each fused call: the overrides of its parameters, where each is in the user's param groups, each
+    one's position in the optimizer, and its layout."""
+
+    def matches(
+        self, options: dict[str, Any], overrides_version: int, first: int, state: Any, params: list[Tensor]
+    ) -> bool:
+        """Whether this plan is the one a preparation from scratch would make now."""
+        if (
+            overrides_version != self.overrides_version
+            or first != self.first
+            or state is not self.state
+            or len(params) != len(self.params)
+            or options != self.options
+        ):
+            return False
+        for p, q, shape, stepped in zip(params, self.params, self.shapes, self.stepped, strict=True):
+            g = p.grad
+            if p is not q or (g is not None) is not stepped or p.shape != shape or (stepped and g.is_sparse):
+                return False
+        if self.device is not None:
+            first_stepped = self.stepped.index(True)
+            if params[first_stepped].device != self.device:
+                return False
+        return all(layout.holds(state) for *_, layout in self.batches)
