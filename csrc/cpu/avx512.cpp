@@ -237,40 +237,73 @@ LB_TARGET int decode_u4_avx512(const float* map, const uint8_t* packed, int cnt,
   return vec;
 }
 
+namespace {
+
+// The 16 codes of a 4-bit state at x[0..16): normalise() of blockwise.h as written (the product, its clamp,
+// exact +-1 at +-absmax; 0 for a zero absmax), then map_floor_index's four probes. Returns the floor codes
+// and sets xn (the normalised values) and the map values at the floor and at the code above it (the top
+// code's own value at the top), from which nearest and stochastic rounding choose (qmap.h).
+struct U4Brackets {
+  __m512i lo;
+  __m512i hi;
+  __m512 xn;
+  __m512 lo_value;
+  __m512 hi_value;
+};
+
+LB_TARGET inline U4Brackets u4_brackets(const __m512 m, const float* x, float absmax, float inv) {
+  __m512 xn = _mm512_setzero_ps();
+  if (absmax > 0.f) {
+    const __m512 v = _mm512_loadu_ps(x);
+    xn = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), _mm512_set1_ps(-1.f)), _mm512_set1_ps(1.f));
+    xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(absmax), _CMP_EQ_OQ), xn, _mm512_set1_ps(1.f));
+    xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-absmax), _CMP_EQ_OQ), xn, _mm512_set1_ps(-1.f));
+  }
+  __m512i lo = _mm512_setzero_si512();
+  for (int step = 8; step > 0; step >>= 1) {
+    const __m512i probe = _mm512_add_epi32(lo, _mm512_set1_epi32(step));
+    const __mmask16 le = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(probe, m), xn, _CMP_LE_OQ);
+    lo = _mm512_mask_mov_epi32(lo, le, probe);
+  }
+  const __m512i hi = _mm512_min_epu32(_mm512_add_epi32(lo, _mm512_set1_epi32(1)), _mm512_set1_epi32(15));
+  return {lo, hi, xn, _mm512_permutexvar_ps(lo, m), _mm512_permutexvar_ps(hi, m)};
+}
+
+// Pairs of 16 codes to 8 bytes at out, the even code in the low nibble (pack.h).
+LB_TARGET inline void pack_u4_16(__m512i code, uint8_t* out) {
+  const __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(pair));
+}
+
+}  // namespace
+
 LB_TARGET int nearest_codes_u4_avx512(const float* map, const float* x, int cnt, float absmax, uint8_t* packed) {
   const float inv = block_inverse(absmax);
   if (absmax > 0.f && inv == 0.f) return 0;
   const __m512 m = _mm512_loadu_ps(map);
-  const bool scale = absmax > 0.f;
-  const __m512 am = _mm512_set1_ps(absmax);
-  const __m512 neg_am = _mm512_set1_ps(-absmax);
-  const __m512 vinv = _mm512_set1_ps(inv);
-  const __m512 plus1 = _mm512_set1_ps(1.f), minus1 = _mm512_set1_ps(-1.f);
-  const __m512i top = _mm512_set1_epi32(15);
   const int vec = cnt - cnt % 16;
   for (int j = 0; j < vec; j += 16) {
-    // normalise() of blockwise.h as written (the product, its clamp, exact +-1 at +-absmax).
-    __m512 xn = _mm512_setzero_ps();
-    if (scale) {
-      const __m512 v = _mm512_loadu_ps(x + j);
-      xn = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, vinv), minus1), plus1);
-      xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, am, _CMP_EQ_OQ), xn, plus1);
-      xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, neg_am, _CMP_EQ_OQ), xn, minus1);
-    }
-    // map_encode_nearest: map_floor_index's four probes, then nearest_up between lo and hi.
-    __m512i lo = _mm512_setzero_si512();
-    for (int step = 8; step > 0; step >>= 1) {
-      const __m512i probe = _mm512_add_epi32(lo, _mm512_set1_epi32(step));
-      const __mmask16 le = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(probe, m), xn, _CMP_LE_OQ);
-      lo = _mm512_mask_mov_epi32(lo, le, probe);
-    }
-    const __m512i hi = _mm512_min_epu32(_mm512_add_epi32(lo, _mm512_set1_epi32(1)), top);
-    const __m512 up_gap = _mm512_sub_ps(_mm512_permutexvar_ps(hi, m), xn);
-    const __m512 down_gap = _mm512_sub_ps(xn, _mm512_permutexvar_ps(lo, m));
-    const __m512i code = _mm512_mask_mov_epi32(lo, _mm512_cmp_ps_mask(up_gap, down_gap, _CMP_LT_OQ), hi);
-    // Pairs of codes to bytes, the even one in the low nibble.
-    const __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(packed + j / 2), _mm512_cvtepi64_epi8(pair));
+    const U4Brackets b = u4_brackets(m, x + j, absmax, inv);
+    // nearest_up: hi - x < x - lo.
+    const __m512 up_gap = _mm512_sub_ps(b.hi_value, b.xn);
+    const __m512 down_gap = _mm512_sub_ps(b.xn, b.lo_value);
+    pack_u4_16(_mm512_mask_mov_epi32(b.lo, _mm512_cmp_ps_mask(up_gap, down_gap, _CMP_LT_OQ), b.hi), packed + j / 2);
+  }
+  return vec;
+}
+
+LB_TARGET int stochastic_codes_u4_avx512(const float* map, const float* x, int cnt, float absmax, const float* u,
+                                         uint8_t* packed) {
+  const float inv = block_inverse(absmax);
+  if (absmax > 0.f && inv == 0.f) return 0;
+  const __m512 m = _mm512_loadu_ps(map);
+  const int vec = cnt - cnt % 16;
+  for (int j = 0; j < vec; j += 16) {
+    const U4Brackets b = u4_brackets(m, x + j, absmax, inv);
+    // stochastic_up: u * (hi - lo) < x - lo, each operation rounded once as in the scalar rule.
+    const __m512 lhs = _mm512_mul_ps(_mm512_loadu_ps(u + j), _mm512_sub_ps(b.hi_value, b.lo_value));
+    const __mmask16 up = _mm512_cmp_ps_mask(lhs, _mm512_sub_ps(b.xn, b.lo_value), _CMP_LT_OQ);
+    pack_u4_16(_mm512_mask_mov_epi32(b.lo, up, b.hi), packed + j / 2);
   }
   return vec;
 }
@@ -356,6 +389,9 @@ void decode_u8_vbmi(const BytePlanes&, const float*, const uint8_t*, int, float,
 void nearest_codes_u8_avx512(const MapIndex&, const float*, int, float, uint8_t*) {}
 void nearest_tile_avx512(const MapIndex&, const float*, const uint32_t*, int, uint32_t*) {}
 void stochastic_tile_avx512(const MapIndex&, const float*, const uint32_t*, RngKey, uint64_t, int, uint32_t*) {}
+int decode_u4_avx512(const float*, const uint8_t*, int, float, float*) { return 0; }
+int nearest_codes_u4_avx512(const float*, const float*, int, float, uint8_t*) { return 0; }
+int stochastic_codes_u4_avx512(const float*, const float*, int, float, const float*, uint8_t*) { return 0; }
 
 namespace {
 bool calibrate_gather(bool) { return false; }

@@ -64,6 +64,10 @@ void decode_u8_avx512(const float* map, const uint8_t* codes, int cnt, float sca
 // subnormal absmax, whose reciprocal is not finite.
 int decode_u4_avx512(const float* map, const uint8_t* packed, int cnt, float scale, float* out);
 int nearest_codes_u4_avx512(const float* map, const float* x, int cnt, float absmax, uint8_t* packed);
+// The stochastic codes (qmap.h: map_encode_stochastic) of the same values, element i drawing u[i]: the floor
+// code as above, then the code above it when u[i] * gap < xn - map[floor]. Same results as the portable loop.
+int stochastic_codes_u4_avx512(const float* map, const float* x, int cnt, float absmax, const float* u,
+                               uint8_t* packed);
 
 // Few-bit codes (fewbit.h) of bits = 1..4 bits of fp32 or bf16 x, packed to out, for the first
 // cnt - cnt % 16 elements (activations_avx512.cpp); the caller does the rest.

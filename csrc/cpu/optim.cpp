@@ -77,13 +77,25 @@ void store_stochastic(const TensorView& t, int k, int64_t lo, int cnt, float ama
   const RngKey key = state_stream_key(t.round_seed, k);
   uint8_t* out = static_cast<uint8_t*>(t.state[k]) + (t.bits == 4 ? lo / 2 : lo);
   uint32_t tile[kTile];
+  float u[kTile];
   const MapSpan span{*index, gather};
   for (int j = 0; j < cnt; j += kTile) {
     const int m = std::min(kTile, cnt - j);
-    span.encode<true>(in + j, m, amax, key, t.round_offset + static_cast<uint64_t>(lo + j), tile);
+    const uint64_t counter = t.round_offset + static_cast<uint64_t>(lo + j);
     if (t.bits == 4) {
-      pack_chunk(tile, m, std::integral_constant<int, 4>{}, out + j / 2);
+      // The 16-entry map in one register: the draws of the tile, then the vector rule on whole groups of 16
+      // (pack.h: they end on a whole byte), the rest by the tile encoder.
+      int done = 0;
+      if (avx512_active()) {
+        uniform_tile(key, counter, m, u);
+        done = stochastic_codes_u4_avx512(index->padded(), in + j, m, amax, u, out + j / 2);
+      }
+      if (done < m) {
+        span.encode<true>(in + j + done, m - done, amax, key, counter + static_cast<uint64_t>(done), tile);
+        pack_chunk(tile, m - done, std::integral_constant<int, 4>{}, out + (j + done) / 2);
+      }
     } else {
+      span.encode<true>(in + j, m, amax, key, counter, tile);
       for (int i = 0; i < m; ++i) out[j + i] = static_cast<uint8_t>(tile[i]);
     }
   }
