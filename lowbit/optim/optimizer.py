@@ -113,7 +113,14 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             parameter's position and the element's index in the whole parameter, so CPU and CUDA, gradient
             release and any batching of the native calls round alike. ``rounding_seed`` is drawn from
             torch's default generator when an optimizer (or a param group added later) asks for stochastic
-            rounding, and saved in the state dict; 0 otherwise, so nearest rounding draws nothing.
+            rounding, and saved in the state dict; 0 otherwise, so nearest rounding draws nothing. 0 means
+            "none drawn": a group switched to ``"stochastic"`` later (``param_groups[i]["rounding"] =
+            "stochastic"``), or given ``rounding_seed=0``, draws its seed from torch's default generator at
+            the first step that rounds it (a step that raises draws none), and keeps it in the group, so
+            optimizers and groups never share their draws through a common seed. Pass a nonzero
+            ``rounding_seed`` in a param group to choose it. Under FSDP2 every rank must use the same seed
+            (seed torch alike on every rank, or pass ``rounding_seed``), so that each shard rounds as the
+            single-process run would.
             Not with ``factored=True`` (its step encodes to nearest).
 
     Subclasses set ``_rule`` (a key of ``RULE_CODES``), ``_state_names`` (the torch.optim state names
@@ -168,9 +175,12 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         """torch.optim's ``add_param_group``; the group's options are validated before it is added."""
         options = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._check_config(options, f"{type(self).__name__} param_groups[{len(self.param_groups)}]")
-        if options["rounding"] == "stochastic" and "rounding_seed" not in param_group and not options["rounding_seed"]:
-            param_group = {**param_group, "rounding_seed": draw_seed()}  # the optimizer's rounds to nearest
+        # A stochastic group of an optimizer that rounds to nearest draws its own seed, once torch.optim has
+        # accepted the group (it fills in the defaults), so that a refused group leaves the generator as it was.
+        draw = options["rounding"] == "stochastic" and not options["rounding_seed"]
         super().add_param_group(param_group)
+        if draw:
+            self.param_groups[-1]["rounding_seed"] = draw_seed()
 
     # -- subclass hooks -------------------------------------------------------------------------
 
@@ -284,22 +294,42 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         steps one parameter at a time through it. All fused calls are checked before any writes."""
         runs: list[Callable[[], None]] = []
         created: list[Tensor] = []
+        # Seeds this step draws for stochastic groups that have none (group index -> seed); they are stored
+        # once every call is prepared, and a step that raises puts torch's generator back as it was.
+        seeds: dict[int, int] = {}
+        unseeded = any(
+            self.param_groups[gi].get("rounding") == "stochastic" and not self.param_groups[gi].get("rounding_seed")
+            for gi in where
+        )
+        rng = torch.random.get_rng_state() if unseeded else None
         try:
             for gi, indices in where.items():
-                runs += self._prepare_group(gi, self.param_groups[gi], created, indices)
+                runs += self._prepare_group(gi, self.param_groups[gi], created, seeds, indices)
         except BaseException:
             for p in created:
                 del self.state[p]
+            if rng is not None:
+                torch.random.set_rng_state(rng)
             raise
+        for gi, seed in seeds.items():
+            self.param_groups[gi]["rounding_seed"] = seed
         for run in runs:
             run()
 
     def _prepare_group(
-        self, gi: int, group: dict[str, Any], created: list[Tensor], indices: Optional[list[int]] = None
+        self,
+        gi: int,
+        group: dict[str, Any],
+        created: list[Tensor],
+        seeds: dict[int, int],
+        indices: Optional[list[int]] = None,
     ) -> list[Callable[[], None]]:
         """The fused calls of ``param_groups[gi]`` (of its params at ``indices``, or all of them), prepared
-        and checked; parameters whose state this creates are appended to ``created``."""
+        and checked; parameters whose state this creates are appended to ``created``. A stochastic group
+        without a ``rounding_seed`` (0) draws one, recorded in ``seeds`` for the caller to store."""
         base = self._group_config(group, gi)
+        if base["rounding"] == "stochastic" and not base["rounding_seed"]:
+            base["rounding_seed"] = seeds.setdefault(gi, draw_seed())
         name = type(self).__name__
         params = group["params"]
         # Parameters with the same overrides (usually none) share one fused call.
