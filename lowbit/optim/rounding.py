@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-__all__ = ["COUNTER_BITS", "global_offset", "stream_seed"]
+__all__ = ["COUNTER_BITS", "agree_seed", "global_offset", "stream_seed"]
 
 # Each parameter's draws take a counter range of 2**40 elements of its own.
 COUNTER_BITS = 40
@@ -39,3 +41,15 @@ def global_offset(p: Tensor) -> int:
             f"axis (one run of the parameter's elements per rank); got placements {p.placements}"
         )
     return int(offsets[0]) * math.prod(p.shape[1:]) if p.dim() else 0
+
+
+def agree_seed(seed: int, p: DTensor) -> int:
+    """The ``seed`` of the first rank of ``p``'s device mesh, on every rank of the mesh (a broadcast along each
+    mesh dimension in turn from its first rank), so that the shards and replicas of a parameter draw with one
+    seed whatever each rank's generator drew. Every rank of the mesh must call it."""
+    mesh = p.device_mesh
+    value = torch.tensor([seed], dtype=torch.int64, device=mesh.device_type)
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        dist.broadcast(value, src=dist.get_global_rank(group, 0), group=group)
+    return int(value.item())
