@@ -3,7 +3,7 @@ include/lowbit/state_rounding.h): unbiased and directed codes, and the option's 
 
 The native step against its twin, bit for bit, is tests/test_optim_reference.py's; CPU against CUDA,
 tests/test_cuda_emulation.py's; resumes and gradient release, tests/conformance and
-tests/test_gradient_release.py's.
+tests/test_gradient_release.py's; FSDP2 shards against one process, tests/test_distributed.py's.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ An optimizer draws one ``rounding_seed`` (a param-group entry, saved in its stat
 (its position in the optimizer, counting through the groups) at its step ``t`` takes the draws at counters
 ``i * 2**COUNTER_BITS`` onwards of the streams keyed by ``stream_seed(rounding_seed, t)`` (include/lowbit/
 state_rounding.h: stream 0 for an LPMM parameter, ``1 + k`` for state ``k``): a pure function of the seed,
-the step, the parameter and the element, whichever parameters share a native call.
+the step, the parameter and the element, whichever parameters share a native call. An FSDP2 shard's elements
+draw at their indexes in the whole parameter (:func:`global_offset`), with the seed the block-wise optimizers
+take from the first rank of the parameter's mesh (:func:`agree_seed`), so the ranks round as one process.
 """
 
 from __future__ import annotations
