@@ -29,14 +29,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 import lowbit.lpmm
 import lowbit.nn
 import lowbit.optim
+from lowbit._reference import optim as reference_optim
 from lowbit.demo import ModelConfig, build_model, load_text, windows
+from lowbit.optim.rounding import COUNTER_BITS, stream_seed
 
 # context 15: the position table has 15 rows, which two ranks shard unevenly (8 + 7).
 CFG = ModelConfig(layers=2, d_model=32, heads=4, context=15, batch=8, lr=3e-3)
@@ -65,6 +67,143 @@ OPTIMIZERS = {
     "LPMMSGD": lambda params: lowbit.optim.LPMMSGD(params, lr=0.05, momentum=0.9),
     "LPMMAdamW": lambda params: lowbit.optim.LPMMAdamW(params, lr=CFG.lr),
 }
+
+
+# Stochastic rounding under FSDP2 (_rounding_check). FSDP2 splits dim 0 as torch.chunk does: at world size 2,
+# 15 x 32 into 8 + 7 rows (uneven; the boundary, element 256, is a block edge at 128 and 256), 64 x 64 into
+# 32 + 32, and 9 x 100 into 5 + 4 rows, whose boundary, element 500, falls inside a block.
+ROUNDING_SHAPES = [(15, 32), (64, 64), (9, 100)]
+ROUNDING_SEED = 0x5EED_0F_A11  # every rank's rounding_seed, given through the param group
+ROUNDING_OPTIMIZERS = {
+    "AdamW4bit": lambda groups: lowbit.optim.AdamW4bit(
+        groups, lr=1e-2, weight_decay=0.1, min_4bit_size=0, rounding="stochastic"
+    ),
+    "Adam8bit": lambda groups: lowbit.optim.Adam8bit(groups, lr=1e-2, min_8bit_size=0, rounding="stochastic"),
+    # No rounding_seed given: each rank draws its own from torch's generator, seeded per rank (as a job that
+    # shuffles its data per rank seeds it), and the optimizer takes rank 0's.
+    "Adam8bit-own-seeds": lambda groups: lowbit.optim.Adam8bit(
+        [{k: v for k, v in g.items() if k != "rounding_seed"} for g in groups],
+        lr=1e-2,
+        min_8bit_size=0,
+        rounding="stochastic",
+    ),
+}
+
+
+def _replay_step(opt: torch.optim.Optimizer, p: torch.Tensor, before: dict[str, Any], offset: int) -> dict[str, Any]:
+    """The step of ``p``'s local shard from ``before`` (its parameter, gradient and state before the step), by
+    the pure-PyTorch twin with the rounding table built here: the step's stream seed and the counter
+    ``position * 2**COUNTER_BITS + offset`` of the shard's first element (``offset``: its index in the whole
+    parameter, computed from torch.chunk's split, not by lowbit)."""
+    config = opt._config(opt.param_groups[0], p)
+    hyper, flags = opt._hyper(config)
+    hyper = hyper._replace(max_unorm=config["max_unorm"])
+    bits = config["optim_bits"]
+    maps = [lowbit.optim.state_storage.optimizer_state_map(s, torch.device("cpu"), bits) for s in (True, False, True)]
+    step = before["step"] + 1
+    position = next(i for i, q in enumerate(opt.param_groups[0]["params"]) if q is p)
+    param = before["param"].clone()
+    states = [before["state1"].clone(), before["state2"].clone()]
+    absmaxes = [before["absmax1"].clone(), before["absmax2"].clone()]
+    none: list[torch.Tensor] = []
+    args = lowbit._ops.StepArgs(
+        params=[param],
+        grads=[before["grad"]],
+        state1=[states[0]],
+        state2=[states[1]],
+        state3=none,
+        absmax1=[absmaxes[0]],
+        absmax2=[absmaxes[1]],
+        absmax3=none,
+        scalars=list(opt._step_scalars(config, step)),
+        grad_scales=None,
+        map1=maps[0],
+        map2=maps[1],
+        map3=maps[2],
+        rule=opt._rule_code(config),
+        hyper=hyper.values(),
+        flags=flags,
+        norm_mode=0,
+        n_states=2,
+        block_size=config["block_size"],
+        state_bits=bits,
+        rounding=[stream_seed(config["rounding_seed"], step), (position << COUNTER_BITS) + offset],
+    )
+    reference_optim.optimizer_step_(*args)
+    return {"param": param, "state1": states[0], "state2": states[1], "absmax1": absmaxes[0], "absmax2": absmaxes[1]}
+
+
+def _local_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, Any]:
+    """The local shard of ``p`` and of its gradient and state, copied."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+    state = opt.state.get(p, {})
+    out = {"param": local(p), "grad": local(p.grad), "step": int(state["step"]) if state else 0}
+    for k in (1, 2):
+        if state:
+            out[f"state{k}"], out[f"absmax{k}"] = local(state[f"state{k}"]), state[f"absmax{k}"].clone()
+    return out
+
+
+def _rounding_check(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Three steps of each of ROUNDING_OPTIMIZERS (rounding="stochastic") on the parameters of
+    ROUNDING_SHAPES (sharded by fully_shard when job["parallel"] is "fsdp"), whose gradients are the same whole
+    tensors on every rank (each takes its shard: no reduction rounds them, so the world sizes see the same
+    values). For each optimizer and parameter: a hash of the gathered parameter and one of each gathered,
+    dequantized state; the first element's index and the block size (to show where the shard boundaries fall);
+    and whether the last step of the local shard equals the twin's replay of it (_replay_step); and each rank's
+    rounding_seed, constructed (after torch.manual_seed(1000 + rank)) and after the steps."""
+    out: dict[str, Any] = {}
+    for name, make in ROUNDING_OPTIMIZERS.items():
+        gen = torch.Generator().manual_seed(0)
+        model = nn.ParameterList(nn.Parameter(torch.randn(shape, generator=gen) * 0.1) for shape in ROUNDING_SHAPES)
+        if job["parallel"] == "fsdp":
+            fully_shard(model)
+        params = list(model.parameters())
+        torch.manual_seed(1000 + rank)
+        opt = make([{"params": params, "rounding_seed": ROUNDING_SEED}])
+        drawn = opt.param_groups[0]["rounding_seed"]
+        befores: list[dict[str, Any]] = []
+        for step in range(3):
+            for p in params:
+                g = torch.randn(p.shape, generator=gen)
+                p.grad = distribute_tensor(g, p.device_mesh, p.placements) if isinstance(p, DTensor) else g
+            if step == 2:
+                befores = [_local_state(opt, p) for p in params]
+            opt.step()
+        seeds = [None] * world
+        dist.all_gather_object(seeds, [drawn, opt.param_groups[0]["rounding_seed"]])
+        results = []
+        for p, before, shape in zip(params, befores, ROUNDING_SHAPES, strict=True):
+            rows = [len(c) for c in torch.arange(shape[0]).chunk(world)]
+            offset = sum(rows[:rank]) * shape[1] if isinstance(p, DTensor) else 0
+            replay = _replay_step(opt, p, before, offset)
+            now = _local_state(opt, p)
+            equal = all(torch.equal(replay[key], now[key]) for key in replay)
+            equal = torch.tensor(int(equal))
+            if world > 1:
+                dist.all_reduce(equal, op=dist.ReduceOp.MIN)
+
+            def digest(t: torch.Tensor) -> str:
+                t = t.detach().full_tensor() if isinstance(t, DTensor) else t.detach()
+                return hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+            states = opt.dequantized_state(p)
+            results.append(
+                {
+                    "param": digest(p),
+                    "states": {key: digest(v) for key, v in sorted(states.items()) if key != "step"},
+                    "codes": str(opt.state[p]["state1"].dtype),
+                    "offsets": [sum(rows[:r]) * shape[1] for r in range(world)],
+                    "block_size": opt.param_groups[0]["block_size"],
+                    "replayed": bool(equal),
+                }
+            )
+        # Each rank's rounding_seed as constructed and after the steps.
+        out[name] = {"params": results, "seeds": seeds}
+    return out
 
 
 class Checkpointed(nn.Module):
@@ -333,9 +472,12 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> Any:
         def own_checkpoints(name: str) -> dict[str, str]:
             return {key: f"{job[key]}-{name}" for key in ("save", "load") if job.get(key)}
 
-        return {
+        results = {
             name: train(rank, world, {**job, "optimizer": name, **own_checkpoints(name)}) for name in job["optimizers"]
         }
+        if job.get("rounding_check"):  # in the same ranks too
+            results["rounding_check"] = _rounding_check(rank, world, job)
+        return results
     return train(rank, world, job)
 
 

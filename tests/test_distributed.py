@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from tests.dist_jobs import launch
+from tests.dist_jobs import ROUNDING_SEED, launch
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("needs torch.distributed with the gloo backend", allow_module_level=True)
@@ -28,11 +28,19 @@ FSDP2_OPTIMIZERS = [
 ]  # fmt: skip
 
 
-def test_fsdp2_matches_one_process_on_the_full_batch(tmp_path):
-    # Every optimizer in one launch per world size: each train() builds its model, optimizer and batches
-    # from fixed seeds, so each gives what it would alone, without a pair of process start-ups apiece.
-    refs = launch(1, {"parallel": "none", "optimizers": FSDP2_OPTIMIZERS, "steps": STEPS}, tmp_path)
-    runs = launch(2, {"parallel": "fsdp", "optimizers": FSDP2_OPTIMIZERS, "steps": STEPS}, tmp_path)
+@pytest.fixture(scope="module")
+def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """One process on the full batch and two FSDP2 ranks, for every optimizer of FSDP2_OPTIMIZERS and the
+    stochastic-rounding check (tests/dist_jobs.py: _rounding_check), in one launch per world size: each
+    train() builds its model, optimizer and batches from fixed seeds, so each gives what it would alone,
+    without a pair of process start-ups apiece."""
+    tmp = tmp_path_factory.mktemp("fsdp2")
+    job = {"optimizers": FSDP2_OPTIMIZERS, "steps": STEPS, "rounding_check": True}
+    return launch(1, {**job, "parallel": "none"}, tmp), launch(2, {**job, "parallel": "fsdp"}, tmp)
+
+
+def test_fsdp2_matches_one_process_on_the_full_batch(fsdp2_runs):
+    refs, runs = fsdp2_runs
     for optimizer in FSDP2_OPTIMIZERS:
         ref, fsdp = refs[optimizer], runs[optimizer]
         # Whole-tensor norms of shards (LARS's and LAMB's trust ratios, percentile clipping) are those of
@@ -59,6 +67,42 @@ def test_fsdp2_matches_one_process_on_the_full_batch(tmp_path):
         # The run makes progress: one process's last loss over its first, measured 0.69 (LAMB8bit) to 0.79
         # (SGD8bit) over these 8 steps; 0.85 lies between that and no progress (1).
         assert fsdp["losses"][-1] < 0.85 * fsdp["losses"][0], optimizer
+
+
+def test_fsdp2_stochastic_rounding_equals_one_process_bit_for_bit(fsdp2_runs):
+    """Stochastic rounding (a 4-bit and an 8-bit optimizer) draws at each element's index in the whole
+    parameter, with one seed on every rank (given, or rank 0's when each rank drew its own from a generator
+    seeded per rank), so two FSDP2 ranks round as one process does: three steps on the
+    same gradients give, gathered, the same parameters and dequantized states bit for bit wherever the shard
+    boundary is a block edge (uneven shards of 8 + 7 rows included). Where it falls inside a block, the ranks'
+    blocks are not one process's (states are quantized in blocks of the local shard), so the values differ;
+    there each rank's last step equals the pure-PyTorch twin's replay of it with the shard's first element
+    at its index in the whole parameter (computed from torch.chunk's split, not by lowbit)."""
+    refs, runs = fsdp2_runs
+    ref_all, run_all = refs["rounding_check"], runs["rounding_check"]
+    assert sorted(run_all) == ["Adam8bit", "Adam8bit-own-seeds", "AdamW4bit"]
+    for optimizer, checks in run_all.items():
+        run, seeds = checks["params"], checks["seeds"]
+        if optimizer.endswith("own-seeds"):
+            # The ranks drew other seeds (torch seeded per rank); the first step took rank 0's on both, which
+            # is the one process's (seeded as rank 0).
+            assert seeds[0][0] != seeds[1][0], seeds
+            assert seeds[0][1] == seeds[1][1] == seeds[0][0] == ref_all[optimizer]["seeds"][0][1], seeds
+        else:
+            assert all(seed == [ROUNDING_SEED, ROUNDING_SEED] for seed in seeds), seeds
+        crossing = 0
+        for one, two in zip(ref_all[optimizer]["params"], run, strict=True):
+            assert one["codes"] == two["codes"] == "torch.uint8", optimizer
+            assert one["replayed"] and two["replayed"], (optimizer, two["offsets"])
+            boundary = two["offsets"][1]
+            if boundary % two["block_size"] == 0:
+                assert two["param"] == one["param"], (optimizer, two["offsets"])
+                assert two["states"] == one["states"], (optimizer, two["offsets"])
+            else:
+                crossing += 1
+        assert crossing == 1, optimizer
+        # The uneven 8 + 7 rows of the 15 x 32 parameter and the even 32 + 32 of the 64 x 64 one.
+        assert [r["offsets"][1] for r in run] == [256, 2048, 500], optimizer
 
 
 def test_fsdp2_rank1_statistics_equal_one_process_bit_for_bit(tmp_path):

@@ -3,7 +3,7 @@ include/lowbit/state_rounding.h): unbiased and directed codes, and the option's 
 
 The native step against its twin, bit for bit, is tests/test_optim_reference.py's; CPU against CUDA,
 tests/test_cuda_emulation.py's; resumes and gradient release, tests/conformance and
-tests/test_gradient_release.py's.
+tests/test_gradient_release.py's; FSDP2 shards against one process, tests/test_distributed.py's.
 """
 
 from __future__ import annotations
@@ -168,3 +168,83 @@ def test_each_parameter_draws_its_own_counters():
     a.grad, b.grad = torch.linspace(-1, 1, 4096), torch.linspace(-1, 1, 4096)
     opt.step()
     assert not torch.equal(opt.state[a]["state1"], opt.state[b]["state1"])
+
+
+def test_refused_param_group_leaves_torchs_generator_as_it_was():
+    """A group torch.optim refuses (a parameter already in another group) is refused before the group's
+    ``rounding_seed`` is drawn: a failed call changes nothing, the default generator included."""
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = O.Adam4bit([p])
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [p], "rounding": "stochastic"})
+    after = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(4)), "the refused call drew from torch's generator"
+    assert len(opt.param_groups) == 1
+
+
+def _switched_codes(seed: int) -> tuple[O.SGD4bit, torch.nn.Parameter]:
+    """An SGD4bit built with nearest rounding after ``torch.manual_seed(seed)``, switched to stochastic through
+    ``param_groups`` and stepped once on a ramp (lr 0, so only its momentum codes change)."""
+    torch.manual_seed(seed)
+    p = torch.nn.Parameter(torch.zeros(4096))
+    opt = O.SGD4bit([p], lr=0.0, momentum=0.5)
+    opt.param_groups[0]["rounding"] = "stochastic"
+    p.grad = torch.linspace(-1, 1, 4096)
+    opt.step()
+    return opt, p
+
+
+def test_group_switched_to_stochastic_draws_its_own_seed_at_its_first_step():
+    """A group created with nearest rounding (``rounding_seed`` 0) and switched to stochastic draws its seed at
+    the step that first rounds it, and keeps it: two such optimizers round independently (with seed 0 for
+    both, their codes would be equal: same positions, steps and values)."""
+    a, pa = _switched_codes(0)
+    b, pb = _switched_codes(1)
+    sa, sb = a.param_groups[0]["rounding_seed"], b.param_groups[0]["rounding_seed"]
+    assert sa != 0 and sb != 0 and sa != sb
+    assert not torch.equal(a.state[pa]["state1"], b.state[pb]["state1"])
+    torch.manual_seed(0)
+    drawn = int(torch.randint(0, 2**62, ()).item())
+    assert sa == drawn, "drawn from torch's default generator, as the constructor's seed is"
+    first = a.state[pa]["state1"].clone()
+    # The seed is kept: a later step draws none, and the state dict carries it.
+    torch.manual_seed(7)
+    pa.grad = torch.linspace(-1, 1, 4096)
+    a.step()
+    assert a.param_groups[0]["rounding_seed"] == sa
+    after = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(4)), "a seeded group draws nothing at its later steps"
+    assert a.state_dict()["param_groups"][0]["rounding_seed"] == sa
+    # The same seed for the same torch seed: the switched optimizer is reproducible.
+    again, pagain = _switched_codes(0)
+    assert again.param_groups[0]["rounding_seed"] == sa
+    assert torch.equal(again.state[pagain]["state1"], first)
+
+
+def test_a_step_that_raises_draws_no_seed():
+    """A switched group whose step is refused (here by the next group's invalid learning rate, checked after
+    the first group has drawn its seed) stores no seed and leaves torch's generator as it was."""
+    torch.manual_seed(0)
+    p, q = torch.nn.Parameter(torch.zeros(4096)), torch.nn.Parameter(torch.zeros(4096))
+    opt = O.SGD4bit([{"params": [p]}, {"params": [q]}], lr=0.0, momentum=0.5)
+    opt.param_groups[0]["rounding"] = "stochastic"
+    opt.param_groups[1]["lr"] = -1.0
+    p.grad, q.grad = torch.ones(4096), torch.ones(4096)
+    torch.manual_seed(3)
+    with pytest.raises(ValueError, match=r"param_groups\[1\].*learning rate"):
+        opt.step()
+    after = torch.rand(4)
+    torch.manual_seed(3)
+    assert torch.equal(after, torch.rand(4)), "the failed step drew from torch's generator"
+    assert opt.param_groups[0]["rounding_seed"] == 0
+    assert not opt.state[p] and not opt.state[q], "the failed step created no state"
+    # The next valid step draws the seed the failed one would have drawn.
+    opt.param_groups[1]["lr"] = 0.0
+    torch.manual_seed(3)
+    drawn = int(torch.randint(0, 2**62, ()).item())
+    torch.manual_seed(3)
+    opt.step()
+    assert opt.param_groups[0]["rounding_seed"] == drawn

@@ -44,7 +44,7 @@ from lowbit.optim.config import get_override, overrides_version
 from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_option, check_options, plain_lr
 from lowbit.optim.loaded_state import check_loaded_state
 from lowbit.optim.rank1 import max_over_shards, rank1_layout
-from lowbit.optim.rounding import COUNTER_BITS, global_offset, stream_seed
+from lowbit.optim.rounding import COUNTER_BITS, agree_seed, global_offset, stream_seed
 from lowbit.optim.sharded_norms import sum_over_shards, update_scales
 from lowbit.optim.state_storage import (
     STATE_FORMAT,
@@ -112,9 +112,18 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             4-bit states). fp32 states are stored as they are. The draws are the LPMM optimizers'
             (:mod:`lowbit.optim.rounding`): keyed by the param group's ``rounding_seed``, the step, the
             parameter's position and the element's index in the whole parameter, so CPU and CUDA, gradient
-            release and any batching of the native calls round alike. ``rounding_seed`` is drawn from
-            torch's default generator when an optimizer (or a param group added later) asks for stochastic
-            rounding, and saved in the state dict; 0 otherwise, so nearest rounding draws nothing.
+            release, FSDP2 sharding and any batching of the native calls round alike. ``rounding_seed`` is
+            drawn from torch's default generator when an optimizer (or a param group added later) asks for
+            stochastic rounding, and saved in the state dict; 0 otherwise, so nearest rounding draws
+            nothing. 0 means "none drawn": a group switched to ``"stochastic"`` later
+            (``param_groups[i]["rounding"] = "stochastic"``), or given ``rounding_seed=0``, draws its seed
+            from torch's default generator at the first step that rounds it (a step that raises draws
+            none) and keeps it in the group, so optimizers and groups never share their draws through a
+            common seed. Pass a nonzero ``rounding_seed`` in a param group to choose it. A group with
+            DTensor parameters (FSDP2) takes the seed of its mesh's first rank (one broadcast at the first
+            step that rounds with a new seed), so that every shard rounds as one process would, whatever
+            each rank's generator drew; plain tensors replicated by DDP need the same seed on every rank
+            (seed torch alike on every rank, or pass ``rounding_seed``), or the replicas drift apart.
             Not with ``factored=True`` (its step encodes to nearest).
 
     Subclasses set ``_rule`` (a key of ``RULE_CODES``), ``_state_names`` (the torch.optim state names
@@ -169,9 +178,12 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         """torch.optim's ``add_param_group``; the group's options are validated before it is added."""
         options = {**self.defaults, **{k: v for k, v in param_group.items() if k != "params"}}
         self._check_config(options, f"{type(self).__name__} param_groups[{len(self.param_groups)}]")
-        if options["rounding"] == "stochastic" and "rounding_seed" not in param_group and not options["rounding_seed"]:
-            param_group = {**param_group, "rounding_seed": draw_seed()}  # the optimizer's rounds to nearest
+        # A stochastic group of an optimizer that rounds to nearest draws its own seed, once torch.optim has
+        # accepted the group (it fills in the defaults), so that a refused group leaves the generator as it was.
+        draw = options["rounding"] == "stochastic" and not options["rounding_seed"]
         super().add_param_group(param_group)
+        if draw:
+            self.param_groups[-1]["rounding_seed"] = draw_seed()
 
     # -- subclass hooks -------------------------------------------------------------------------
 
@@ -285,23 +297,52 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         steps one parameter at a time through it. All fused calls are checked before any writes."""
         runs: list[Callable[[], None]] = []
         created: list[Tensor] = []
+        # Seeds this step draws for stochastic groups that have none, or agrees on over FSDP2's ranks (group
+        # index -> seed); they are stored once every call is prepared, and a step that raises puts torch's
+        # generator back as it was.
+        seeds: dict[int, int] = {}
+        unseeded = any(
+            self.param_groups[gi].get("rounding") == "stochastic" and not self.param_groups[gi].get("rounding_seed")
+            for gi in where
+        )
+        rng = torch.random.get_rng_state() if unseeded else None
         try:
             for gi, indices in where.items():
-                runs += self._prepare_group(gi, self.param_groups[gi], created, indices)
+                runs += self._prepare_group(gi, self.param_groups[gi], created, seeds, indices)
         except BaseException:
             for p in created:
                 del self.state[p]
+            if rng is not None:
+                torch.random.set_rng_state(rng)
             raise
+        for gi, seed in seeds.items():
+            self.param_groups[gi]["rounding_seed"] = seed
+        # The seeds the ranks hold alike (group index -> seed); not part of torch.optim's pickled state, so
+        # a copy agrees once more.
+        self._agreed_seeds = {**getattr(self, "_agreed_seeds", {}), **seeds}
         for run in runs:
             run()
 
     def _prepare_group(
-        self, gi: int, group: dict[str, Any], created: list[Tensor], indices: Optional[list[int]] = None
+        self,
+        gi: int,
+        group: dict[str, Any],
+        created: list[Tensor],
+        seeds: dict[int, int],
+        indices: Optional[list[int]] = None,
     ) -> list[Callable[[], None]]:
         """The fused calls of ``param_groups[gi]`` (of its params at ``indices``, or all of them), prepared
-        and checked; parameters whose state this creates are appended to ``created``. A step of the whole
-        group reuses the previous step's plan while it matches (:mod:`lowbit.optim.step_plan`)."""
+        and checked; parameters whose state this creates are appended to ``created``. A stochastic group
+        without a ``rounding_seed`` (0) draws one, and one with DTensor parameters takes the first rank's seed
+        once per seed, recorded in ``seeds`` for the caller to store. A step of the whole group reuses the
+        previous step's plan while it matches (:mod:`lowbit.optim.step_plan`)."""
         base = self._group_config(group, gi)
+        if base["rounding"] == "stochastic":
+            if not base["rounding_seed"]:
+                base["rounding_seed"] = seeds.setdefault(gi, draw_seed())
+            sharded = next((p for p in group["params"] if isinstance(p, DTensor)), None)
+            if sharded is not None and getattr(self, "_agreed_seeds", {}).get(gi) != base["rounding_seed"]:
+                base["rounding_seed"] = seeds[gi] = agree_seed(base["rounding_seed"], sharded)
         name = type(self).__name__
         params = group["params"]
         # The position of the group's first parameter in the optimizer: the draws of stochastic rounding.
