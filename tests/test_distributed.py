@@ -24,15 +24,42 @@ def _relative(a: list[float], b: list[float]) -> float:
 
 FSDP2_OPTIMIZERS = [
     "Adam8bit", "AdamW8bit", "SGD8bit", "AdamW32bit", "LARS8bit", "Adam8bit-clip", "LAMB8bit", "AdamW4bit",
-    "AdamW4bit-rank1",
+    "AdamW4bit-rank1", "AdamW4bit-factored",
 ]  # fmt: skip
+
+
+def _check_factored(check: dict) -> None:
+    """tests/dist_jobs.py's factored_check: AdamW4bit(factored=True) on FSDP2 parameters against plain copies."""
+    for shape, run in check.items():
+        rows = int(shape.strip("[]").split(",")[0])
+        # A matrix's row2 is local per row, col2 replicated; a 3-axis tensor's factors are sharded like it.
+        col = "(Shard(dim=0),)" if shape.count(",") == 2 else "(Replicate(),)"
+        assert run["placements"] == ["(Shard(dim=0),)", col], shape
+        assert run["equal"]["row2"], shape
+        if shape.count(",") == 2 or rows in (256, 128):
+            # 3 axes (every factor local), or every shard starting at a multiple of 64 rows (each block of the
+            # column sums one rank's): bit for bit. Without the all-reduce col2 would be half the sum; with a
+            # local mean v_hat, every parameter element would differ.
+            assert run["equal"] == {"param": True, "row2": True, "col2": True}, (shape, run)
+        else:
+            # A block of 64 rows split between the ranks adds its two parts: the sum of R <= 161 non-negative terms
+            # in another order, each order within (R - 1) 2**-24 of the exact sum, so col2 within 2 * 160 * 2**-24
+            # = 1.9e-5 relative (measured 2.4e-7). v_hat moves as much, its root half of it, so each of the 4
+            # updates (at most lr (1 - beta1) / sqrt(1 - beta2) = 0.1 * 3.2 = 3.2e-2 with lr 1e-2, Adam's bound)
+            # by 1e-5 of itself: 4 * 3.2e-2 * 1e-5 = 1.3e-6 absolute (measured 2.4e-7); m does not depend on v.
+            assert not run["equal"]["col2"], shape  # the check can see a difference in order
+            assert run["difference"]["col2"] <= 1.9e-5, (shape, run)
+            assert run["difference"]["param"] <= 1.3e-6, (shape, run)
 
 
 def test_fsdp2_matches_one_process_on_the_full_batch(tmp_path):
     # Every optimizer in one launch per world size: each train() builds its model, optimizer and batches
-    # from fixed seeds, so each gives what it would alone, without a pair of process start-ups apiece.
+    # from fixed seeds, so each gives what it would alone, without a pair of process start-ups apiece. The
+    # two-rank launch also runs factored_check (factored second moments of sharded matrices and 3-axis tensors).
     refs = launch(1, {"parallel": "none", "optimizers": FSDP2_OPTIMIZERS, "steps": STEPS}, tmp_path)
-    runs = launch(2, {"parallel": "fsdp", "optimizers": FSDP2_OPTIMIZERS, "steps": STEPS}, tmp_path)
+    job = {"parallel": "fsdp", "optimizers": FSDP2_OPTIMIZERS, "steps": STEPS, "factored_check": True}
+    runs = launch(2, job, tmp_path)
+    _check_factored(runs["factored_check"])
     for optimizer in FSDP2_OPTIMIZERS:
         ref, fsdp = refs[optimizer], runs[optimizer]
         # Whole-tensor norms of shards (LARS's and LAMB's trust ratios, percentile clipping) are those of
@@ -102,7 +129,9 @@ def test_ddp_matches_one_process_on_the_full_batch(tmp_path):
 LPMM = {"lpmm": [12, 8]}  # 12-bit parameters, 8-bit gradient accumulators, groups of 64
 
 
-@pytest.mark.parametrize("optimizers", [["Adam8bit", "AdamW8bit", "SGD8bit", "AdamW4bit"], ["LPMMSGD"]])
+@pytest.mark.parametrize(
+    "optimizers", [["Adam8bit", "AdamW8bit", "SGD8bit", "AdamW4bit", "AdamW4bit-factored"], ["LPMMSGD"]]
+)
 @pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
 def test_dcp_checkpoint_reshards_and_resumes(tmp_path, optimizers, save_world, load_world):
     # The block-wise optimizers share each launch (as above; each saves its own checkpoint). LPMM runs
