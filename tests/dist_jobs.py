@@ -230,8 +230,8 @@ FACTORED_SHAPES = [(256, 40), (128, 96), (160, 128), (161, 128), (5, 64, 8), (4,
 def factored_check(world: int) -> dict[str, Any]:
     """AdamW4bit(factored=True) on FSDP2 parameters of FACTORED_SHAPES against the same optimizer on plain copies
     (every rank steps both with the same whole gradients), over 4 steps: per parameter, whether the gathered
-    parameter, row2 and col2 equal the plain ones bit for bit, the factors' largest relative differences and the
-    parameter's largest absolute one."""
+    parameter, row2, col2 and the dequantized v_hat equal the plain ones bit for bit, the factors' and v_hat's largest
+    relative differences and the parameter's largest absolute one."""
     gen = torch.Generator().manual_seed(5)
     values = [torch.randn(s, generator=gen) for s in FACTORED_SHAPES]
     grads = [[torch.randn(s, generator=gen) for s in FACTORED_SHAPES] for _ in range(4)]
@@ -261,6 +261,9 @@ def factored_check(world: int) -> dict[str, Any]:
         mine, ref = opts[0].state[p], opts[1].state[q]
         pairs = {"param": (p.detach().full_tensor(), q.detach())}
         pairs |= {key: (mine[key].full_tensor(), ref[key]) for key in ("row2", "col2")}
+        # v_hat as the state's dequantized form (a matrix's mean over the all-gathered rows).
+        v_hat = opts[0].dequantized_state(p)["exp_avg_sq"].full_tensor()
+        pairs["v_hat"] = (v_hat, opts[1].dequantized_state(q)["exp_avg_sq"])
         out[str(list(shape))] = {
             "equal": {k: torch.equal(a, b) for k, (a, b) in pairs.items()},
             "difference": {k: (absolute if k == "param" else relative)(a, b) for k, (a, b) in pairs.items()},

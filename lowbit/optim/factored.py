@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from lowbit import _ops
 from lowbit._C import FACTORED_LANES, FACTORED_ROW_BLOCK, FLAG_DECOUPLED, FLAG_MAXIMIZE
@@ -107,16 +108,22 @@ def spans_ranks(p: Tensor) -> bool:
     return isinstance(p, DTensor) and p.dim() == 2 and bool(_shard_dims(p))
 
 
+def _factor_placements(p: DTensor, key: str) -> tuple[Placement, ...]:
+    """The placements of factor ``key`` of ``p``: the parameter's (axis 0 is the factor's axis 0), except a matrix's
+    column factors, replicated."""
+    if key.startswith("col") and p.dim() == 2:
+        return tuple(Replicate() for _ in p.placements)
+    return tuple(p.placements)
+
+
 def like_factor(p: Tensor, local: Tensor, key: str) -> Tensor:
     """The factor ``key`` (``row{k}`` or ``col{k}``) of ``p`` from its local values: a DTensor for an FSDP2
     parameter, sharded like it on axis 0, except a matrix's column factors, replicated; else ``local``."""
     if not isinstance(p, DTensor):
         return local
     shape = p.shape[:-1] if key.startswith("row") else p.shape[:-2] + p.shape[-1:]
-    placements = p.placements
-    if key.startswith("col") and p.dim() == 2:
-        placements = tuple(Replicate() for _ in placements)
     stride = torch.empty(shape, device="meta").stride()
+    placements = _factor_placements(p, key)
     return DTensor.from_local(local, p.device_mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
@@ -125,10 +132,10 @@ def local_factor(p: Tensor, value: Tensor, key: str) -> Tensor:
     :func:`like_factor` if it has others) or, for a DTensor ``p``, a plain tensor of the whole factor."""
     if not isinstance(p, DTensor):
         return _ops.local(value)
-    want = like_factor(p, torch.empty(0), key)  # only its placements are read
     if isinstance(value, DTensor):
-        if tuple(value.placements) != tuple(want.placements):
-            value = value.redistribute(p.device_mesh, want.placements)
+        placements = _factor_placements(p, key)
+        if tuple(value.placements) != placements:
+            value = value.redistribute(p.device_mesh, placements)
         return value.to_local()
     if key.startswith("col") and p.dim() == 2:
         return value
