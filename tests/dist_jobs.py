@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -228,24 +229,28 @@ FACTORED_SHAPES = [(256, 40), (128, 96), (160, 128), (161, 128), (5, 64, 8), (4,
 
 
 def factored_check(world: int) -> dict[str, Any]:
-    """AdamW4bit(factored=True) on FSDP2 parameters of FACTORED_SHAPES against the same optimizer on plain copies
+    """AdamW4bit(factored=True) on FSDP2 parameters of FACTORED_SHAPES, and HSDP-style ones (mesh (1, world),
+    placements (Replicate(), Shard(0))) of its first and fourth shapes, against the same optimizer on plain copies
     (every rank steps both with the same whole gradients), over 4 steps: per parameter, whether the gathered
     parameter, row2, col2 and the dequantized v_hat equal the plain ones bit for bit, the factors' and v_hat's largest
-    relative differences and the parameter's largest absolute one."""
+    relative differences and the parameter's largest absolute one. "fallback": how many ranks keep factors and
+    block-wise states for a (1, 300) matrix, whose second rank's shard is empty."""
     gen = torch.Generator().manual_seed(5)
     values = [torch.randn(s, generator=gen) for s in FACTORED_SHAPES]
     grads = [[torch.randn(s, generator=gen) for s in FACTORED_SHAPES] for _ in range(4)]
     module = nn.ParameterList([nn.Parameter(v.clone()) for v in values])
     fully_shard(module)
-    sharded = list(module)
+    hsdp = init_device_mesh("cpu", (1, world))
+    names = [str(list(s)) for s in FACTORED_SHAPES] + [f"hsdp {list(FACTORED_SHAPES[i])}" for i in (0, 3)]
+    values += [values[0], values[3]]
+    grads = [step + [step[0], step[3]] for step in grads]
+    sharded = [*module] + [nn.Parameter(distribute_tensor(v, hsdp, [Replicate(), Shard(0)])) for v in values[-2:]]
     plain = [nn.Parameter(v.clone()) for v in values]
     options = {"lr": 1e-2, "weight_decay": 0.1, "min_4bit_size": 0, "factored": True}
     opts = [lowbit.optim.AdamW4bit(sharded, **options), lowbit.optim.AdamW4bit(plain, **options)]
     for step in grads:
         for p, q, g in zip(sharded, plain, step, strict=True):
-            r0 = min(p.shape[0], -(-p.shape[0] // world) * dist.get_rank())  # FSDP2's chunks (torch.chunk)
-            local = g[r0 : r0 + p.to_local().shape[0]]
-            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
             q.grad = g.clone()
         for opt in opts:
             opt.step()
@@ -256,20 +261,27 @@ def factored_check(world: int) -> dict[str, Any]:
     def absolute(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).abs().max())
 
-    out = {}
-    for shape, p, q in zip(FACTORED_SHAPES, sharded, plain, strict=True):
+    out: dict[str, Any] = {}
+    for name, p, q in zip(names, sharded, plain, strict=True):
         mine, ref = opts[0].state[p], opts[1].state[q]
         pairs = {"param": (p.detach().full_tensor(), q.detach())}
         pairs |= {key: (mine[key].full_tensor(), ref[key]) for key in ("row2", "col2")}
         # v_hat as the state's dequantized form (a matrix's mean over the all-gathered rows).
         v_hat = opts[0].dequantized_state(p)["exp_avg_sq"].full_tensor()
         pairs["v_hat"] = (v_hat, opts[1].dequantized_state(q)["exp_avg_sq"])
-        out[str(list(shape))] = {
+        out[name] = {
             "equal": {k: torch.equal(a, b) for k, (a, b) in pairs.items()},
             "difference": {k: (absolute if k == "param" else relative)(a, b) for k, (a, b) in pairs.items()},
             "placements": [str(mine[key].placements) for key in ("row2", "col2")],
         }
-    return out
+    tiny = nn.ParameterList([nn.Parameter(torch.randn(1, 300, generator=gen))])
+    fully_shard(tiny)
+    tiny[0].grad = distribute_tensor(torch.randn(1, 300, generator=gen), tiny[0].device_mesh, tiny[0].placements)
+    opt = lowbit.optim.AdamW4bit(list(tiny), **options)
+    opt.step()
+    kept = torch.tensor([float("row2" in opt.state[tiny[0]]), float("state2" in opt.state[tiny[0]])])
+    dist.all_reduce(kept)
+    return {"shapes": out, "fallback": {"factors": int(kept[0]), "block_wise": int(kept[1])}}
 
 
 def _digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
