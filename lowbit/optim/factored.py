@@ -231,7 +231,8 @@ def given_factors(
     # The local rows on the grid of blocks (zero rows before and after: +0 changes no sum of squares), each
     # block's rows added in row order from 0.
     first = r0 // block
-    grid = torch.nn.functional.pad(square, (0, 0, r0 - first * block, -(r1 - first * block) % block))
+    before, after = r0 - first * block, -(r1 - first * block) % block
+    grid = torch.nn.functional.pad(square, (0, 0, before, after)) if before or after else square
     grid = grid.unflatten(0, (-1, block))
     for i in range(block):
         parts[first : first + grid.shape[0]] += grid[:, i]
@@ -247,7 +248,8 @@ def given_factors(
 def row_sum(x: Tensor) -> Tensor:
     """The sum of ``x`` over its last axis in include/lowbit/factored.h's lanes (as :func:`row_mean`)."""
     n = x.shape[-1]
-    lanes = torch.nn.functional.pad(x, (0, -n % FACTORED_LANES)).unflatten(-1, (-1, FACTORED_LANES))
+    pad = -n % FACTORED_LANES
+    lanes = (torch.nn.functional.pad(x, (0, pad)) if pad else x).unflatten(-1, (-1, FACTORED_LANES))
     acc = torch.zeros_like(lanes[..., 0, :])
     for j in range(lanes.shape[-2]):
         acc += lanes[..., j, :]
