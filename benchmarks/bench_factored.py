@@ -9,7 +9,9 @@ Run from the repository root::
 
 Options: ``--rows``/``--cols`` (the matrix, default 1024 x 4096), ``--repeats`` (timed steps per optimizer, 20),
 ``--warmup`` (untimed steps per optimizer first, 3, at least 1), ``--threads`` (``torch.set_num_threads``),
-``--dtype`` (float32 or bfloat16), ``--device`` (cpu or cuda), ``--json PATH``.
+``--dtype`` (float32 or bfloat16), ``--device`` (cpu or cuda), ``--sharded`` (one more row: the factored step of
+the matrix as an FSDP2-style ``Shard(0)`` DTensor on a one-rank gloo mesh, whose factors lowbit/optim/factored.py
+computes in PyTorch before the native element step; CPU only), ``--json PATH``.
 
 Each optimizer steps its own copy of the matrix with a fixed random gradient; the optimizers take turns (each
 round steps every one once), so a noisy neighbour slows them alike. The table gives the median and fastest
@@ -41,10 +43,13 @@ FACTORIES = {
 }
 
 
+SHARDED = "AdamW4bit (factored v, Shard(0))"
+
+
 def run(
-    rows: int, cols: int, dtype: torch.dtype, device: torch.device, warmup: int, repeats: int
+    rows: int, cols: int, dtype: torch.dtype, device: torch.device, warmup: int, repeats: int, sharded: bool = False
 ) -> dict[str, list[float]]:
-    """Seconds of each timed step, by optimizer."""
+    """Seconds of each timed step, by optimizer (with ``sharded``, the process group is initialised)."""
     torch.manual_seed(0)
     start = torch.randn(rows, cols, dtype=dtype, device=device)
     grad = torch.randn(rows, cols, dtype=dtype, device=device)
@@ -53,6 +58,18 @@ def run(
         p = torch.nn.Parameter(start.clone())
         p.grad = grad.clone()
         optimizers[name] = factory([p])
+    if sharded:
+        import tempfile
+
+        import torch.distributed as dist
+        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+        init = Path(tempfile.mkdtemp()) / "pg"
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+        mesh = init_device_mesh("cpu", (1,))
+        p = torch.nn.Parameter(distribute_tensor(start.clone(), mesh, [Shard(0)]))
+        p.grad = distribute_tensor(grad.clone(), mesh, [Shard(0)])
+        optimizers[SHARDED] = FACTORIES["AdamW4bit (factored v)"]([p])
     for _ in range(warmup):
         for opt in optimizers.values():
             opt.step()
@@ -73,19 +90,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--sharded", action="store_true")
     p.add_argument("--json", type=Path, default=None)
     args = parse(p, argv)
     if args.warmup < 1:
         p.error("--warmup must be at least 1")
+    if args.sharded and args.device != "cpu":
+        p.error("--sharded runs on the CPU (a gloo mesh)")
     device = torch.device(args.device)
     env = common.environment(args.device, dtype=args.dtype, shape=[args.rows, args.cols])
     print(", ".join(f"{k}={v}" for k, v in env.items()))
-    times = run(args.rows, args.cols, DTYPES[args.dtype], device, args.warmup, args.repeats)
+    times = run(args.rows, args.cols, DTYPES[args.dtype], device, args.warmup, args.repeats, args.sharded)
     medians = {name: statistics.median(ts) for name, ts in times.items()}
-    print(f"{'optimizer':<24} {'median ms':>10} {'best ms':>10} {'x ' + BASELINE:>14}")
+    print(f"{'optimizer':<34} {'median ms':>10} {'best ms':>10} {'x ' + BASELINE:>14}")
     for name, ts in times.items():
         ratio = medians[name] / medians[BASELINE]
-        print(f"{name:<24} {medians[name] * 1e3:>10.2f} {min(ts) * 1e3:>10.2f} {ratio:>14.2f}")
+        print(f"{name:<34} {medians[name] * 1e3:>10.2f} {min(ts) * 1e3:>10.2f} {ratio:>14.2f}")
     if args.json is not None:
         write_json(args.json, {"environment": env, "seconds": times})
 

@@ -28,8 +28,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -64,6 +65,8 @@ OPTIMIZERS = {
     "AdEMAMix8bit": lambda params: lowbit.optim.AdEMAMix8bit(
         params, lr=CFG.lr, t_alpha=2, t_beta3=2, min_8bit_size=256
     ),
+    # Factorized second moments of matrices (the sharded matrices' column sums and row means span the ranks).
+    "AdamW4bit-factored": lambda params: lowbit.optim.AdamW4bit(params, lr=CFG.lr, min_4bit_size=256, factored=True),
     "LPMMSGD": lambda params: lowbit.optim.LPMMSGD(params, lr=0.05, momentum=0.9),
     "LPMMAdamW": lambda params: lowbit.optim.LPMMAdamW(params, lr=CFG.lr),
 }
@@ -357,6 +360,69 @@ def _rank1_check(opt: torch.optim.Optimizer, inputs: list[dict[str, Any]]) -> di
     return {"checked": len(inputs), "equal": equal, "partial_differs": partial_differs}
 
 
+# factored_check's parameters, each rank's shard starting at a multiple of the 4-bit m's 128-element blocks (so that
+# m is quantized in the one-process blocks): matrices whose second shard starts at a multiple of 64 rows (256 and
+# 128 rows: at 128 and 64) or not (160: at 80; 161: at 81, the ranks' shards uneven), 3-axis tensors split
+# evenly (4 slices: 2 + 2) or not (5 slices: 3 + 2).
+FACTORED_SHAPES = [(256, 40), (128, 96), (160, 128), (161, 128), (5, 64, 8), (4, 70, 64)]
+
+
+def factored_check(world: int) -> dict[str, Any]:
+    """AdamW4bit(factored=True) on FSDP2 parameters of FACTORED_SHAPES, and HSDP-style ones (mesh (1, world),
+    placements (Replicate(), Shard(0))) of its first and fourth shapes, against the same optimizer on plain copies
+    (every rank steps both with the same whole gradients), over 4 steps: per parameter, whether the gathered
+    parameter, row2, col2 and the dequantized v_hat equal the plain ones bit for bit, the factors' and v_hat's largest
+    relative differences and the parameter's largest absolute one. "fallback": how many ranks keep factors and
+    block-wise states for a (1, 300) matrix, whose second rank's shard is empty."""
+    gen = torch.Generator().manual_seed(5)
+    values = [torch.randn(s, generator=gen) for s in FACTORED_SHAPES]
+    grads = [[torch.randn(s, generator=gen) for s in FACTORED_SHAPES] for _ in range(4)]
+    module = nn.ParameterList([nn.Parameter(v.clone()) for v in values])
+    fully_shard(module)
+    hsdp = init_device_mesh("cpu", (1, world))
+    names = [str(list(s)) for s in FACTORED_SHAPES] + [f"hsdp {list(FACTORED_SHAPES[i])}" for i in (0, 3)]
+    values += [values[0], values[3]]
+    grads = [step + [step[0], step[3]] for step in grads]
+    sharded = [*module] + [nn.Parameter(distribute_tensor(v, hsdp, [Replicate(), Shard(0)])) for v in values[-2:]]
+    plain = [nn.Parameter(v.clone()) for v in values]
+    options = {"lr": 1e-2, "weight_decay": 0.1, "min_4bit_size": 0, "factored": True}
+    opts = [lowbit.optim.AdamW4bit(sharded, **options), lowbit.optim.AdamW4bit(plain, **options)]
+    for step in grads:
+        for p, q, g in zip(sharded, plain, step, strict=True):
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements)
+            q.grad = g.clone()
+        for opt in opts:
+            opt.step()
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(((a - b).abs() / b.abs().clamp_min(1e-30)).max())
+
+    def absolute(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).abs().max())
+
+    out: dict[str, Any] = {}
+    for name, p, q in zip(names, sharded, plain, strict=True):
+        mine, ref = opts[0].state[p], opts[1].state[q]
+        pairs = {"param": (p.detach().full_tensor(), q.detach())}
+        pairs |= {key: (mine[key].full_tensor(), ref[key]) for key in ("row2", "col2")}
+        # v_hat as the state's dequantized form (a matrix's mean over the all-gathered rows).
+        v_hat = opts[0].dequantized_state(p)["exp_avg_sq"].full_tensor()
+        pairs["v_hat"] = (v_hat, opts[1].dequantized_state(q)["exp_avg_sq"])
+        out[name] = {
+            "equal": {k: torch.equal(a, b) for k, (a, b) in pairs.items()},
+            "difference": {k: (absolute if k == "param" else relative)(a, b) for k, (a, b) in pairs.items()},
+            "placements": [str(mine[key].placements) for key in ("row2", "col2")],
+        }
+    tiny = nn.ParameterList([nn.Parameter(torch.randn(1, 300, generator=gen))])
+    fully_shard(tiny)
+    tiny[0].grad = distribute_tensor(torch.randn(1, 300, generator=gen), tiny[0].device_mesh, tiny[0].placements)
+    opt = lowbit.optim.AdamW4bit(list(tiny), **options)
+    opt.step()
+    kept = torch.tensor([float("row2" in opt.state[tiny[0]]), float("state2" in opt.state[tiny[0]])])
+    dist.all_reduce(kept)
+    return {"shapes": out, "fallback": {"factors": int(kept[0]), "block_wise": int(kept[1])}}
+
+
 def _digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     """A hash of the parameters (LPMM storage: its values, gathered), and the optimizer states (every rank
     must call it)."""
@@ -467,6 +533,8 @@ def run_job(rank: int, world: int, job: dict[str, Any]) -> Any:
     """train() for ``job``; with job["optimizers"], once per optimizer in the same ranks (which saves their
     start-up), as {name: result}, each saving and loading its checkpoint at job["save"] / job["load"] with
     "-{name}" appended."""
+    if job.get("factored_check"):
+        return {"factored_check": factored_check(world), **run_job(rank, world, {**job, "factored_check": False})}
     if "optimizers" in job:
 
         def own_checkpoints(name: str) -> dict[str, str]:

@@ -48,7 +48,7 @@ from typing import Any
 import pytest
 import torch
 
-from lowbit import _ops
+from lowbit import _C, _ops
 from lowbit import functional as F
 from tests.conftest import DTYPES, sample
 
@@ -356,6 +356,57 @@ def test_factored_step_over_several_row_blocks(dtype):
     block-wise vector in the same call: the emulated row, column and mean passes equal the CPU's."""
     options = {"weight_decay": 0.1, "min_4bit_size": 0, "factored": True}
     _identical(_three_steps("Adam4bit", options, [(130, 33), (2, 70, 5), (300,)], dtype, 1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_factored_step_with_given_factors(dtype):
+    """A call whose factorized tensors have their factors given (kFacGiven: a sharded matrix's, computed in Python,
+    lowbit/optim/factored.py) beside one whose factors the step updates and a block-wise vector: the emulated
+    kernels skip the given tensor's row, column and mean passes and read its factors and mean, as the CPU loops."""
+    from lowbit.optim.factored import row_mean
+    from lowbit.optim.state_storage import optimizer_state_map
+
+    def run() -> list:
+        gen = torch.Generator().manual_seed(2)
+        shapes = [(130, 33), (2, 70, 5), (300,)]
+        params = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        codes = [torch.zeros((p.numel() + 1) // 2, dtype=torch.uint8) for p in params]
+        blocks = [torch.zeros(_ops.num_blocks(p.numel(), 128)) for p in params]
+        row, col = torch.rand(130, generator=gen), torch.rand(33, generator=gen)
+        factors = torch.cat([row, col, row_mean(row), torch.rand(140 + 10, generator=gen)])
+        maps = [optimizer_state_map(s, torch.device("cpu"), 4) for s in (True, False, False)]
+        hyper = _ops.StepHyper.with_betas(1e-2, (0.9, 0.999), eps=1e-8, weight_decay=0.1, decay=1 - 1e-3)
+        args = _ops.StepArgs(
+            params=params,
+            grads=grads,
+            state1=codes,
+            state2=[codes[0][:0], codes[1][:0], codes[2].clone()],
+            state3=[],
+            absmax1=blocks,
+            absmax2=[torch.empty(0), torch.empty(0), blocks[2].clone()],
+            absmax3=[],
+            scalars=[0.1, 0.0447, 1.0] * 3,
+            grad_scales=None,
+            map1=maps[0],
+            map2=maps[1],
+            map3=maps[2],
+            rule=_C.RULES["adam"],
+            hyper=hyper.values(),
+            flags=_C.FLAG_DECOUPLED,
+            norm_mode=0,
+            n_states=2,
+            block_size=128,
+            state_bits=4,
+            factored=[_ops.FACTORED_GIVEN, 1, 0],
+            factors=factors,
+        )
+        given = factors[: 130 + 33 + 1].clone()
+        _ops.optimizer_step_(*args)
+        assert torch.equal(factors[: 130 + 33 + 1], given)  # the given factors are read, not updated
+        return [params, args.state1, args.absmax1, args.state2[2], args.absmax2[2], factors]
+
+    _identical(run)
 
 
 def _norms_then_step(rule: int, norm_mode: int, max_unorm: float) -> Callable[[], list]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
 
 from tests.dist_jobs import ROUNDING_SEED, launch
 
@@ -24,8 +25,39 @@ def _relative(a: list[float], b: list[float]) -> float:
 
 FSDP2_OPTIMIZERS = [
     "Adam8bit", "AdamW8bit", "SGD8bit", "AdamW32bit", "LARS8bit", "Adam8bit-clip", "LAMB8bit", "AdamW4bit",
-    "AdamW4bit-rank1",
+    "AdamW4bit-rank1", "AdamW4bit-factored",
 ]  # fmt: skip
+
+
+def _check_factored(check: dict) -> None:
+    """tests/dist_jobs.py's factored_check: AdamW4bit(factored=True) on FSDP2 parameters against plain copies."""
+    # Neither rank factorizes a matrix of which one rank holds no element: the same layout on both.
+    assert check["fallback"] == {"factors": 0, "block_wise": 2}
+    for name, run in check["shapes"].items():
+        shape = name.removeprefix("hsdp ")
+        rows = int(shape.strip("[]").split(",")[0])
+        # A matrix's row2 is local per row, col2 replicated; a 3-axis tensor's factors are sharded like it.
+        col = Shard(0) if shape.count(",") == 2 else Replicate()
+        replicas = (Replicate(),) if name.startswith("hsdp") else ()
+        assert run["placements"] == [str((*replicas, Shard(0))), str((*replicas, col))], name
+        assert run["equal"]["row2"], shape
+        if shape.count(",") == 2 or rows in (256, 128):
+            # 3 axes (every factor local), or every shard starting at a multiple of 64 rows (each block of the
+            # column sums one rank's): bit for bit. Without the all-reduce col2 would be half the sum; with a
+            # local mean v_hat, every parameter element would differ.
+            assert run["equal"] == {"param": True, "row2": True, "col2": True, "v_hat": True}, (shape, run)
+        else:
+            # A block of 64 rows split between the ranks adds its two parts: the sum of R <= 161 non-negative terms
+            # in another order, each order within (R - 1) 2**-24 of the exact sum, so col2 within 2 * 160 * 2**-24
+            # = 1.9e-5 relative (measured 2.4e-7). v_hat moves as much, its root half of it, so each of the 4
+            # updates (at most lr (1 - beta1) / sqrt(1 - beta2) = 0.1 * 3.2 = 3.2e-2 with lr 1e-2, Adam's bound)
+            # by 1e-5 of itself: 4 * 3.2e-2 * 1e-5 = 1.3e-6 absolute (measured 2.4e-7); m does not depend on v.
+            assert not run["equal"]["col2"], shape  # the check can see a difference in order
+            assert run["difference"]["col2"] <= 1.9e-5, (shape, run)
+            # v_hat = row / mean * col with row and mean equal: col2's bound plus the product's rounding in each
+            # run, 2 * 2**-24 (measured 3.5e-7).
+            assert run["difference"]["v_hat"] <= 1.9e-5 + 2 * 2**-24, (shape, run)
+            assert run["difference"]["param"] <= 1.3e-6, (shape, run)
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +65,18 @@ def fsdp2_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
     """One process on the full batch and two FSDP2 ranks, for every optimizer of FSDP2_OPTIMIZERS and the
     stochastic-rounding check (tests/dist_jobs.py: _rounding_check), in one launch per world size: each
     train() builds its model, optimizer and batches from fixed seeds, so each gives what it would alone,
-    without a pair of process start-ups apiece."""
+    without a pair of process start-ups apiece. The two-rank launch also runs factored_check (factored second
+    moments of sharded matrices and 3-axis tensors)."""
     tmp = tmp_path_factory.mktemp("fsdp2")
     job = {"optimizers": FSDP2_OPTIMIZERS, "steps": STEPS, "rounding_check": True}
-    return launch(1, {**job, "parallel": "none"}, tmp), launch(2, {**job, "parallel": "fsdp"}, tmp)
+    return launch(1, {**job, "parallel": "none"}, tmp), launch(
+        2, {**job, "parallel": "fsdp", "factored_check": True}, tmp
+    )
 
 
 def test_fsdp2_matches_one_process_on_the_full_batch(fsdp2_runs):
     refs, runs = fsdp2_runs
+    _check_factored(runs["factored_check"])
     for optimizer in FSDP2_OPTIMIZERS:
         ref, fsdp = refs[optimizer], runs[optimizer]
         # Whole-tensor norms of shards (LARS's and LAMB's trust ratios, percentile clipping) are those of
@@ -62,7 +98,8 @@ def test_fsdp2_matches_one_process_on_the_full_batch(fsdp2_runs):
         # Sharded tensors are quantized in blocks of their local shards, so the 8-bit states differ from
         # the one-process run by rounding. Measured over 8 steps: at most 1.4e-5 (Adam8bit), 1.5e-5
         # (AdamW8bit), 5.8e-6 (SGD8bit), 2.2e-7 (AdamW32bit), 4.6e-7 (LARS8bit), 1.0e-5 (percentile
-        # clipping), 7.2e-6 (LAMB8bit) relative; 2e-4 allows 10x that.
+        # clipping), 7.2e-6 (LAMB8bit), 9.4e-8 (AdamW4bit-factored: its matrices' column sums over the ranks)
+        # relative; 2e-4 allows 10x that.
         assert _relative(ref["losses"], fsdp["losses"]) < 2e-4, (optimizer, ref, fsdp)
         # The run makes progress: one process's last loss over its first, measured 0.69 (LAMB8bit) to 0.79
         # (SGD8bit) over these 8 steps; 0.85 lies between that and no progress (1).
@@ -146,7 +183,9 @@ def test_ddp_matches_one_process_on_the_full_batch(tmp_path):
 LPMM = {"lpmm": [12, 8]}  # 12-bit parameters, 8-bit gradient accumulators, groups of 64
 
 
-@pytest.mark.parametrize("optimizers", [["Adam8bit", "AdamW8bit", "SGD8bit", "AdamW4bit"], ["LPMMSGD"]])
+@pytest.mark.parametrize(
+    "optimizers", [["Adam8bit", "AdamW8bit", "SGD8bit", "AdamW4bit", "AdamW4bit-factored"], ["LPMMSGD"]]
+)
 @pytest.mark.parametrize("save_world,load_world", [(2, 1), (1, 2)])
 def test_dcp_checkpoint_reshards_and_resumes(tmp_path, optimizers, save_world, load_world):
     # The block-wise optimizers share each launch (as above; each saves its own checkpoint). LPMM runs
@@ -171,7 +210,8 @@ def test_dcp_checkpoint_reshards_and_resumes(tmp_path, optimizers, save_world, l
         else:
             # 8-bit states are saved dequantized (fp32 DTensors) and re-quantized in the new world size's
             # blocks: measured at most 9.6e-6 relative (Adam8bit, AdamW8bit, SGD8bit) and 1.1e-7
-            # (AdamW4bit); 2e-4 allowed, as above.
+            # (AdamW4bit); 2e-4 allowed, as above. AdamW4bit-factored: 0.0 both ways (its row2/col2 are loaded
+            # as saved, the model's shards are whole blocks of m); without its state, 5.3e-3.
             tolerance = 2e-4
         assert _relative(full["losses"][STEPS // 2 :], resumed["losses"]) < tolerance, (optimizer, full, resumed)
         assert _relative(full["losses"][STEPS // 2 :], fresh["losses"]) > 3 * tolerance, (optimizer, full, fresh)

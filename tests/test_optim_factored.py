@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 import lowbit._reference as R
 import lowbit.optim as O
@@ -289,28 +290,49 @@ def test_one_and_two_threads_give_the_same_bits(tmp_path):
         assert torch.equal(v, out[1][1][k]), k
 
 
-def test_fsdp2_matrices_are_refused_and_nothing_changes(tmp_path):
-    """A sharded matrix would need its row and column means summed over the ranks: factored=True refuses
-    DTensor parameters of 2 or more axes with an error naming the option; a DTensor vector keeps its 4-bit
-    v and steps."""
+def test_dtensors_step_as_plain_tensors_and_other_placements_are_refused(tmp_path):
+    """DTensor parameters sharded on their first axis (FSDP2's Shard(0)), on a one-rank mesh: a matrix takes the
+    sharded-matrix path (its factors computed in Python, the native step told they are given: kFacGiven) and a
+    3-axis tensor the local one, and both equal plain tensors' steps bit for bit, beside a plain matrix in the same
+    fused call; row2/col2 are DTensors (a matrix's col2 replicated). A matrix sharded on its second axis is refused
+    with an error naming the placement, and nothing changes. (Two ranks: tests/test_distributed.py.)"""
     import torch.distributed as dist
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        w = torch.nn.Parameter(distribute_tensor(torch.randn(64, 80), mesh, [Shard(0)]))
-        w.grad = distribute_tensor(torch.randn(64, 80), mesh, [Shard(0)])
+        gen = torch.Generator().manual_seed(3)
+        shapes = [(130, 70), (3, 70, 33), (64, 80)]
+        values = [torch.randn(s, generator=gen) for s in shapes]
+        grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+        sharded = [torch.nn.Parameter(distribute_tensor(v.clone(), mesh, [Shard(0)])) for v in values[:2]]
+        sharded.append(torch.nn.Parameter(values[2].clone()))
+        plain = [torch.nn.Parameter(v.clone()) for v in values]
+        options = {"weight_decay": 0.1, "min_4bit_size": 0, "factored": True}
+        opts = [O.Adam4bit(sharded, **options), O.Adam4bit(plain, **options)]
+        for step in grads:
+            for params, opt in zip((sharded, plain), opts, strict=True):
+                for p, g in zip(params, step, strict=True):
+                    p.grad = distribute_tensor(g, mesh, [Shard(0)]) if isinstance(p, DTensor) else g.clone()
+                opt.step()
+        for p, q in zip(sharded, plain, strict=True):
+            whole = p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+            assert torch.equal(whole, q.detach())
+            for key in ("row2", "col2", "state1", "absmax1"):
+                mine = opts[0].state[p][key]
+                assert torch.equal(mine.full_tensor() if isinstance(mine, DTensor) else mine, opts[1].state[q][key])
+        assert opts[0].state[sharded[0]]["row2"].placements == (Shard(0),)
+        assert opts[0].state[sharded[0]]["col2"].placements == (Replicate(),)
+        assert opts[0].state[sharded[1]]["col2"].placements == (Shard(0),)
+
+        w = torch.nn.Parameter(distribute_tensor(torch.randn(64, 80), mesh, [Shard(1)]))
+        w.grad = distribute_tensor(torch.randn(64, 80), mesh, [Shard(1)])
         before = w.detach().full_tensor().clone()
         opt = O.AdamW4bit([w], factored=True)
-        with pytest.raises(NotImplementedError, match="factored=True does not support FSDP2"):
+        with pytest.raises(NotImplementedError, match=r"sharded on their first axis .*Shard\(dim=1\)"):
             opt.step()
         assert not opt.state[w] and torch.equal(w.detach().full_tensor(), before)
-        b = torch.nn.Parameter(distribute_tensor(torch.randn(8192), mesh, [Shard(0)]))
-        b.grad = distribute_tensor(torch.randn(8192), mesh, [Shard(0)])
-        vec = O.AdamW4bit([b], factored=True)
-        vec.step()
-        assert "state2" in vec.state[b]
     finally:
         dist.destroy_process_group()
 

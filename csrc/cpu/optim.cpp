@@ -762,7 +762,7 @@ void factored_loop(const FactoredLoopArgs<T>& a) {
 // (about kChunk elements per item, whole blocks), which gives the rows' EMAs and each block's column sums, then
 // per tensor the columns' sums (the blocks' in block order) and EMAs, and each slice's mean of its new rows.
 // Each sum is one thread's, in factored.h's order, so the thread count and the dynamic schedule (which
-// balances the items) change no result.
+// balances the items) change no result. Tensors whose factors the caller gives (kFacGiven) are skipped.
 void factored_factors(const OptimArgs& a, const std::vector<TensorView>& tensors, int threads, bool par) {
   struct Item {
     int64_t t;
@@ -773,7 +773,7 @@ void factored_factors(const OptimArgs& a, const std::vector<TensorView>& tensors
   std::vector<int64_t> base(a.count + 1, 0);  // each tensor's offset in the blocks' column sums
   for (int64_t t = 0; t < a.count; ++t) {
     const FactoredView& f = tensors[t].factored;
-    const int64_t blocks = f.batch * ((f.rows + kFactoredRowBlock - 1) / kFactoredRowBlock);
+    const int64_t blocks = factors_pending(f) ? f.batch * ((f.rows + kFactoredRowBlock - 1) / kFactoredRowBlock) : 0;
     const int64_t block_elements = std::max<int64_t>(1, std::min<int64_t>(f.rows, kFactoredRowBlock) * f.cols);
     const int64_t per_item = std::max<int64_t>(1, kChunk / block_elements);
     for (int64_t j = 0; j < blocks; j += per_item) items.push_back({t, j, std::min(j + per_item, blocks)});
@@ -792,6 +792,7 @@ void factored_factors(const OptimArgs& a, const std::vector<TensorView>& tensors
   std::vector<float> total;
   for (int64_t t = 0; t < a.count; ++t) {
     const FactoredView& f = tensors[t].factored;
+    if (!factors_pending(f)) continue;
     const int64_t blocks = (f.rows + kFactoredRowBlock - 1) / kFactoredRowBlock;
     for (int64_t b = 0; b < f.batch; ++b) {
       total.assign(static_cast<size_t>(f.cols), 0.f);

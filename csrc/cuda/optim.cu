@@ -271,13 +271,13 @@ __device__ void warp_items(int64_t n, float* lanes, Add&& add, Done&& done) {
   }
 }
 
-// fn(f, sc, param, grad) for each factorized tensor of the call: its factors, scalars, and parameter and gradient
-// as their element type.
+// fn(f, sc, param, grad) for each factorized tensor of the call whose factors the step updates (not those the
+// caller gives: kFacGiven): its factors, scalars, and parameter and gradient as their element type.
 template <typename Fn>
 __device__ void for_factored_tensors(const OptimArgs& a, Fn&& fn) {
   for (int64_t t = 0; t < a.count; ++t) {
     const FactoredView f = factored_row(a.factored, t);
-    if (f.batch == 0) continue;
+    if (!factors_pending(f)) continue;
     const StepScalars sc = tensor_scalars(a, t, nullptr);
     visit_dtype(static_cast<int>(a.meta[t * kMetaCols + kDtype]), [&](auto dtype) {
       using T = typename decltype(dtype)::type;
@@ -331,7 +331,7 @@ __global__ void factored_mean_kernel(OptimArgs a) {
   __shared__ float lanes[kMaxThreads];
   for (int64_t t = 0; t < a.count; ++t) {
     const FactoredView f = factored_row(a.factored, t);
-    if (f.batch == 0) continue;
+    if (!factors_pending(f)) continue;  // kFacGiven: the caller wrote the means
     warp_items(
         f.batch, lanes,
         [&](int64_t b, int lane) {

@@ -6,7 +6,7 @@
 //
 // Shared by the CPU loops and the CUDA kernels, which run one native call in three phases: the sums of
 // g^2 along rows and along columns and their EMAs (in place), the mean of each slice's new rows, then
-// the element step. The sums are added in one fixed order whatever the device or the thread count, so
+// the element step (only the last for a tensor whose factors the caller gives: kFacGiven). The sums are added in one fixed order whatever the device or the thread count, so
 // that CPU, CUDA and the pure-PyTorch twin (lowbit/_reference/factored.py) agree bit for bit:
 //  - a row (n = C values) and a slice's rows (n = R values, for the mean): value i adds into lane
 //    i % kFactoredLanes, in index order, from 0; the sum is the lanes added in lane order, from 0;
@@ -31,8 +31,11 @@ constexpr int kFactoredRowBlock = 64;
 
 // Row t of the step's `factored` table (int64, kFactoredCols columns): kFacBatch is 0 for a tensor whose
 // second moment is not factorized, else B; kFacRowPtr holds B*R fp32 row factors and kFacColPtr B*C column
-// factors (updated in place), kFacMeanPtr B fp32 of scratch (each slice's mean of its new rows).
-enum FactoredCol : int { kFacBatch, kFacRows, kFacCols, kFacRowPtr, kFacColPtr, kFacMeanPtr, kFactoredCols };
+// factors (updated in place), kFacMeanPtr B fp32 of scratch (each slice's mean of its new rows). kFacGiven is 1
+// where the caller has already updated the factors and written the means (an FSDP2 shard of a matrix, whose
+// column sums and mean span ranks: lowbit/optim/factored.py): the step then runs only the element phase for that
+// tensor, reading them; else 0.
+enum FactoredCol : int { kFacBatch, kFacRows, kFacCols, kFacRowPtr, kFacColPtr, kFacMeanPtr, kFacGiven, kFactoredCols };
 
 // The factorized layout of one tensor, read from its row of the table.
 struct FactoredView {
@@ -42,6 +45,7 @@ struct FactoredView {
   float* row = nullptr;
   float* col = nullptr;
   float* mean = nullptr;
+  bool given = false;  // the factors and means are this step's already (kFacGiven)
 };
 
 LB_HD FactoredView factored_row(const int64_t* table, int64_t t) {
@@ -54,8 +58,12 @@ LB_HD FactoredView factored_row(const int64_t* table, int64_t t) {
   f.row = reinterpret_cast<float*>(static_cast<uintptr_t>(row[kFacRowPtr]));
   f.col = reinterpret_cast<float*>(static_cast<uintptr_t>(row[kFacColPtr]));
   f.mean = reinterpret_cast<float*>(static_cast<uintptr_t>(row[kFacMeanPtr]));
+  f.given = row[kFacGiven] != 0;
   return f;
 }
+
+// Whether the step's factor phases (sums, EMAs, means) run for this tensor: factorized, factors not given.
+LB_HD bool factors_pending(const FactoredView& f) { return f.batch > 0 && !f.given; }
 
 // The lanes of a fixed-order sum added in lane order, from 0.
 LB_HD float factored_add_lanes(const float* lane) {

@@ -23,6 +23,7 @@ from lowbit._ops.invact import invact_grad
 from lowbit._ops.lpmm import LpmmStepArgs, lpmm_accumulate_, lpmm_step_, lpmm_step_eager
 from lowbit._ops.muon import check_muon_momentum, muon_momentum_
 from lowbit._ops.optim import (
+    FACTORED_GIVEN,
     StepArgs,
     StepHyper,
     check_optimizer_step,
@@ -43,6 +44,7 @@ from lowbit._ops.quantize import (
 
 __all__ = [
     "CUDA_NOT_BUILT",
+    "FACTORED_GIVEN",
     "FLOAT_DTYPES",
     "MAX_LINEAR_BITS",
     "MAX_MAP_BITS",

@@ -89,10 +89,12 @@ class StepArgs(NamedTuple):
     (pass zeros) and which the step encodes against.
 
     ``factored`` (optional) gives, for each tensor in turn, 1 where its second moment is factorized
-    (include/lowbit/factored.h; Adam's rule, 4-bit states, 2 or more axes), else 0. Such a tensor has no
-    ``state2``/``absmax2`` (their entries are ignored): its factors are in ``factors`` (flat fp32: for each such
-    tensor in turn, its ``B * R`` row factors then its ``B * C`` column factors, for ``B x R x C`` the tensor seen as
-    slices of its last two axes), which the step updates in place before the parameters.
+    (include/lowbit/factored.h; Adam's rule, 4-bit states, 2 or more axes), 2 where it is factorized and its factors
+    are this step's already (kFacGiven: an FSDP2 shard of a matrix, lowbit/optim/factored.py), else 0. Such a
+    tensor has no ``state2``/``absmax2`` (their entries are ignored): its factors are in ``factors`` (flat fp32: for
+    each such tensor in turn, its ``B * R`` row factors then its ``B * C`` column factors, for ``B x R x C`` the
+    tensor seen as slices of its last two axes, then, where given, its ``B`` slices' means of their rows), which the
+    step updates in place before the parameters (1), or reads as they are (2).
 
     ``rounding`` (optional) selects stochastic rounding of the quantized states (include/lowbit/
     state_rounding.h): two entries per tensor, its step seed (``0 <= seed < 2**63``) and the counter of its
@@ -352,16 +354,27 @@ def _check_rank1(args: StepArgs, rank1: dict[int, tuple[int, list[int]]], widths
         )
 
 
+# StepArgs.factored's entries: block-wise or rank-1 second moment, factors the step updates, factors given.
+FACTORED_NONE, FACTORED_STEP, FACTORED_GIVEN = 0, 1, 2
+
+
 def factored_tensors(args: StepArgs) -> frozenset[int]:
     """The tensors of ``args.factored`` whose second moment is factorized."""
     if args.factored is None:
         return frozenset()
     entries = list(args.factored)
     _common.check(
-        len(entries) == len(args.params) and all(e in (0, 1) for e in entries),
-        f"factored must hold 0 or 1 for each of the {len(args.params)} tensors, got {entries}",
+        len(entries) == len(args.params) and all(e in (0, 1, 2) for e in entries),
+        f"factored must hold 0, 1 or 2 for each of the {len(args.params)} tensors, got {entries}",
     )
     return frozenset(i for i, e in enumerate(entries) if e)
+
+
+def _factor_count(args: StepArgs, i: int) -> int:
+    """How many fp32 values of ``factors`` tensor i (factorized) takes: B * (R + C), and B means if given."""
+    b, r, c = _factor_shape(args.params[i])
+    given = args.factored is not None and args.factored[i] == FACTORED_GIVEN
+    return b * (r + c + (1 if given else 0))
 
 
 def _factor_shape(p: Tensor) -> tuple[int, int, int]:
@@ -394,8 +407,7 @@ def _check_factored(args: StepArgs, factored: frozenset[int], rank1: dict[int, A
         _common.check(p.dim() >= 2 and p.numel() > 0, f"factored: params[{i}] must have 2 or more axes and elements")
         _common.check(widths[i] == 4, f"factored: the states of params[{i}] must be 4-bit to be factorized")
         _common.check(i not in rank1, f"params[{i}] cannot be both factorized and normalised rank-1")
-        b, r, c = _factor_shape(p)
-        total += b * (r + c)
+        total += _factor_count(args, i)
     device = args.params[0].device
     t = args.factors
     _common.check(t is not None, "factors must be given with factored")
@@ -403,8 +415,8 @@ def _check_factored(args: StepArgs, factored: frozenset[int], rank1: dict[int, A
     _common.check_input("factors", t, (torch.float32,))
     _common.check(
         t.numel() == total and t.device == device and t.is_contiguous(),
-        f"factors must hold {total} contiguous fp32 values (the row and column factors of the factorized tensors) "
-        f"on {device}",
+        f"factors must hold {total} contiguous fp32 values (the row and column factors of the factorized tensors, "
+        f"and the means of those whose factors are given) on {device}",
     )
 
 
@@ -415,19 +427,23 @@ def _factored_table(args: StepArgs, device: torch.device) -> tuple[Optional[Tens
     if not factored:
         return None, None
     assert args.factors is not None  # _check_factored
-    shapes = [_factor_shape(args.params[i]) for i in sorted(factored)]
+    given = {i for i in factored if args.factored is not None and args.factored[i] == FACTORED_GIVEN}
+    shapes = [_factor_shape(args.params[i]) for i in sorted(factored - given)]
     means = torch.empty(sum(b for b, _, _ in shapes), dtype=torch.float32, device=device)
     rows = []
     factors, mean, base, slices = args.factors.data_ptr(), means.data_ptr(), 0, 0
-    shape_of = dict(zip(sorted(factored), shapes, strict=True))
     for i in range(len(args.params)):
         if i not in factored:
             rows.append([0] * FACTORED_COLS)
             continue
-        b, r, c = shape_of[i]
-        rows.append([b, r, c, factors + 4 * base, factors + 4 * (base + b * r), mean + 4 * slices])
-        base += b * (r + c)
-        slices += b
+        b, r, c = _factor_shape(args.params[i])
+        row, col = factors + 4 * base, factors + 4 * (base + b * r)
+        if i in given:  # the means follow the columns in ``factors``
+            rows.append([b, r, c, row, col, factors + 4 * (base + b * (r + c)), 1])
+        else:
+            rows.append([b, r, c, row, col, mean + 4 * slices, 0])
+            slices += b
+        base += _factor_count(args, i)
     table = torch.tensor(rows, dtype=torch.int64)
     table = table.pin_memory().to(device, non_blocking=True) if device.type != "cpu" else table
     return table, means

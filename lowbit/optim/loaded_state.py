@@ -82,7 +82,8 @@ def _check_factors(entry: dict[str, Any], where: str, k: int, p: Tensor) -> None
         value = entry.get(key)
         if not isinstance(value, Tensor) or value.dtype != torch.float32 or value.shape != shape:
             raise _fail(where, key, f"must be a float32 tensor of shape {tuple(shape)} (a factor of the second moment)")
-        if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
+        local = _ops.local(value)  # an FSDP2 state's factors: each rank checks its own values
+        if not bool(torch.isfinite(local).all()) or bool((local < 0).any()):
             raise _fail(where, key, "must hold finite values >= 0")
 
 

@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from lowbit import _C, _ops
 from lowbit._ops import StepArgs, StepHyper
 from lowbit.lpmm.parameter import draw_seed
+from lowbit.optim import factored as factored_module
 from lowbit.optim.config import get_override, overrides_version
 from lowbit.optim.hyperparams import GNORM_HISTORY, LAYOUT_OPTIONS, check_option, check_options, plain_lr
 from lowbit.optim.loaded_state import check_loaded_state
@@ -92,14 +93,17 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             block absmaxes). Other parameters, and False, keep block-wise absmax.
         factored: opt-in (default False), Adam and AdamW with ``optim_bits=4`` only (8-bit and fp32
             layouts refuse it, as do ``rank1_normalization``, ``amsgrad``, ``max_unorm``,
-            ``percentile_clipping`` and FSDP2 parameters of 2 or more axes): the second moment of a 4-bit
-            parameter of 2 or more axes is factorized (Shazeer & Stern 2018, Adafactor; Li, Chen, Zhu 2023,
-            "4-bit Factor"; :mod:`lowbit.optim.factored`): fp32 EMAs of the mean of g^2 over the last axis
+            ``percentile_clipping``, and DTensor parameters sharded on another axis than the first): the second
+            moment of a 4-bit parameter of 2 or more axes is factorized (Shazeer & Stern 2018, Adafactor; Li, Chen,
+            Zhu 2023, "4-bit Factor"; :mod:`lowbit.optim.factored`): fp32 EMAs of the mean of g^2 over the last axis
             (``row2``, ``shape[:-1]``) and over axis -2 (``col2``, ``shape[:-2] + shape[-1:]``) in place of
             ``state2``/``absmax2``, so a matrix's v costs ``(R + C) * 4`` bytes. The step is
             torch.optim.Adam's with v replaced by ``v_hat = (row / mean(row over its last axis)) (outer)
             col``: ``p <- p - lr / (1 - beta1^t) * m / (sqrt(v_hat) / sqrt(1 - beta2^t) + eps)``. Other
-            parameters keep the block-wise 4-bit v.
+            parameters keep the block-wise 4-bit v. FSDP2 parameters (``Shard(0)``) are factorized too, their
+            ``row2``/``col2`` DTensors sharded like them (a matrix's ``col2`` replicated): a matrix's column sums
+            and row mean are summed over the ranks, equal to one process's bit for bit when every shard starts
+            at a multiple of 64 rows (:mod:`lowbit.optim.factored`).
         max_unorm: if > 0, scales a tensor's update down so that its norm, divided by the learning
             rate, is at most ``max_unorm * ||param||`` (bitsandbytes' option; a zero parameter is not
             clipped, since it would never move).
@@ -465,10 +469,13 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             layout.shards.append(_ops.local(p))  # FSDP2: the local shards of the parameter and its states
             held: list[tuple[str, Tensor]] = []
             factored = "row2" in state  # lowbit/optim/factored.py: no state2/absmax2, the factors instead
-            layout.factored_entries.append(int(factored))
+            given = factored and factored_module.spans_ranks(p)
+            layout.factored_entries.append(_ops.FACTORED_GIVEN if given else int(factored))
             if factored:
                 held += [("row2", state["row2"]), ("col2", state["col2"])]
-                layout.factored_items.append(state)
+                row, col = _ops.local(state["row2"]), _ops.local(state["col2"])
+                layout.factored_items.append((state, layout.factor_count, len(layout.shards) - 1 if given else None))
+                layout.factor_count += row.numel() + col.numel() + int(given)
             for j, k in enumerate(slots):
                 key, amax = f"state{k + 1}", f"absmax{k + 1}"
                 if key in state:
@@ -575,7 +582,13 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             axis_max = torch.cat([batch[i][1][key] for i, key, _ in ranked_items])
             args = args._replace(rank1=layout.rank1_entries, axis_max=axis_max, new_axis_max=new_axis_max)
         if factored_items:
-            factors = torch.cat([t.reshape(-1) for state in factored_items for t in (state["row2"], state["col2"])])
+            parts = []
+            for state, _, given in factored_items:
+                row, col = _ops.local(state["row2"]), _ops.local(state["col2"])
+                parts += [row.reshape(-1), col.reshape(-1)]
+                if given is not None:
+                    parts.append(torch.zeros(1, dtype=torch.float32, device=row.device))  # its mean, from run()
+            factors = torch.cat(parts)
             args = args._replace(factored=layout.factored_entries, factors=factors)
         if norm_mode != NORM_NONE and any(isinstance(p, DTensor) for p in originals):
             # The norms of FSDP2 shards span ranks: the pre-pass sums are all-reduced, and the step
@@ -596,15 +609,20 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                 parts = new_axis_max.split([n for *_, n in ranked_items])
                 for (i, _, _), part in zip(ranked_items, parts, strict=True):
                     max_over_shards(part, originals[i])  # in place: parts are views
+            # The factors of sharded matrices (collectives over their ranks), which the step then reads: their new
+            # rows, columns and mean, consecutive in ``factors``.
+            for state, offset, i in factored_items:
+                if i is not None:
+                    assert args.factors is not None
+                    row, col = _ops.local(state["row2"]), _ops.local(state["col2"])
+                    new = factored_module.given_factors(params[i], grads[i], row, col, hyper, flags, originals[i])
+                    args.factors.narrow(0, offset, new.numel()).copy_(new)
             _ops.optimizer_step_eager(args, widths)
-            if factored_items:
+            for state, offset, _ in factored_items:
                 assert args.factors is not None
-                parts = args.factors.split(
-                    [t.numel() for state in factored_items for t in (state["row2"], state["col2"])]
-                )
-                for j, state in enumerate(factored_items):
-                    state["row2"].copy_(parts[2 * j].view_as(state["row2"]))
-                    state["col2"].copy_(parts[2 * j + 1].view_as(state["col2"]))
+                row, col = _ops.local(state["row2"]), _ops.local(state["col2"])
+                row.copy_(args.factors.narrow(0, offset, row.numel()).view_as(row))
+                col.copy_(args.factors.narrow(0, offset + row.numel(), col.numel()).view_as(col))
             if ranked_items:
                 parts = new_axis_max.split([n for *_, n in ranked_items])
                 for (i, key, _), part in zip(ranked_items, parts, strict=True):

@@ -176,10 +176,10 @@ class StoredStates:
 
     def _factored_state(self, config: dict[str, Any], p: Tensor, width: int) -> int:
         """The state k of ``p`` that ``config`` stores factorized (lowbit/optim/factored.py), or -1: the second
-        moment of a 4-bit layout, with ``factored`` on, for 2 or more axes (FSDP2 parameters are refused)."""
+        moment of a 4-bit layout, with ``factored`` on, for 2 or more axes (under FSDP2: sharded on the first axis,
+        each rank's shard of 2 or more elements; :func:`~lowbit.optim.factored.factored_applies`)."""
         if width != 4 or not config.get("factored", False) or not factored.factored_applies(p):
             return -1
-        factored.check_not_sharded(p, "factored second moment")
         slots = self._slots(config)
         slot = SECOND_MOMENT_SLOTS[self._rule_code(config)]  # type: ignore[attr-defined]
         return slots[slot] if 0 <= slot < len(slots) else -1
@@ -197,7 +197,7 @@ class StoredStates:
         """The fp32 values of state k of ``p``, whatever layout they are stored in (a factorized second
         moment gives its reconstruction v_hat)."""
         if f"row{k + 1}" in state:
-            return factored.reconstruct(state[f"row{k + 1}"], state[f"col{k + 1}"])
+            return factored.reconstruct(state[f"row{k + 1}"], state[f"col{k + 1}"], p)
         s = _ops.local(state[f"state{k + 1}"])
         shape = _ops.local(p).shape
         width = stored_width(s, shape.numel())
@@ -239,7 +239,7 @@ class StoredStates:
                 row, col = state.get(f"row{k + 1}"), state.get(f"col{k + 1}")
                 if row is None or col is None or f"state{k + 1}" in state:
                     return False
-                if row.shape != p.shape[:-1] or col.shape != p.shape[:-2] + p.shape[-1:]:
+                if not self._factor_shapes_match(p, row, col):
                     return False
                 continue
             if f"row{k + 1}" in state:
@@ -261,8 +261,16 @@ class StoredStates:
         for a parameter that already has state; missing states start at their initial value.
         """
         values = {}
+        # Factors that stay factors (a loaded FSDP2 state) are kept as they are: a round trip through v_hat would
+        # rescale them (the rows by mean(col) / mean(row)).
+        split = self._factored_state(config, p, self._state_width(config, p))
+        kept: dict[str, Tensor] = {}
         for k in self._slots(config):
-            if f"row{k + 1}" in state:
+            row, col = state.get(f"row{k + 1}"), state.get(f"col{k + 1}")
+            if k == split and row is not None and col is not None and self._factor_shapes_match(p, row, col):
+                kept[f"row{k + 1}"] = factored.local_factor(p, row, f"row{k + 1}").clone()
+                kept[f"col{k + 1}"] = factored.local_factor(p, col, f"col{k + 1}").clone()
+            elif row is not None:
                 values[k] = self._unpack(k, p, state).clone()
             elif f"state{k + 1}" in state:
                 held, numel = _ops.local(state[f"state{k + 1}"]), _ops.local(p).numel()
@@ -278,6 +286,12 @@ class StoredStates:
             state.pop(f"col{k + 1}", None)
             state.pop(f"state{k + 1}", None)
         state.update(self._store(p, values, config))
+        state.update({key: factored.like_factor(p, value, key) for key, value in kept.items()})
+
+    @staticmethod
+    def _factor_shapes_match(p: Tensor, row: Tensor, col: Tensor) -> bool:
+        """Whether ``row``/``col`` have the (global) shapes of the factors of ``p``."""
+        return row.shape == p.shape[:-1] and col.shape == p.shape[:-2] + p.shape[-1:]
 
     def _initial(self, k: int, p: Tensor, config: dict[str, Any]) -> Tensor:
         """State k of ``p`` before its first step, shaped like the local shard."""
@@ -300,7 +314,9 @@ class StoredStates:
         split = self._factored_state(config, p, width)
         for k, value in values.items():
             if k == split:
-                out[f"row{k + 1}"], out[f"col{k + 1}"] = factored.project(value)
+                row, col = factored.project(value, p)
+                out[f"row{k + 1}"] = factored.like_factor(p, row, f"row{k + 1}")
+                out[f"col{k + 1}"] = factored.like_factor(p, col, f"col{k + 1}")
                 continue
             if k == ranked:
                 offset, dims = rank1.rank1_layout(p)  # type: ignore[misc]  (not None: _rank1_state)

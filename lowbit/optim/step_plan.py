@@ -54,8 +54,12 @@ class FusedLayout:
     ranked_items: list[tuple[int, str, int]]
     """(index in the call, state key of its statistics, length of its statistics) of rank-1 tensors."""
     factored_entries: list[int]
-    factored_items: list[dict[str, Any]]
-    """The states whose ``row2``/``col2`` the call updates."""
+    factored_items: list[tuple[dict[str, Any], int, Optional[int]]]
+    """The states whose ``row2``/``col2`` the call updates: (state, the offset of its factors in the call's
+    ``factors``, and the index in the call of a sharded matrix, whose factors span ranks and are computed
+    before the call, lowbit/optim/factored.py; else None)."""
+    factor_count: int = 0
+    """The length of the call's ``factors``."""
     widths: Optional[list[int]] = None
     """Each tensor's state width, once a step of this layout has passed ``check_optimizer_step``."""
 
