@@ -146,6 +146,22 @@ def test_a_group_that_is_not_2d_is_not_added():
         opt.step()
 
 
+def test_stochastic_rounding_is_refused_not_ignored():
+    """Muon's momentum rounds to nearest: a group asking for stochastic rounding, added or edited in, is refused
+    with the option named, and a refused step changes nothing (it used to round to nearest silently)."""
+    w = nn.Parameter(torch.randn(16, 32))
+    opt = O.Muon8bit([w], lr=0.02)
+    with pytest.raises(ValueError, match="rounding='stochastic'"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(8, 8))], "rounding": "stochastic"})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["rounding"] = "stochastic"
+    w.grad = torch.randn_like(w)
+    before = w.detach().clone()
+    with pytest.raises(ValueError, match="rounding='stochastic'"):
+        opt.step()
+    assert torch.equal(w, before) and not opt.state[w]
+
+
 @pytest.mark.parametrize("shape", [(96, 160), (160, 96)])
 @pytest.mark.parametrize(
     "kw",

@@ -152,6 +152,10 @@ class Muon(LowbitOptimizer):
         super()._check_config(config, where)
         if config["optim_bits"] == 4:
             raise ValueError(f"lowbit: {where}: Muon keeps its momentum in 8 or 32 bits; optim_bits=4 is not supported")
+        if config.get("rounding", "nearest") != "nearest":
+            raise ValueError(
+                f"lowbit: {where}: Muon's momentum rounds to nearest; rounding={config['rounding']!r} is not supported"
+            )
         if config["adjust_lr_fn"] not in ADJUST_LR_FNS:
             fn = config["adjust_lr_fn"]
             raise ValueError(f"lowbit: {where}: Adjust learning rate function {fn} is not supported")
