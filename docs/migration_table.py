@@ -230,6 +230,15 @@ ROWS: list[Row] = [
         "on 8-bit dynamic maps.",
     ),
     Row(
+        "torchao.optim.AdamFp8",
+        "Adam8bit",
+        same={**ADAM, "weight_decay": 0.0, "amsgrad": False},
+        accepted={"block_size": 256},
+        dropped=("bf16_stochastic_round",),
+        bits=8,
+        notes="As torchao.optim.AdamWFp8.",
+    ),
+    Row(
         "torchao.optim._AdamW",
         "AdamW32bit",
         same={**ADAM, "weight_decay": 1e-2, "amsgrad": False},
