@@ -182,10 +182,14 @@ class ApproxBNReLULinear(_ApproxBlock):
     element for backward (see the module docstring).
 
     Args:
-        in_features, out_features, bias: as ``nn.Linear``.
+        in_features: as ``nn.Linear``.
+        out_features: as ``nn.Linear``.
+        bias: as ``nn.Linear``.
         bits: code width K, 1..8 (the paper uses 4 and 8).
-        eps, momentum: as ``nn.BatchNorm1d`` (affine, tracking running statistics).
-        device, dtype: factory arguments of the parameters.
+        eps: as ``nn.BatchNorm1d`` (affine, tracking running statistics).
+        momentum: as ``nn.BatchNorm1d`` (affine, tracking running statistics).
+        device: factory argument of the parameters.
+        dtype: factory argument of the parameters.
 
     Inputs are ``(N, in_features)``.
     """
@@ -221,11 +225,19 @@ class ApproxBNReLUConv2d(_ApproxBlock):
     element for backward: the pre-activation unit of a pre-activation ResNet (paper section 3.4).
 
     Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias: as ``nn.Conv2d``
-            (zero padding).
+        in_channels: as ``nn.Conv2d`` (zero padding).
+        out_channels: as ``nn.Conv2d`` (zero padding).
+        kernel_size: as ``nn.Conv2d`` (zero padding).
+        stride: as ``nn.Conv2d`` (zero padding).
+        padding: as ``nn.Conv2d`` (zero padding).
+        dilation: as ``nn.Conv2d`` (zero padding).
+        groups: as ``nn.Conv2d`` (zero padding).
+        bias: as ``nn.Conv2d`` (zero padding).
         bits: code width K, 1..8 (the paper uses 4 and 8).
-        eps, momentum: as ``nn.BatchNorm2d`` (affine, tracking running statistics).
-        device, dtype: factory arguments of the parameters.
+        eps: as ``nn.BatchNorm2d`` (affine, tracking running statistics).
+        momentum: as ``nn.BatchNorm2d`` (affine, tracking running statistics).
+        device: factory argument of the parameters.
+        dtype: factory argument of the parameters.
     """
 
     def __init__(

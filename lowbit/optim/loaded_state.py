@@ -87,9 +87,49 @@ def _check_factors(entry: dict[str, Any], where: str, k: int, p: Tensor) -> None
             raise _fail(where, key, "must hold finite values >= 0")
 
 
+# Keys that only bitsandbytes' 8-bit optimizers write: its quantization maps and tensor-wise scales. Its codes
+# sit under the same names as lowbit's (state1/absmax1) but on other maps (v itself, not sqrt(v), on a map
+# with a zero code), so such a state must be dequantized by bitsandbytes, never read as lowbit codes.
+BNB_8BIT_KEYS = ("qmap1", "qmap2", "qmap3", "max1", "max2", "max3", "new_max1", "new_max2", "new_max3")
+
+
+def _check_foreign(opt: LowbitOptimizer, entry: dict[str, Any], where: str) -> None:
+    """Refuse, with what to do instead, the states of bitsandbytes' 8-bit optimizers and torchao's
+    quantized tensor subclasses (docs/migration.md)."""
+    name = type(opt).__name__
+    if "unorm_vec" in entry:
+        raise _fail(
+            where,
+            "unorm_vec",
+            "is bitsandbytes' max_unorm buffer, which lowbit recomputes at every step: delete the key from "
+            "each state entry before loading (the rest of a bitsandbytes 32-bit state loads as it is)",
+        )
+    bnb = [k for k in BNB_8BIT_KEYS if k in entry]
+    if bnb:
+        raise _fail(
+            where,
+            bnb[0],
+            f"marks a bitsandbytes 8-bit optimizer state, whose codes lowbit cannot read (other maps). Load it "
+            f"into the bitsandbytes optimizer, dequantize each state (bitsandbytes.functional.dequantize_blockwise"
+            f"(state1, absmax=absmax1, code=qmap1) for 'exp_avg', and likewise for state2 -> 'exp_avg_sq'), and "
+            f"load {name} from that torch.optim-layout state dict, or from the bitsandbytes 32-bit optimizer's "
+            f"state dict, which loads as it is",
+        )
+    for key, value in entry.items():
+        if isinstance(value, Tensor) and type(value).__module__.startswith("torchao"):
+            raise _fail(
+                where,
+                key,
+                f"is a torchao {type(value).__name__}, a quantized tensor subclass that lowbit cannot read. "
+                f"Dequantize the state dict's tensors first (value.dequantize() for each of them) and load "
+                f"{name} from that torch.optim-layout state dict",
+            )
+
+
 def _check_entry(opt: LowbitOptimizer, p: Tensor, entry: Any, where: str) -> None:
     if not isinstance(entry, dict):
         raise ValueError(f"lowbit: cannot load the state of {where}: expected a dict, got {type(entry).__name__}")
+    _check_foreign(opt, entry, where)
     n = len(opt._state_names)
     known = {"step", "gnorm_vec", *opt._state_names}
     known |= {f"{kind}{k + 1}" for kind in ("state", "absmax", "axis_max", "row", "col") for k in range(n)}

@@ -686,6 +686,8 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         codes and fp32 states keep their dtype whatever the param dtype; 8-bit second moments saved in
         format 1 (``STATE_FORMAT``) are re-encoded. Every group and state entry is validated first
         (:mod:`lowbit.optim.loaded_state`): a state dict that does not fit raises and changes nothing.
+        bitsandbytes' 32-bit state dicts load as they are; its 8-bit ones (codes on other maps) and torchao's
+        quantized tensor subclasses raise with what to do instead (docs/migration.md).
         """
         check_loaded_state(self, state_dict)
         for group in state_dict["param_groups"]:
