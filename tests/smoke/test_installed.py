@@ -67,6 +67,8 @@ def test_python_m_lowbit_self_check():
     assert "self-check: ok" in proc.stdout
     cuda_line = next(line for line in proc.stdout.splitlines() if line.startswith("CUDA kernels"))
     info = _C.build_info()
+    cpu_line = next(line for line in proc.stdout.splitlines() if line.startswith("CPU kernels"))
+    assert ("AVX-512" in cpu_line) == info["cpu_avx512"]
     if not info["cuda"]:
         assert "not built" in cuda_line
         return
