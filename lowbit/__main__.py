@@ -175,6 +175,15 @@ def _self_check(devices: list[torch.device]) -> bool:
     return failed == 0
 
 
+def _cpu_paths(info: dict[str, object]) -> str:
+    """The CPU kernels' vector paths this CPU runs (chosen at run time from the CPU's features)."""
+    if info["cpu_avx512"]:
+        return "AVX-512 paths in use"
+    if info["cpu_avx2"]:
+        return "AVX2 paths in use"
+    return "scalar paths only: this CPU has neither AVX-512 nor AVX2"
+
+
 def _print_info() -> list[torch.device]:
     """Prints versions, build facts and devices; returns the devices the self-check runs on."""
     info = _C.build_info()
@@ -191,6 +200,7 @@ def _print_info() -> list[torch.device]:
         ("lowbit", lowbit.__version__),
         ("torch", f"{torch.__version__} (CUDA {torch.version.cuda or 'none'})"),
         ("python", f"{platform.python_version()} ({platform.python_implementation()})"),
+        ("CPU kernels", f"built ({_cpu_paths(info)})"),
         ("CUDA kernels", cuda_kernels),
         ("OpenMP", f"{openmp} ({_OPENMP_VERSIONS.get(openmp, 'unknown version')})"),
         ("compiler", info["compiler"]),
