@@ -86,6 +86,7 @@ def _run(case: _Case, x: Tensor) -> tuple[_Result, _Result]:
     stochastic, seed = functional._rounding_seed(case.rounding, _generator(case.rounding))
     blocksize = functional._native_blocksize(case.blocksize)
     n, dtype = x.numel(), x.dtype
+    state: functional.QuantState | functional.LinearQuantState
     if case.quantizer == "quantize_blockwise":
         code = None if case.bits == 8 else functional.create_dynamic_map(total_bits=case.bits).to(x.device)
         codes, state = functional.quantize_blockwise(x, code, case.blocksize, case.rounding, _generator(case.rounding))

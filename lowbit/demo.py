@@ -46,7 +46,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -291,6 +291,7 @@ class _PeakMemory:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.rise = 0
+        self.start: Optional[int]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -411,7 +412,8 @@ def train_config(
     model, opt = make_config(name, cfg, seed, device)
     model_peak = _ModelBytesPeak(model, opt)
     if name in RELEASED:
-        lowbit.optim.step_in_backward(opt, model)
+        # The released configurations make lowbit optimizers (make_config), which step_in_backward checks.
+        lowbit.optim.step_in_backward(cast(Union[lowbit.optim.LowbitOptimizer, lowbit.optim.LPMMOptimizer], opt), model)
     x0, y0 = windows(train_data, starts[0], cfg.context)
     saved = saved_tensor_bytes(_WithLoss(model), x0, y0).total
     progress = _Progress(name, len(starts))

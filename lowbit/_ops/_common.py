@@ -6,7 +6,7 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -137,7 +137,7 @@ def check_rng(seed: int, offset: int) -> None:
     check(0 <= offset < 2**63, f"offset must be in [0, 2**63), got {offset}")
 
 
-def op_signature(fields: type[tuple]) -> inspect.Signature:
+def op_signature(fields: type[tuple[Any, ...]]) -> inspect.Signature:
     """The signature of a function taking ``fields`` (a NamedTuple) as its arguments, for
     ``torch.library.custom_op`` to infer the op's schema from: an op of many arguments then names them
     once, in the NamedTuple its implementation, fake kernel and callers share."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ def _check_blpa_channels(channels: int, **vectors: Tensor) -> None:
 def _blpa_call(
     kernel: Kernel,
     device: torch.device,
-    ptrs: list,
+    ptrs: list[Optional[Tensor]],
     n: int,
     shape: Sequence[int],
     dtype: torch.dtype,

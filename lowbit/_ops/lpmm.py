@@ -3,6 +3,7 @@ csrc/cpu/lpmm.cpp, csrc/cuda/lpmm.cu)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -163,7 +164,12 @@ def _check_step(a: LpmmStepArgs) -> None:
         len(a.hyper) == len(StepHyper._fields), f"hyper must hold {len(StepHyper._fields)} values, got {len(a.hyper)}"
     )
     _common.check(len(a.scalars) == SCALAR_COLS * count, "scalars must hold 3 values per tensor")
-    lists = {"param_absmax": a.param_absmax, "grads": a.grads, "grad_absmax": a.grad_absmax, "numels": a.numels}
+    lists: dict[str, Sequence[object]] = {
+        "param_absmax": a.param_absmax,
+        "grads": a.grads,
+        "grad_absmax": a.grad_absmax,
+        "numels": a.numels,
+    }
     for k, (s, m) in enumerate(((a.state1, a.absmax1), (a.state2, a.absmax2))[: a.n_states]):
         lists[f"state{k + 1}"], lists[f"absmax{k + 1}"] = s, m
     for name, lst in lists.items():

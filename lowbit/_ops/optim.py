@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
 
 import torch
@@ -145,8 +146,8 @@ _MUTATED = ("params", "state1", "state2", "state3", "absmax1", "absmax2", "absma
 def _tensor_widths(
     params: list[Any],
     grads: list[Any],
-    states: list[list[Any]],
-    absmaxes: list[list[Any]],
+    states: Sequence[list[Any]],
+    absmaxes: Sequence[list[Any]],
     block_size: int,
     state_bits: int,
     rank1: dict[int, tuple[int, list[int]]],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -114,7 +115,7 @@ def blpa_unit_backward(
     gamma: Tensor,
     beta: Tensor,
     weight: Tensor,
-    conv: dict,
+    conv: dict[str, Any],
     bits: int,
     relu6: bool,
     pad: Sequence[int],
@@ -148,8 +149,8 @@ def blpa_unit_backward(
     w = weight.detach().requires_grad_()
     b = torch.zeros(weight.shape[0], requires_grad=True)
     torch.nn.functional.conv2d(a3, w, b, **conv).backward(grad)
-    g_a3 = a3.grad[:, :, pad[2] : a3.shape[2] - pad[3], pad[0] : a3.shape[3] - pad[1]]
+    g_a3 = cast(Tensor, a3.grad)[:, :, pad[2] : a3.shape[2] - pad[3], pad[0] : a3.shape[3] - pad[1]]
     if relu6:
         g_a3 = torch.where(below, g_a3, torch.zeros_like(g_a3))
     g_x, g_gamma, g_beta = blpa_backward(packed, g_a3, grid, gamma.float(), beta.float(), invstd, bits, batch_stats)
-    return g_x, g_gamma, g_beta, w.grad, b.grad
+    return g_x, g_gamma, g_beta, cast(Tensor, w.grad), cast(Tensor, b.grad)  # leaves of the backward above

@@ -179,7 +179,10 @@ def _rank1_maxima(w: Tensor, offset: int, dims: list[int]) -> Tensor:
     full = torch.zeros(math.prod(dims), dtype=torch.float32)
     full[offset : offset + w.numel()] = w.abs()
     full = full.view(dims)
-    others = lambda a: [d for d in range(len(dims)) if d != a]  # noqa: E731
+
+    def others(a: int) -> list[int]:
+        return [d for d in range(len(dims)) if d != a]
+
     return torch.cat([full.amax(dim=others(a)) for a in range(len(dims))])
 
 
@@ -218,8 +221,8 @@ def _step(a: StepArgs, stats_only: bool) -> None:
                 values.append(torch.zeros(n, dtype=f32))
             elif i in rank1 and k == slot:
                 assert a.axis_max is not None
-                scale = _rank1_scales(a.axis_max[where[i]], *rank1[i], n)
-                stored = maps[k][_load(states[k][i].reshape(-1), 4, n)] * scale
+                rank1_scale = _rank1_scales(a.axis_max[where[i]], *rank1[i], n)
+                stored = maps[k][_load(states[k][i].reshape(-1), 4, n)] * rank1_scale
                 values.append(stored * stored)
             elif eight:
                 stored = dequantize_blockwise(

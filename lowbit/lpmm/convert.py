@@ -5,7 +5,7 @@ materialize a module's parameters while it runs (lpmm.txt section 5.3), loading 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -19,13 +19,23 @@ from lowbit.lpmm.saved import RecomputeSaved
 __all__ = ["convert", "export_float", "low_precision_parameters"]
 
 
+def _names(module: nn.Module) -> list[str]:
+    """The names of the converted parameters of ``module`` (set by :func:`convert`)."""
+    return cast(list[str], module._lpmm_names)
+
+
+def _stored(module: nn.Module, name: str) -> LowPrecisionParameter:
+    """The storage of ``module``'s converted parameter ``name``."""
+    return cast(LowPrecisionParameter, module._modules[name])
+
+
 def _load_float_entries(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     """Load-state-dict pre-hook of a converted module: float tensors under a converted parameter's
     own name (an ordinary or exported state dict) become its codes, rounded to nearest."""
-    for name in module._lpmm_names:
+    for name in _names(module):
         key = prefix + name
         value = state_dict.get(key)
-        lp = module._modules[name]
+        lp = _stored(module, name)
         if isinstance(value, DTensor):  # an FSDP2 model's sharded float state dict
             value = value.full_tensor()
         if not isinstance(value, Tensor) or not value.is_floating_point() or tuple(value.shape) != tuple(lp.shape):
@@ -37,8 +47,8 @@ def _load_float_entries(module: nn.Module, state_dict: dict[str, Any], prefix: s
 
 def _enter_forward(module: nn.Module, args: Any) -> None:
     temps = []
-    for name in module._lpmm_names:
-        lp = module._modules[name]
+    for name in _names(module):
+        lp = _stored(module, name)
         t = lp.materialize()
         module.__dict__[name] = t
         temps.append((lp, t))
@@ -53,7 +63,7 @@ def _leave_forward(module: nn.Module, args: Any, output: Any) -> None:
         return
     active.pop().__exit__(None, None, None)
     if not active:
-        for name in module._lpmm_names:
+        for name in _names(module):
             module.__dict__.pop(name, None)
 
 
@@ -123,7 +133,7 @@ def convert(
         if not names:
             continue
         for n in names:
-            p = m._parameters.pop(n)
+            p = cast(nn.Parameter, m._parameters.pop(n))  # names holds the parameters that are not None
             lp = storages.get(id(p))
             if lp is None:
                 lp = LowPrecisionParameter(
@@ -137,7 +147,7 @@ def convert(
                 )
                 storages[id(p)] = lp
             m._modules[n] = lp
-        m._lpmm_names = names
+        m._lpmm_names = names  # type: ignore[assignment]  # a plain attribute: nn.Module keeps a list in __dict__
         m.register_forward_pre_hook(_enter_forward)
         m.register_forward_hook(_leave_forward, always_call=True)
         m._register_load_state_dict_pre_hook(_load_float_entries, with_module=True)

@@ -42,7 +42,8 @@ class Materialize(torch.autograd.Function):
         return (torch.zeros_like(lp.handle) if lp.shards is None else None), None, leaf_grad
 
 
-_TENSOR_GRAD = torch._C.TensorBase.grad
+# The getset descriptor of the tensor's own .grad (the stubs type the attribute's value, not its descriptor).
+_TENSOR_GRAD: Any = torch._C.TensorBase.grad
 
 
 def _grad_error(what: str) -> RuntimeError:
@@ -193,9 +194,9 @@ class Handle(nn.Parameter):
     ``.grad`` is None or an :class:`AccumulatorGrad` placeholder, and setting it to None (``zero_grad``)
     empties the accumulator, so a discarded gradient is never applied."""
 
-    @property  # type: ignore[override]
+    @property
     def grad(self) -> Optional[Tensor]:
-        g = _TENSOR_GRAD.__get__(self)
+        g: Optional[Tensor] = _TENSOR_GRAD.__get__(self)
         lp = self.__dict__.get("_lpmm")
         if g is None or lp is None:
             return g

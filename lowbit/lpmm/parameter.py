@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,10 @@ class LowPrecisionParameter(nn.Module):
         requires_grad: whether backward accumulates gradients for it.
         generator: source of rounding seeds (torch's default generator if None).
     """
+
+    # The buffers, registered in __init__ (nn.Module's attribute lookup alone types them Tensor | Module).
+    codes: Tensor
+    absmax: Tensor
 
     def __init__(
         self,
@@ -223,9 +227,9 @@ class LowPrecisionParameter(nn.Module):
                 "(HSDP is not supported)"
             )
         shards = Shards.of(mesh, self.num_groups, self.group_size, self.numel())
-        pending = None
-        if self.has_grad:  # gradients accumulated before sharding: the ranks' mean, as backward would give
-            pending = self.grad.float()
+        pending = self.grad  # None exactly when not self.has_grad
+        if pending is not None:  # gradients accumulated before sharding: the ranks' mean, as backward would give
+            pending = pending.float()
             dist.all_reduce(pending, group=shards.group)
             pending.div_(shards.world)
         self.shards = shards
@@ -343,7 +347,7 @@ class LowPrecisionParameter(nn.Module):
         # uninitialised, as to_empty leaves ordinary parameters (load a state dict next), and the gradient
         # accumulator starts empty (zero absmaxes).
         for name in ("codes", "absmax"):
-            t = self._buffers[name]
+            t = cast(Tensor, self._buffers[name])  # registered in __init__
             self._buffers[name] = torch.empty_like(t, device=probe.device) if t.is_meta else t.to(probe.device)
         if self.grad_codes.is_meta:
             self.grad_codes = torch.zeros_like(self.grad_codes, device=probe.device)
@@ -351,7 +355,7 @@ class LowPrecisionParameter(nn.Module):
             self.has_grad = False
         self.grad_codes = self.grad_codes.to(probe.device)
         self.grad_absmax = self.grad_absmax.to(probe.device)
-        handle = self._parameters["handle"]
+        handle = cast(nn.Parameter, self._parameters["handle"])  # registered in __init__
         if handle.is_meta:  # a new handle, as torch's to_empty gives a meta parameter
             self.handle = Handle(torch.empty(0, dtype=self.dtype, device=probe.device), handle.requires_grad)
         elif not isinstance(handle, DTensor):  # FSDP2 manages a sharded handle
@@ -370,7 +374,7 @@ class LowPrecisionParameter(nn.Module):
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         for name in ("codes", "absmax"):
-            buf = self._buffers[name]
+            buf = cast(Tensor, self._buffers[name])  # registered in __init__
             destination[prefix + name] = buf if keep_vars else buf.detach()
         destination[prefix + "_extra_state"] = self.get_extra_state()
 
@@ -394,7 +398,7 @@ class LowPrecisionParameter(nn.Module):
         for name in ("codes", "absmax"):
             value = state_dict.get(prefix + name)
             if isinstance(value, Tensor):
-                state_dict[prefix + name] = self.in_layout(value, self._buffers[name], self.bits)
+                state_dict[prefix + name] = self.in_layout(value, cast(Tensor, self._buffers[name]), self.bits)
         # The handle holds no data and is not saved.
         state_dict.setdefault(prefix + "handle", self.handle.detach())
         super()._load_from_state_dict(

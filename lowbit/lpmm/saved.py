@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ class _Recipe:
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    offset: int
+    offset: Union[int, torch.SymInt]
 
 
 @dataclass

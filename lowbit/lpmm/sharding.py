@@ -53,8 +53,7 @@ def in_layout(value: Tensor, like: Tensor, rows: tuple[int, int], flat_bytes: in
     an FSDP2 model), or flat codes. A value that fits neither is returned as is, for ``load_state_dict``
     to report."""
     if isinstance(value, DTensor):
-        same_mesh = isinstance(like, DTensor) and value.device_mesh == like.device_mesh
-        if same_mesh and value.placements == like.placements:
+        if isinstance(like, DTensor) and value.device_mesh == like.device_mesh and value.placements == like.placements:
             return value
         value = value.full_tensor()
     if value.dtype == torch.uint8 and value.shape == rows:
@@ -117,8 +116,8 @@ class Shards:
         absmax = torch.zeros(self.count, dtype=torch.float32, device=device)
         place = (Shard(0),)
         return (
-            DTensor.from_local(codes, self.mesh, place, run_check=False, shape=rows, stride=(rows[1], 1)),
-            DTensor.from_local(absmax, self.mesh, place, run_check=False, shape=rows[:1], stride=(1,)),
+            DTensor.from_local(codes, self.mesh, place, run_check=False, shape=torch.Size(rows), stride=(rows[1], 1)),
+            DTensor.from_local(absmax, self.mesh, place, run_check=False, shape=torch.Size(rows[:1]), stride=(1,)),
         )
 
     def gather(self, codes: Tensor, absmax: Tensor, groups: int) -> tuple[Tensor, Tensor]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ def _threshold(m: nn.Threshold) -> Result:
     return _two_valued(f"threshold(threshold={t!r}, value={v!r})", fn, fprime, (0.0, 1.0))
 
 
-def _shrink(m: nn.Module) -> Result:
+def _shrink(m: Union[nn.Hardshrink, nn.Softshrink]) -> Result:
     lam = float(m.lambd)
     fn, op = {
         nn.Hardshrink: (F.hardshrink, torch.ops.aten.hardshrink_backward),
@@ -117,8 +117,9 @@ def _smooth(name: str, fn: Fn) -> Callable[[nn.Module], Result]:
     return lambda m: (_register(name, fn), None)
 
 
-# torch.nn's pointwise activations by exact class (ReLU6 is a Hardtanh with its own class).
-_TORCH: dict[type, Callable[[nn.Module], Result]] = {
+# torch.nn's pointwise activations by exact class (ReLU6 is a Hardtanh with its own class); each function takes
+# an instance of its key, which a dict's type cannot say (hence Any).
+_TORCH: dict[type, Callable[[Any], Result]] = {
     nn.GELU: lambda m: ({"none": "gelu", "tanh": "gelu_tanh"}.get(m.approximate), None),
     nn.SiLU: lambda m: ("silu", None),
     nn.Mish: lambda m: ("mish", None),

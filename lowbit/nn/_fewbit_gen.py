@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 from importlib import resources
+from typing import Any
 
 import torch
 
@@ -25,14 +26,14 @@ from lowbit.nn.fewbit.tables import TABLE_FILE, TABLE_GRID_CELLS, TABLE_INTERVAL
 FORMAT = 1
 
 
-def generate(names: Sequence[str] = ACTIVATIONS, log: bool = False) -> dict:
+def generate(names: Sequence[str] = ACTIVATIONS, log: bool = False) -> dict[str, Any]:
     """All shipped tables of ``names`` as the JSON-ready dictionary that :func:`render` writes.
 
     Args:
         names: activation names, a subset of :data:`lowbit.nn.fewbit.ACTIVATIONS`.
         log: print the time each activation takes to stderr.
     """
-    tables: dict = {}
+    tables: dict[str, Any] = {}
     for name in names:
         start = time.perf_counter()
         tables[name] = {}
@@ -57,7 +58,7 @@ def generate(names: Sequence[str] = ACTIVATIONS, log: bool = False) -> dict:
     }
 
 
-def render(data: dict) -> str:
+def render(data: dict[str, Any]) -> str:
     """JSON text with one table per line, so that diffs stay readable.
 
     Args:

@@ -136,7 +136,7 @@ class _TableLayer(nn.Module):
             self.register_buffer(key, value.to(where, copy=True), persistent=False)
 
     def _apply(self: _T, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _T:
-        super()._apply(fn, recurse)
+        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # unannotated in torch
         self._fill_tables()
         return self
 
@@ -358,7 +358,7 @@ class InvActivation(_TableLayer):
 
     def _activation(self, x: Tensor, inplace: bool) -> Tensor:
         _check_layer_input(self, x, self.coeffs)
-        fn = _InvActInPlaceFunction if inplace else _InvActFunction
+        fn: type[torch.autograd.Function] = _InvActInPlaceFunction if inplace else _InvActFunction
         return fn.apply(x, self.name, self.threshold, self.coeffs, self.params, self.scale)
 
     def extra_repr(self) -> str:

@@ -25,7 +25,7 @@ three-layer sequence and running statistics update exactly as in torch.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +79,7 @@ def _normalize(bn: nn.modules.batchnorm._BatchNorm, x: Tensor) -> tuple[Tensor, 
     if bn.training and bn.track_running_stats and bn.momentum is not None and x.device.type == "cpu":
         # What nn.BatchNorm's forward does in this case (F.batch_norm runs this kernel on the CPU),
         # keeping the batch statistics it computes rather than computing them a second time.
-        bn.num_batches_tracked.add_(1)
+        cast(Tensor, bn.num_batches_tracked).add_(1)  # a tensor with track_running_stats
         a2, mean, invstd = torch.ops.aten._native_batch_norm_legit(
             x, bn.weight, bn.bias, bn.running_mean, bn.running_var, True, bn.momentum, bn.eps
         )
@@ -88,7 +88,8 @@ def _normalize(bn: nn.modules.batchnorm._BatchNorm, x: Tensor) -> tuple[Tensor, 
         if batch_stats:
             var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
         else:
-            mean, var = bn.running_mean.float(), bn.running_var.float()
+            # Tensors here: a module without running statistics runs on batch statistics.
+            mean, var = cast(Tensor, bn.running_mean).float(), cast(Tensor, bn.running_var).float()
             # Running statistics need not fit the batch: the range follows the batch's own spread of A1.
             a1 = (x.float() - _bcast(mean, x.dim())) * _bcast(torch.rsqrt(var + bn.eps), x.dim())
             std_a1, mean_a1 = torch.std_mean(a1, dim=dims, correction=0)

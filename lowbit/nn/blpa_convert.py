@@ -70,10 +70,14 @@ class _Handoff(torch.autograd.Function):
         )
 
 
-def _carried(t: Tensor, stage: str) -> tuple[Optional[_Carry], Optional[Any]]:
+# The class of _Handoff's graph nodes, typed Any as the nodes are: ctx's attributes are theirs at run time.
+_HANDOFF_NODE: Any = _Handoff._backward_cls
+
+
+def _carried(t: Tensor, stage: str) -> tuple[Optional[_Carry], Any]:
     """The carry of ``t``'s handoff node of ``stage`` (and the node), or (None, None)."""
-    node = t.grad_fn
-    if node is None or type(node) is not _Handoff._backward_cls or node.stage != stage or node.carry is None:
+    node: Any = t.grad_fn
+    if node is None or type(node) is not _HANDOFF_NODE or node.stage != stage or node.carry is None:
         return None, None
     return node.carry, node
 
@@ -136,7 +140,7 @@ class BlpaReLU6(nn.ReLU6):
 def _zero_pad_of(t: Tensor) -> Optional[tuple[Any, list[int]]]:
     """(the node of the padded tensor, the pad) when ``t`` is a non-negative constant pad of a tensor whose
     padded border is zero, else None."""
-    node = t.grad_fn
+    node: Any = t.grad_fn  # a node's saved attributes (_saved_pad) are not in its type
     if node is None or type(node).__name__ != "ConstantPadNdBackward0" or t.dim() != 4:
         return None
     pad = [int(p) for p in node._saved_pad]
@@ -165,7 +169,7 @@ class BlpaConv2d(nn.Conv2d):
             pad: list[int] = [0, 0, 0, 0]
             if carry is None and (padded := _zero_pad_of(input)) is not None:
                 inner, pad = padded
-                if type(inner) is _Handoff._backward_cls and inner.stage == "act" and inner.carry is not None:
+                if type(inner) is _HANDOFF_NODE and inner.stage == "act" and inner.carry is not None:
                     carry, node = inner.carry, inner
             if carry is not None:
                 node.carry = None
@@ -177,7 +181,7 @@ class BlpaConv2d(nn.Conv2d):
 
     def extra_repr(self) -> str:
         """Conv2d's, with the code width."""
-        return f"{super().extra_repr()}, bits={self.bits}"
+        return f"{super().extra_repr()}, bits={self.bits}"  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
 class _UnitFunction(torch.autograd.Function):
@@ -185,7 +189,7 @@ class _UnitFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: Tensor, gamma: Tensor, beta: Tensor, weight: Tensor, bias: Optional[Tensor], how: tuple
+        ctx: Any, x: Tensor, gamma: Tensor, beta: Tensor, weight: Tensor, bias: Optional[Tensor], how: tuple[Any, ...]
     ) -> Tensor:
         conv, carry, conv_input, pad = how
         out = conv._conv_forward(conv_input, weight, bias)  # the original call, on the original input
@@ -270,7 +274,9 @@ class Unit:
     conv: str
 
 
-def find_units(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[list[Unit], list[tuple[str, str]]]:
+def find_units(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[Unit], list[tuple[str, str]]]:
     """The BN -> ReLU(6) -> Conv units that one forward call of ``model`` runs, each module called once,
     and ``(path, reason)`` of each unit left out. Runs the model once with a graph; the caller keeps its
     buffers and random state."""
@@ -282,7 +288,7 @@ def find_units(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[l
     act_out: dict[int, tuple[str, str, Tensor, int, Any]] = {}
     found: list[tuple[Unit, list[Any]]] = []
 
-    def hook(module: nn.Module, inputs: tuple, output: Any) -> None:
+    def hook(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
         path = names[module]
         calls[path] = calls.get(path, 0) + 1
         x = inputs[0] if inputs and isinstance(inputs[0], Tensor) else None
@@ -300,11 +306,11 @@ def find_units(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[l
             padded = _zero_pad_of(x)
             if padded is not None:
                 source = next((t for _, _, t, _, _ in act_out.values() if t.grad_fn is padded[0]), x)
-            hit = act_out.get(id(source))
-            if hit is not None and hit[2] is source and source._version == hit[3]:
+            act_hit = act_out.get(id(source))
+            if act_hit is not None and act_hit[2] is source and source._version == act_hit[3]:
                 # The nodes whose outputs only the unit may use: BatchNorm's, the activation's, the pad's.
-                inner = [hit[4], source.grad_fn] + ([x.grad_fn] if source is not x else [])
-                found.append((Unit(hit[0], hit[1], path), inner))
+                inner = [act_hit[4], source.grad_fn] + ([x.grad_fn] if source is not x else [])
+                found.append((Unit(act_hit[0], act_hit[1], path), inner))
 
     handles = [m.register_forward_hook(hook) for m in names]
     try:

@@ -26,7 +26,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -194,7 +194,7 @@ class _FunctionCall(nn.Module):
     _fn: Any
     _path: str
     _report: CompressionReport
-    _warned: set
+    _warned: set[tuple[str, ...]]
 
     def _setup(self, fn: Any, path: str, report: CompressionReport, alternates: dict[str, nn.Module]) -> None:
         # Underscored: _walk skips these, so compressing the model again leaves this layer as it is.
@@ -206,8 +206,9 @@ class _FunctionCall(nn.Module):
         """``fn(*args, **kwargs)`` for the replaced function ``fn``: by a lowbit layer when the arguments
         select a function lowbit implements, else by ``fn`` itself."""
         fn, call_args, call_kwargs = self._fn, args, kwargs
-        if isinstance(fn, functools.partial):
-            fn, call_args, call_kwargs = fn.func, fn.args + args, {**fn.keywords, **kwargs}
+        if isinstance(self._fn, functools.partial):
+            part: functools.partial[Any] = self._fn
+            fn, call_args, call_kwargs = part.func, part.args + args, {**part.keywords, **kwargs}
         bound = _bind(_SIGNATURES[fn], call_args, call_kwargs)
         if bound is None or not isinstance(bound["input"], Tensor):
             return self._fn(*args, **kwargs)  # whatever the original does with it, errors included
@@ -216,14 +217,16 @@ class _FunctionCall(nn.Module):
         variant = self.name
         if fn is F.gelu:
             approximate = bound.pop("approximate")
-            variant = _GELU_APPROXIMATE.get(approximate) if isinstance(approximate, str) else None
-            if variant is None:
+            chosen = _GELU_APPROXIMATE.get(approximate) if isinstance(approximate, str) else None
+            if chosen is None:
                 return self._fn(*args, **kwargs)  # an invalid value: the original raises
+            variant = chosen
         other = sorted(k for k, v in bound.items() if not _is_default(v, _SIGNATURES[fn][2][k]))
         if other:
             self._fall_back(other, bound)
             return self._fn(*args, **kwargs)
-        layer = self if variant == self.name else self.alternates[variant]
+        # The alternates are layers of this class's family, made by _make as this one was.
+        layer = self if variant == self.name else cast(_FunctionCall, self.alternates[variant])
         return layer._activation(x, inplace)
 
     def _describe(self) -> str:
@@ -274,7 +277,7 @@ _EXACT_CALLS: dict[str, type[_FunctionCall]] = {
 
 
 def _bind(
-    signature: tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]], args: tuple, kwargs: dict[str, Any]
+    signature: tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Optional[dict[str, Any]]:
     """Every argument by name, defaults filled in, or None where Python would reject the call."""
     positional, keyword_only, defaults = signature
@@ -313,15 +316,16 @@ def _exact_inverse(m: nn.Module) -> tuple[Optional[nn.Module], Optional[str]]:
     if cls in (nn.ReLU, nn.Sigmoid, nn.Tanh):
         # relu' = (y > 0), sigmoid' = y (1 - y), tanh' = 1 - y**2: torch's backward already reads the output.
         return None, f"torch's backward of {cls.__name__} already reads only its output: it is its own inverted form"
-    if cls is nn.ELU:
+    # Exact classes, tested as type(m) rather than cls so that the checker narrows m.
+    if type(m) is nn.ELU:
         if m.alpha < 0:
             return None, "ELU with alpha < 0: positive outputs come from both signs of x, so the output cannot invert"
         return InvELU(float(m.alpha), m.inplace), None
-    if cls is nn.CELU:
+    if type(m) is nn.CELU:
         return InvCELU(float(m.alpha), m.inplace), None
-    if cls is nn.SELU:
+    if type(m) is nn.SELU:
         return InvSELU(m.inplace), None
-    if cls is nn.LeakyReLU:
+    if type(m) is nn.LeakyReLU:
         if m.negative_slope < 0:
             return None, (
                 "LeakyReLU with a negative slope: positive outputs come from both signs of x, so the inverted "
@@ -350,10 +354,11 @@ def _make_call(
     for with ``approximate=``."""
     if method == "invact" and name not in invact.INVERTIBLE and name not in _EXACT_CALLS:
         return None, f"function {name} has no inverted form in lowbit ({_INVERTIBLE_NAMES})"
-    alternates = {}
+    alternates: dict[str, nn.Module] = {}
     if name in _GELU_APPROXIMATE.values():
         other = "gelu_tanh" if name == "gelu" else "gelu"
-        alternates[other], _ = _make(other, method, bits, weight, device)
+        made, _ = _make(other, method, bits, weight, device)
+        alternates[other] = cast(nn.Module, made)  # not None: both GELU forms are invertible and have few-bit forms
     if method == "invact" and name in _EXACT_CALLS:
         new: _FunctionCall = _EXACT_CALLS[name]()
     elif method == "invact":
@@ -402,14 +407,19 @@ def _saves_output(activation: Any) -> bool:
     """Whether torch's backward of ``activation`` (a module, or a function called with its defaults) keeps
     the output: then the next layer, which saves its input, usually keeps the same storage."""
     saved: list[Tensor] = []
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+
+    def keep(t: Tensor) -> Tensor:
+        saved.append(t)
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         # A non-leaf input, so that in-place activations run as they do inside a model.
         x = torch.linspace(-3.0, 3.0, 8, requires_grad=True) * 1.0
         y = activation(x)
     return any(t.untyped_storage().data_ptr() == y.untyped_storage().data_ptr() for t in saved)
 
 
-def _check_sample(sample_args: Any, sample_kwargs: Any) -> Optional[tuple[tuple, dict[str, Any]]]:
+def _check_sample(sample_args: Any, sample_kwargs: Any) -> Optional[tuple[tuple[Any, ...], dict[str, Any]]]:
     if sample_args is None and sample_kwargs is None:
         return None
     if sample_args is not None and not isinstance(sample_args, tuple):
@@ -425,13 +435,13 @@ def _cuda_index(t: Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
-def _saved_on(model: nn.Module, sample: tuple[tuple, dict[str, Any]]) -> SavedBytes:
+def _saved_on(model: nn.Module, sample: tuple[tuple[Any, ...], dict[str, Any]]) -> SavedBytes:
     """What ``model`` saves for backward on ``sample``, leaving its buffers (batch-norm running statistics)
     and the random generators (dropout) as they were: measuring must not change the model's training."""
     return _on_sample(model, sample, saved_tensor_bytes)
 
 
-def _on_sample(model: nn.Module, sample: tuple[tuple, dict[str, Any]], run: Callable[..., Any]) -> Any:
+def _on_sample(model: nn.Module, sample: tuple[tuple[Any, ...], dict[str, Any]], run: Callable[..., Any]) -> Any:
     """``run(model, *args, **kwargs)`` with grad, leaving the buffers and random generators as they were."""
     args, kwargs = sample
     buffers = [(b, b.clone()) for b in model.buffers()]
@@ -453,7 +463,7 @@ def compress_activations(
     weight: str = "normal",
     strict: bool = True,
     when: str = "smaller",
-    sample_args: Optional[tuple] = None,
+    sample_args: Optional[tuple[Any, ...]] = None,
     sample_kwargs: Optional[dict[str, Any]] = None,
 ) -> CompressionReport:
     """Replace the activations of ``model`` in place by ones that save less for backward.
@@ -513,6 +523,7 @@ def compress_activations(
     device = next(iter(model.parameters()), torch.empty(0)).device
     report = CompressionReport()
     if method == "blpa":
+        assert sample is not None  # checked above
         _convert_units(model, sample, bits, when, report)
         return report
     root_name, root_reason = _module_name(model, strict, method)
@@ -540,7 +551,11 @@ def _keeps_output_reason(swap: _Swap) -> str:
 
 
 def _measured_swaps(
-    model: nn.Module, swaps: list[_Swap], sample: tuple[tuple, dict[str, Any]], when: str, report: CompressionReport
+    model: nn.Module,
+    swaps: list[_Swap],
+    sample: tuple[tuple[Any, ...], dict[str, Any]],
+    when: str,
+    report: CompressionReport,
 ) -> None:
     """Install the swaps that lower the bytes saved on ``sample`` (all of them for ``when="always"``)."""
     try:
@@ -573,7 +588,7 @@ def _measured_swaps(
 
 
 def _walk(
-    module: nn.Module, prefix: str, how: tuple, strict: bool, report: CompressionReport, swaps: list[_Swap]
+    module: nn.Module, prefix: str, how: tuple[Any, ...], strict: bool, report: CompressionReport, swaps: list[_Swap]
 ) -> None:
     """Collect a swap for each recognised activation under ``module``; record the ones lowbit cannot take."""
     for attr, value in list(vars(module).items()):
@@ -615,7 +630,7 @@ def _walk(
 
 
 def _convert_units(
-    model: nn.Module, sample: tuple[tuple, dict[str, Any]], bits: int, when: str, report: CompressionReport
+    model: nn.Module, sample: tuple[tuple[Any, ...], dict[str, Any]], bits: int, when: str, report: CompressionReport
 ) -> None:
     """Replace the BatchNorm2d -> ReLU(6) -> Conv2d units that ``model`` runs on ``sample`` by the stand-ins of
     :mod:`lowbit.nn.blpa_convert` where that lowers the bytes saved (every unit for ``when="always"``)."""

@@ -17,7 +17,7 @@ swap parameters behind the module's back (parametrizations) lose it: call
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, Optional, TypeVar, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -104,12 +104,12 @@ class _Fp32StateEmbedding(nn.Embedding):
 
     def _apply(self: _M, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> _M:
         old = self._parameters.get("weight")
-        result = super()._apply(fn, recurse)
+        result = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]  # unannotated in torch
         self._carry_override(old)
         return result
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        super().__setstate__(state)  # type: ignore[no-untyped-call]  # unannotated in torch
         weight = self._parameters.get("weight")
         if weight is not None:
             override(weight, optim_bits=32)
@@ -190,7 +190,7 @@ class StableEmbedding(_Fp32StateEmbedding):
     def reset_parameters(self) -> None:
         """Xavier-uniform weight, zero ``padding_idx`` row, and a fresh layer norm (ones, zeros)."""
         super().reset_parameters()
-        norm = self._modules.get("norm")  # absent while nn.Embedding.__init__ calls this
+        norm = cast(Optional[nn.LayerNorm], self._modules.get("norm"))  # absent while nn.Embedding.__init__ calls this
         if norm is not None:
             norm.reset_parameters()
 

@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -169,7 +169,7 @@ def fit(name: str) -> InvActTable:
     )
 
 
-def _to_json(t: InvActTable) -> dict:
+def _to_json(t: InvActTable) -> dict[str, Any]:
     return {"threshold": t.threshold, "coeffs": t.coeffs.tolist(), "params": t.params.tolist()}
 
 

@@ -215,7 +215,10 @@ def given_factors(
     lane sum and EMA, each block of 64 global rows' column sums row by row (this rank's part of it), the blocks'
     sums over the ranks, added in block order, the columns' EMAs, and the mean of the all-gathered rows."""
     assert isinstance(p, DTensor)
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=param.device)  # noqa: E731  (the kernel's fp32 scalars)
+
+    def f32(v: float) -> Tensor:  # the kernel's fp32 scalars
+        return torch.tensor(v, dtype=torch.float32, device=param.device)
+
     x = grad.float()
     if flags & FLAG_MAXIMIZE:
         x = -x

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 from lowbit.optim.ademamix import AdEMAMix
 from lowbit.optim.muon import Muon
@@ -10,9 +10,12 @@ from lowbit.optim.optimizer import LowbitOptimizer, Params
 from lowbit.optim.optimizers import SGD, Adagrad, Adam, AdamW, Lion, RMSprop
 from lowbit.optim.trust_ratio import LAMB, LARS
 
+_O = TypeVar("_O", bound=LowbitOptimizer)
 
-def _fixed_bits(base: type[LowbitOptimizer], bits: int) -> type[LowbitOptimizer]:
-    """``base`` with ``optim_bits`` fixed (the ``X8bit`` / ``X4bit`` / ``X32bit`` classes)."""
+
+def _fixed_bits(base: type[_O], bits: int) -> type[_O]:
+    """``base`` with ``optim_bits`` fixed (the ``X8bit`` / ``X4bit`` / ``X32bit`` classes). Typed as ``base``, so
+    that a checker checks the class's arguments against ``base``'s."""
 
     class Fixed(base):  # type: ignore[valid-type, misc]
         def __init__(self, params: Params, *args: Any, **kwargs: Any) -> None:

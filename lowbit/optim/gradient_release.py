@@ -68,7 +68,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
-from lowbit.optim.lpmm import LPMMOptimizer, storage_of
+from lowbit.optim.lpmm import LPMMOptimizer, converted_storage, storage_of
 from lowbit.optim.optimizer import LowbitOptimizer
 
 if TYPE_CHECKING:
@@ -104,14 +104,14 @@ class GradientRelease:
         self._hooks.append(optimizer.register_step_pre_hook(_refuse_grad_scaler))
         # GradScaler.step then sets the optimizer's grad_scale and found_inf and calls step(), where the
         # pre-hook sees them; without it, it fails on an assertion about missing inf checks.
-        optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
-        optimizer._lowbit_release = self  # type: ignore[attr-defined]
+        optimizer._step_supports_amp_scaling = True  # type: ignore[union-attr]  # a marker attribute the optimizer classes do not declare
+        optimizer._lowbit_release = self  # type: ignore[union-attr]  # a marker attribute the optimizer classes do not declare
 
     def _hook(self, gi: int, j: int, param: Tensor) -> Callable[[Tensor], None]:
         # Not traced, as LowbitOptimizer.step is not: the backward of a torch.compile'd training step runs
         # its hooks inside dynamo's frame evaluation, which would otherwise trace the optimizer's Python
         # (AdEMAMix's schedules failed its float guards, and each step would recompile).
-        @torch._disable_dynamo
+        @torch._disable_dynamo  # type: ignore[attr-defined]  # torch does not export it (torch.optim uses it)
         def step_and_free(hooked: Tensor) -> None:
             if self._accumulating:
                 return
@@ -158,8 +158,8 @@ class GradientRelease:
         for lp in self._leaves:
             lp.release_leaf = None
         self._leaves = []
-        del self.optimizer._step_supports_amp_scaling  # type: ignore[attr-defined]
-        del self.optimizer._lowbit_release  # type: ignore[attr-defined]
+        del self.optimizer._step_supports_amp_scaling  # type: ignore[union-attr]  # a marker attribute the optimizer classes do not declare
+        del self.optimizer._lowbit_release  # type: ignore[union-attr]  # a marker attribute the optimizer classes do not declare
 
 
 def _refuse_grad_scaler(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -187,7 +187,7 @@ def _check_distributed(optimizer: LowbitOptimizer | LPMMOptimizer, model: Option
                     "before the step, or the ordinary loop"
                 )
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if any(isinstance(p, DTensor) for p in params) and torch.torch_version.TorchVersion(torch.__version__) < (2, 5):
+    if any(isinstance(p, DTensor) for p in params) and torch.torch_version.TorchVersion(torch.__version__) < "2.5":
         # pytorch#129450 (torch 2.5): FSDP2 sets the sharded gradients outside autograd and only since then
         # runs their post-accumulate-grad hooks; before, the parameters would silently never step.
         raise NotImplementedError("lowbit: step_in_backward under FSDP2 needs torch >= 2.5")
@@ -207,7 +207,7 @@ def _check_lpmm(optimizer: LPMMOptimizer) -> None:
     """Refuse the LPMM setups whose gradients are not final (or not seen) when the handles' hooks run."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     # Sharded storages were averaged by backward's reduce-scatter; step() averages only whole ones.
-    if optimizer._group() is not None and any(storage_of(p).shards is None for p in params):
+    if optimizer._group() is not None and any(converted_storage(p).shards is None for p in params):
         raise ValueError(
             f"lowbit: step_in_backward cannot release {type(optimizer).__name__} with data_parallel: it averages "
             "the accumulators over the ranks in step(), after backward. Pass data_parallel=False (one process per "
@@ -254,5 +254,5 @@ def step_in_backward(optimizer: LowbitOptimizer | LPMMOptimizer, model: Optional
     if isinstance(optimizer, LPMMOptimizer):
         _check_lpmm(optimizer)
         for p in params:
-            storage_of(p).free_grad_()
+            converted_storage(p).free_grad_()
     return GradientRelease(optimizer)

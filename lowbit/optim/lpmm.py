@@ -18,8 +18,8 @@ resumed checkpoint continues with the same draws.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, Optional
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Optional, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,12 @@ def storage_of(p: Tensor) -> Optional[LowPrecisionParameter]:
     """The low-precision storage that the handle ``p`` stands for, or None for an ordinary tensor."""
     lp = getattr(p, "_lpmm", None)
     return lp if isinstance(lp, LowPrecisionParameter) else None
+
+
+def converted_storage(p: Tensor) -> LowPrecisionParameter:
+    """``storage_of`` a parameter of an :class:`LPMMOptimizer`, which holds converted parameters only (its
+    constructor checks)."""
+    return cast(LowPrecisionParameter, storage_of(p))
 
 
 def _refuse_other_optimizers(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -169,7 +175,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
         """Averages every accumulator of a whole (not sharded) parameter over ``group`` (the ones that have a
         gradient on any rank) and takes rank 0's ``rounding_seed`` for every param group. Sharded
         parameters' gradients were averaged in backward."""
-        lps = [lp for g in self.param_groups for p in g["params"] if (lp := storage_of(p)).shards is None]
+        lps = [lp for g in self.param_groups for p in g["params"] if (lp := converted_storage(p)).shards is None]
         if not lps:  # sharded ranks round disjoint groups: their seeds need not agree
             return
         device = lps[0].device
@@ -185,7 +191,9 @@ class LPMMOptimizer(torch.optim.Optimizer):
         for i, (lp, flag) in enumerate(zip(lps, flags.tolist(), strict=True)):
             if not flag:
                 continue
-            total = lp.grad if lp.has_grad else torch.zeros(lp.shape, dtype=torch.float32, device=lp.device)
+            total = lp.grad  # None exactly when not lp.has_grad
+            if total is None:
+                total = torch.zeros(lp.shape, dtype=torch.float32, device=lp.device)
             dist.all_reduce(total, group=group)
             lp.zero_grad_()
             lp.accumulate_(total.div_(world), seed=stream_seed(base, 1 + i))
@@ -209,7 +217,13 @@ class LPMMOptimizer(torch.optim.Optimizer):
                     "storage layout or options; create the optimizer after fully_shard (FSDP2 reshards the storage)"
                 )
 
-    @torch._disable_dynamo  # torch.optim's own lazy form: torch._dynamo is imported at the first step, not here
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    # torch._disable_dynamo: torch.optim's own lazy form, torch._dynamo is imported at the first step, not here
+    @torch._disable_dynamo  # type: ignore[attr-defined]  # torch does not export it (it is what torch.optim uses)
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """One LPMM step for every parameter with an accumulated gradient; clears the accumulators.
@@ -227,7 +241,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
         self._step_checked(selection)
         return loss
 
-    def _check_params(self, selection: dict[int, Iterable[int]]) -> None:
+    def _check_params(self, selection: Mapping[int, Iterable[int]]) -> None:
         """Raise before anything changes if a selected group's options or a parameter's state are invalid."""
         for gi, positions in selection.items():
             group = self.param_groups[gi]
@@ -246,7 +260,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
         self._check_params(selection)
         self._step_checked(selection)
 
-    def _step_checked(self, selection: dict[int, Iterable[int]]) -> None:
+    def _step_checked(self, selection: Mapping[int, Iterable[int]]) -> None:
         # Each parameter's draws depend only on the seed, its step number and its position (the module
         # docstring), so the batches below may group them in any way.
         first = 0
@@ -318,7 +332,8 @@ class LPMMOptimizer(torch.optim.Optimizer):
             state["step"] += 1.0
             lp.mark_stepped()
 
-    @torch._disable_dynamo  # as torch.optim's zero_grad: the accumulators are not traceable tensors
+    # torch._disable_dynamo as torch.optim's zero_grad: the accumulators are not traceable tensors
+    @torch._disable_dynamo  # type: ignore[attr-defined]  # torch does not export it (it is what torch.optim uses)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the accumulated gradients, as ``torch.optim.Optimizer.zero_grad``: ``set_to_none=True``
         empties the accumulators (the next step skips those parameters); ``False`` keeps them as zero
@@ -349,7 +364,7 @@ class LPMMOptimizer(torch.optim.Optimizer):
                 state = self.state.get(p)
                 if not state:
                     continue
-                lp = storage_of(p)
+                lp = converted_storage(p)
                 bits = group["momentum_bits"]
                 if any(key.startswith("state") for key in state):
                     layout = lp.new_state(bits)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -211,7 +211,7 @@ class Muon(LowbitOptimizer):
                 )
             if torch.is_complex(p):
                 raise RuntimeError(f"lowbit: {name} does not support complex parameters ({where})")
-            shard, grad = _ops.local(p), _ops.local(p.grad)
+            shard, grad = _ops.local(p), _ops.local(cast(Tensor, p.grad))  # a batch holds stepped params
             if grad.ndim != 2:
                 raise ValueError(f"lowbit: {name} {where}: Param gradient must be a 2D matrix")
             grad = grad.to(shard.dtype).contiguous()

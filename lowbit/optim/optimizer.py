@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Union, cast, overload
 
 import torch
 from torch import Tensor
@@ -274,7 +274,13 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
 
     # -- step -------------------------------------------------------------------------------------
 
-    @torch._disable_dynamo  # torch.optim's own lazy form: torch._dynamo is imported at the first step, not here
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    # torch._disable_dynamo: torch.optim's own lazy form, torch._dynamo is imported at the first step, not here
+    @torch._disable_dynamo  # type: ignore[attr-defined]  # torch does not export it (it is what torch.optim uses)
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
@@ -529,7 +535,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         params, grads = [], []
         copied: list[tuple[Tensor, Tensor]] = []
         for (p, _), shard in zip(batch, layout.shards, strict=True):
-            grad = _ops.local(p.grad)
+            grad = _ops.local(cast(Tensor, p.grad))  # a batch holds the parameters with a gradient
             if not shard.is_contiguous():
                 # channels_last or strided parameters: a contiguous copy is stepped (states are in the
                 # parameter's logical order, as for a contiguous one) and written back.
@@ -611,11 +617,13 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                     max_over_shards(part, originals[i])  # in place: parts are views
             # The factors of sharded matrices (collectives over their ranks), which the step then reads: their new
             # rows, columns and mean, consecutive in ``factors``.
-            for state, offset, i in factored_items:
-                if i is not None:
+            for state, offset, given_at in factored_items:
+                if given_at is not None:
                     assert args.factors is not None
                     row, col = _ops.local(state["row2"]), _ops.local(state["col2"])
-                    new = factored_module.given_factors(params[i], grads[i], row, col, hyper, flags, originals[i])
+                    new = factored_module.given_factors(
+                        params[given_at], grads[given_at], row, col, hyper, flags, originals[given_at]
+                    )
                     args.factors.narrow(0, offset, new.numel()).copy_(new)
             _ops.optimizer_step_eager(args, widths)
             for state, offset, _ in factored_items:

@@ -4,6 +4,8 @@ update_scale)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -24,11 +26,11 @@ def sum_over_shards(rows: Tensor, originals: list[Tensor]) -> Tensor:
     if not layouts:
         return rows
     rows = rows.clone()
-    for (_, *dims), members in layouts.items():
+    for (_, *mesh_dims), members in layouts.items():
         index = torch.tensor(members, device=rows.device)
         part = rows.index_select(0, index)
-        mesh = originals[members[0]].device_mesh
-        for d in dims:
+        mesh = cast(DTensor, originals[members[0]]).device_mesh  # the layouts hold DTensors only
+        for d in mesh_dims:
             dist.all_reduce(part, group=mesh.get_group(d))
         rows.index_copy_(0, index, part)
     return rows
@@ -36,7 +38,10 @@ def sum_over_shards(rows: Tensor, originals: list[Tensor]) -> Tensor:
 
 def update_scales(sums: Tensor, hyper: StepHyper, norm_mode: int) -> Tensor:
     """optim_rules.h's update_scale for per-tensor sums of p^2 and u^2, in the same double operations."""
-    f32 = lambda v: float(torch.tensor(v, dtype=torch.float32))  # noqa: E731  (the kernel's fp32 hyperparameters)
+
+    def f32(v: float) -> float:  # the kernel's fp32 hyperparameters
+        return float(torch.tensor(v, dtype=torch.float32))
+
     lr, max_unorm = f32(hyper.lr), f32(hyper.max_unorm)
     p_norm, u_norm = sums[:, 0].double().sqrt(), sums[:, 1].double().sqrt()
     ones = torch.ones_like(p_norm)

@@ -3,6 +3,8 @@ DTensor wrapping of FSDP2 states, and the dtypes and block sizes of loaded state
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -150,7 +152,10 @@ class StoredStates:
     _state_names: ClassVar[tuple[str, ...]]
     _state_signed: ClassVar[tuple[bool, ...]]
     param_groups: list[dict[str, Any]]
-    state: dict[Tensor, Any]
+    state: defaultdict[Tensor, Any]
+    _slots: Callable[[dict[str, Any]], tuple[int, ...]]
+    _init_value: Callable[[int, dict[str, Any]], float]
+    _config: Callable[[dict[str, Any], Tensor], dict[str, Any]]
 
     def _state_width(self, config: dict[str, Any], p: Tensor) -> int:
         """The width ``config`` asks for the states of ``p``: 8 or 4 from ``optim_bits`` at or above
@@ -319,7 +324,7 @@ class StoredStates:
                 out[f"col{k + 1}"] = factored.like_factor(p, col, f"col{k + 1}")
                 continue
             if k == ranked:
-                offset, dims = rank1.rank1_layout(p)  # type: ignore[misc]  (not None: _rank1_state)
+                offset, dims = rank1.rank1_layout(p)  # type: ignore[misc]  # not None: _rank1_state
                 w = value.sqrt()
                 stats = rank1.max_over_shards(rank1.axis_maxima(w, offset, dims), p)
                 out[f"axis_max{k + 1}"] = stats

@@ -112,7 +112,7 @@ class GroupPlan:
             return False
         for p, q, shape, stepped in zip(params, self.params, self.shapes, self.stepped, strict=True):
             g = p.grad
-            if p is not q or (g is not None) is not stepped or p.shape != shape or (stepped and g.is_sparse):
+            if p is not q or (g is not None) is not stepped or p.shape != shape or (g is not None and g.is_sparse):
                 return False
         if self.device is not None:
             first_stepped = self.stepped.index(True)

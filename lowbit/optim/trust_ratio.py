@@ -4,7 +4,7 @@ computed over the whole tensor."""
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor
@@ -130,5 +130,5 @@ class LARS(SGD):
         # A NaN norm makes the tensor's update NaN, not a silent local rate of 1 (1/eta times too large).
         local = torch.where(p_norm.isnan() | g_norm.isnan(), p_norm + g_norm, local)
         if wd != 0:
-            grads = torch._foreach_add(grads, params, alpha=wd)
+            grads = cast(list[Tensor], torch._foreach_add(grads, params, alpha=wd))  # a list at run time
         return grads, local if scales is None else local * scales

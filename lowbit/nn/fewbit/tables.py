@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import torch
@@ -117,7 +117,12 @@ class FewBitTable:
 
 
 def _make_table(
-    s: Sequence[float], y: Sequence[float], bits: int, err: float, weight: str, interval: tuple[float, float]
+    s: Union[Sequence[float], np.ndarray],
+    y: Union[Sequence[float], np.ndarray],
+    bits: int,
+    err: float,
+    weight: str,
+    interval: tuple[float, float],
 ) -> FewBitTable:
     return FewBitTable(
         # On the CPU whatever the default device: tables are constants, built under torch.device("meta") too.
