@@ -176,7 +176,7 @@ def _self_check(devices: list[torch.device]) -> bool:
     return failed == 0
 
 
-def _cpu_paths(info: dict[str, object]) -> str:
+def _cpu_paths(info: _C.BuildInfo) -> str:
     """The CPU kernels' vector paths this CPU runs (chosen at run time from the CPU's features)."""
     if info["cpu_avx512"]:
         return "AVX-512 paths in use"
