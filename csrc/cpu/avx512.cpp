@@ -277,35 +277,44 @@ LB_TARGET inline void pack_u4_16(__m512i code, uint8_t* out) {
 
 }  // namespace
 
-LB_TARGET int nearest_codes_u4_avx512(const float* map, const float* x, int cnt, float absmax, uint8_t* packed) {
+namespace {
+
+// The 4-bit encoders' loop: for each whole group of 16, the brackets, then the rounding rule of qmap.h
+// (nearest_up, or stochastic_up with element i drawing u[i]), packed. Returns the count handled (0 for a
+// subnormal absmax, whose reciprocal is not finite).
+template <bool kStochastic>
+LB_TARGET inline int codes_u4(const float* map, const float* x, int cnt, float absmax, const float* u,
+                              uint8_t* packed) {
   const float inv = block_inverse(absmax);
   if (absmax > 0.f && inv == 0.f) return 0;
   const __m512 m = _mm512_loadu_ps(map);
   const int vec = cnt - cnt % 16;
   for (int j = 0; j < vec; j += 16) {
     const U4Brackets b = u4_brackets(m, x + j, absmax, inv);
-    // nearest_up: hi - x < x - lo.
-    const __m512 up_gap = _mm512_sub_ps(b.hi_value, b.xn);
     const __m512 down_gap = _mm512_sub_ps(b.xn, b.lo_value);
-    pack_u4_16(_mm512_mask_mov_epi32(b.lo, _mm512_cmp_ps_mask(up_gap, down_gap, _CMP_LT_OQ), b.hi), packed + j / 2);
+    __mmask16 up;
+    if constexpr (kStochastic) {
+      // stochastic_up: u * (hi - lo) < x - lo, each operation rounded once as in the scalar rule.
+      const __m512 lhs = _mm512_mul_ps(_mm512_loadu_ps(u + j), _mm512_sub_ps(b.hi_value, b.lo_value));
+      up = _mm512_cmp_ps_mask(lhs, down_gap, _CMP_LT_OQ);
+    } else {
+      // nearest_up: hi - x < x - lo.
+      up = _mm512_cmp_ps_mask(_mm512_sub_ps(b.hi_value, b.xn), down_gap, _CMP_LT_OQ);
+    }
+    pack_u4_16(_mm512_mask_mov_epi32(b.lo, up, b.hi), packed + j / 2);
   }
   return vec;
 }
 
+}  // namespace
+
+LB_TARGET int nearest_codes_u4_avx512(const float* map, const float* x, int cnt, float absmax, uint8_t* packed) {
+  return codes_u4<false>(map, x, cnt, absmax, nullptr, packed);
+}
+
 LB_TARGET int stochastic_codes_u4_avx512(const float* map, const float* x, int cnt, float absmax, const float* u,
                                          uint8_t* packed) {
-  const float inv = block_inverse(absmax);
-  if (absmax > 0.f && inv == 0.f) return 0;
-  const __m512 m = _mm512_loadu_ps(map);
-  const int vec = cnt - cnt % 16;
-  for (int j = 0; j < vec; j += 16) {
-    const U4Brackets b = u4_brackets(m, x + j, absmax, inv);
-    // stochastic_up: u * (hi - lo) < x - lo, each operation rounded once as in the scalar rule.
-    const __m512 lhs = _mm512_mul_ps(_mm512_loadu_ps(u + j), _mm512_sub_ps(b.hi_value, b.lo_value));
-    const __mmask16 up = _mm512_cmp_ps_mask(lhs, _mm512_sub_ps(b.xn, b.lo_value), _CMP_LT_OQ);
-    pack_u4_16(_mm512_mask_mov_epi32(b.lo, up, b.hi), packed + j / 2);
-  }
-  return vec;
+  return codes_u4<true>(map, x, cnt, absmax, u, packed);
 }
 
 void nearest_codes_u8_avx512(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out) {
