@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "avx512_codes.h"
 #include "encode.h"
 #include "map_index.h"
 
@@ -162,57 +163,18 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void decode_u8_vbmi(const
 
 namespace {
 
-// order_key (map_index.h) of 16 floats.
-LB_TARGET inline __m512i order_keys(__m512 x) {
-  const __m512i b = _mm512_castps_si512(_mm512_add_ps(x, _mm512_setzero_ps()));
-  const __m512i neg = _mm512_srai_epi32(b, 31);
-  return _mm512_xor_si512(_mm512_xor_si512(b, _mm512_srli_epi32(neg, 1)), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-}
-
-// step_code (map_index.h) of 16 elements with order keys `key` in buckets `bucket`: the step words by
-// one gather.
-LB_TARGET inline __m512i step_codes16(const int* table, __m512i key, __m512i bucket) {
-  const __m512i word = _mm512_i32gather_epi32(bucket, table, 4);
-  const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, _mm512_set1_epi32(0xFFFF)),
-                                               _mm512_and_si512(word, _mm512_set1_epi32(static_cast<int>(kStepMask))));
-  const __m512i code = _mm512_srli_epi32(word, kStepBits);
-  return _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
-}
-
 // The same for normalised xn whose buckets b are already known.
 LB_TARGET inline __m512i step_codes16(const int* table, const float* xn, const uint32_t* b) {
-  return step_codes16(table, order_keys(_mm512_loadu_ps(xn)), _mm512_loadu_si512(b));
+  return cpu::step_codes16(table, order_keys(_mm512_loadu_ps(xn)), _mm512_loadu_si512(b));
 }
 
-// kExactUnit: normalise() as written, with its clamp and its exact +-1 at +-absmax. For maps whose
-// index is unit_stable() the plain product gives the same codes: it lies within one ulp of [-1, 1],
-// in the index's first or last bucket, where the code is that of +-1 (no map value lies beyond +-1),
-// and at +-absmax it is +-1 or +-(1 - 2^-24), which unit_stable() says code alike.
+// The nearest codes of a block, 16 at a time (avx512_codes.h), the rest by the scalar-table loop.
 template <bool kExactUnit>
 LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, float absmax, uint8_t* out) {
-  // The steps of map_index.h, 16 lanes at a time: normalise() of blockwise.h (0 for non-positive and
-  // NaN absmax), order_key (with -0 keyed as +0), the bucket's step word by a gather, step_code.
-  const int* table = reinterpret_cast<const int*>(index.nearest_steps()) - kFirstBucket;
-  const bool scale = absmax > 0.f;
-  const __m512 am = _mm512_set1_ps(absmax);
-  const __m512 neg_am = _mm512_set1_ps(-absmax);
-  const __m512 inv = _mm512_set1_ps(block_inverse(absmax));
-  const __m512 plus1 = _mm512_set1_ps(1.f), minus1 = _mm512_set1_ps(-1.f);
+  const NearestBlock block = nearest_block(index, absmax);
   int j = 0;
   for (; j + 16 <= cnt; j += 16) {
-    __m512 xn = _mm512_setzero_ps();
-    if (scale) {
-      const __m512 v = _mm512_loadu_ps(x + j);
-      xn = _mm512_mul_ps(v, inv);
-      if (kExactUnit) {
-        xn = _mm512_min_ps(_mm512_max_ps(xn, minus1), plus1);
-        xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, am, _CMP_EQ_OQ), xn, plus1);
-        xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, neg_am, _CMP_EQ_OQ), xn, minus1);
-      }
-    }
-    const __m512i key = order_keys(xn);
-    const __m512i code = step_codes16(table, key, _mm512_srli_epi32(key, 16));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(code));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), nearest_codes16<kExactUnit>(block, x + j));
   }
   if (j < cnt) nearest_codes_u8(index, x + j, cnt - j, absmax, out + j);
 }

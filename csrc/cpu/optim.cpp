@@ -12,6 +12,7 @@
 
 #include "avx2.h"
 #include "avx512.h"
+#include "avx512_codes.h"
 #include "encode.h"
 #include "kernels.h"
 #include "lowbit/blockwise.h"
@@ -426,7 +427,137 @@ struct StateCoders {
   const MapIndex* index[kMaxStates] = {nullptr, nullptr, nullptr};
   const BytePlanes* planes[kMaxStates] = {nullptr, nullptr, nullptr};
   bool gather = false;
+  // Adam's 8-bit blocks take adam_block (below): the AVX-512 gather encoder is in use for both states.
+  bool adam_split = false;
 };
+
+#ifdef LB_AVX512_CODES
+// Adam's block of 8-bit states where the AVX-512 gather encoder requantizes them, in two passes instead of
+// update() and then store_state(): the new moments of the whole block and their maxima (adam_moments, and
+// the root of v, its stored form), then one loop that encodes both moments and steps the parameters
+// (adam_update), 16 elements at a time. The step's two divisions and the encoder's gathers then keep
+// different units busy at once, where the update loop and the encoder loops used them one after the
+// other. The same operations on the same values as update_body, so the same results.
+template <int32_t kFlags, typename T>
+__attribute__((target("avx512f"))) void adam_moments_avx512(const StepHyper& hyper, const StepScalars& sc,
+                                                            const T* __restrict param, const T* __restrict grad,
+                                                            float* __restrict s1, float* __restrict s2, int cnt,
+                                                            uint32_t* max_bits) {
+  StepHyper h = hyper;
+  h.flags = (hyper.flags & ~kElementFlags) | kFlags;
+  uint32_t max1 = 0;
+  uint32_t max2 = 0;
+  for (int i = 0; i < cnt; ++i) {
+    float m = s1[i];
+    float v = state_value(s2[i], true);
+    adam_moments(h, to_float(param[i]), effective_grad(h, sc, to_float(grad[i])), m, v);
+    const float root = stored_form(v, true);
+    s1[i] = m;
+    s2[i] = root;
+    max1 = std::max(max1, abs_bits(m));
+    max2 = std::max(max2, abs_bits(root));
+  }
+  max_bits[0] = max1;
+  max_bits[1] = max2;
+  max_bits[2] = 0;
+}
+
+// The parameters' step over elements [lo, hi) from the new moments m = s1 and root of v = s2; kDecay:
+// decoupled weight decay applies.
+template <bool kDecay, typename T>
+__attribute__((target("avx512f"), always_inline)) inline void adam_params(const StepHyper& hyper,
+                                                                        const StepScalars& scalars,
+                                                                        T* __restrict param, const float* __restrict s1,
+                                                                        const float* __restrict s2, int lo, int hi) {
+  // Locals, which the stores to param cannot alias (else the loop does not vectorise).
+  StepHyper h = hyper;
+  h.flags = kDecay ? (hyper.flags | kDecoupled) : (hyper.flags & ~kDecoupled);
+  const StepScalars sc = scalars;
+  // Not unrolled: GCC unrolls the 16-element loop of adam_encode_step_avx512 completely and then leaves
+  // it scalar (the encoder's gathers end its straight-line vectorisation); kept a loop, it is one vector.
+#pragma GCC unroll 1
+  for (int i = lo; i < hi; ++i) {
+    param[i] = from_float<T>(stepped(h, sc, to_float(param[i]), adam_update(sc, h.eps, s1[i], s2[i])));
+  }
+}
+
+template <bool kDecay, typename T>
+__attribute__((target("avx512f"))) void adam_params_avx512(const StepHyper& h, const StepScalars& sc, T* param,
+                                                           const float* s1, const float* s2, int cnt) {
+  adam_params<kDecay>(h, sc, param, s1, s2, 0, cnt);
+}
+
+// The second pass: codes of both moments into q1, q2 and the parameters' step, 16 elements at a time; the
+// last cnt % 16 by the scalar-table encoder.
+template <bool kExact1, bool kExact2, bool kDecay, typename T>
+__attribute__((target("avx512f"))) void adam_encode_step_avx512(const StepHyper& h, const StepScalars& sc,
+                                                               T* __restrict param, const float* __restrict s1,
+                                                               const float* __restrict s2, int cnt,
+                                                               const MapIndex* const* index, float amax1, float amax2,
+                                                               uint8_t* __restrict q1, uint8_t* __restrict q2) {
+  const NearestBlock b1 = nearest_block(*index[0], amax1);
+  const NearestBlock b2 = nearest_block(*index[1], amax2);
+  int j = 0;
+  for (; j + 16 <= cnt; j += 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + j), nearest_codes16<kExact1>(b1, s1 + j));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + j), nearest_codes16<kExact2>(b2, s2 + j));
+    adam_params<kDecay>(h, sc, param, s1, s2, j, j + 16);
+  }
+  if (j < cnt) {
+    nearest_codes_u8(*index[0], s1 + j, cnt - j, amax1, q1 + j);
+    nearest_codes_u8(*index[1], s2 + j, cnt - j, amax2, q2 + j);
+    adam_params<kDecay>(h, sc, param, s1, s2, j, cnt);
+  }
+}
+
+template <typename Fn>
+LB_ALWAYS_INLINE inline void with_bools(bool a, bool b, bool c, Fn&& fn) {
+  const auto pick_c = [&](auto x, auto y) LB_ALWAYS_INLINE {
+    if (c) return fn(x, y, std::true_type{});
+    fn(x, y, std::false_type{});
+  };
+  const auto pick_b = [&](auto x) LB_ALWAYS_INLINE {
+    if (b) return pick_c(x, std::true_type{});
+    pick_c(x, std::false_type{});
+  };
+  if (a) return pick_b(std::true_type{});
+  pick_b(std::false_type{});
+}
+
+// step_block's Adam path for a block of 8-bit states (s: the decoded states) when coders.adam_split. A
+// block with a non-finite moment, or whose absmax has no finite inverse, steps its parameters first and
+// then takes the non-finite restart and store_state, as step_block does.
+template <typename T>
+void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
+                const StateCoders& coders, float* const* s, T* param, const T* grad) {
+  uint32_t max_bits[kMaxStates];
+  with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
+    adam_moments_avx512<decltype(flags)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
+  });
+  const bool decay = a.hyper.weight_decay != 0.f && (a.hyper.flags & kDecoupled);
+  const float amax1 = absmax_from_bits(max_bits[0]);
+  const float amax2 = absmax_from_bits(max_bits[1]);
+  const bool finite = max_bits[0] < kNonFiniteBits && max_bits[1] < kNonFiniteBits;
+  if (!finite || block_inverse(amax1) == 0.f || block_inverse(amax2) == 0.f) {
+    if (decay) {
+      adam_params_avx512<true>(a.hyper, t.scalars, param, s[0], s[1], cnt);
+    } else {
+      adam_params_avx512<false>(a.hyper, t.scalars, param, s[0], s[1], cnt);
+    }
+    if (!finite) restart_nonfinite3(s, 2, cnt, max_bits);
+    for (int k = 0; k < 2; ++k) store_state(t, k, block, lo, cnt, max_bits[k], coders.index[k], coders.gather, s[k]);
+    return;
+  }
+  t.absmax[0][block] = amax1;
+  t.absmax[1][block] = amax2;
+  uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo;
+  uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo;
+  with_bools(!coders.index[0]->unit_stable(), !coders.index[1]->unit_stable(), decay, [&](auto e1, auto e2, auto d) {
+    adam_encode_step_avx512<decltype(e1)::value, decltype(e2)::value, decltype(d)::value>(
+        a.hyper, t.scalars, param, s[0], s[1], cnt, coders.index, amax1, amax2, q1, q2);
+  });
+}
+#endif
 
 // Calls fn(std::bool_constant<root>{}), root: the states are quantized ones of a rule with a second
 // moment, in their stored form (only then is the root variant of the loops instantiated).
@@ -447,6 +578,13 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
+#ifdef LB_AVX512_CODES
+  if constexpr (kRule == Rule::Adam && kStates == 2) {
+    if (coders.adam_split && t.bits == 8 && !t.stochastic && t.rank1_slot < 0) {
+      return adam_block(a, t, block, lo, cnt, coders, s, param, grad);
+    }
+  }
+#endif
   uint32_t max_bits[kMaxStates];
   with_root<kRule>(t.quantized, [&](auto root) {
     update<kRule, kStates, decltype(root)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, max_bits);
@@ -854,6 +992,8 @@ void step_all(const OptimArgs& a, int threads) {
       coders.planes[k] = planes[k].get();
     }
   }
+  coders.adam_split = kRule == Rule::Adam && a.n_states == 2 && a.state_bits == 8 && coders.gather &&
+                      avx512_active() && coders.index[0]->nearest_direct() && coders.index[1]->nearest_direct();
   const bool par = run_parallel(threads, elements);
   if (a.stats_only) return rank1_stats<kRule>(a, tensors, coders, threads, par);
   if (a.hyper.norm_mode != kNormNone && a.update_scales == nullptr) {

@@ -116,10 +116,7 @@ LB_HD void factored_v_hats(const FactoredView& f, int64_t e, int cnt, float* out
 // in adam_step's order (step_size = lr / (1 - beta1^t), bias2_sqrt = sqrt(1 - beta2^t)).
 LB_HD void factored_apply(const StepHyper& h, const StepScalars& s, float& p, float g, float& m, float v_hat) {
   m = torch_lerp(m, g, h.one_minus_beta1);
-  const float denom = sqrtf(v_hat) / s.bias2_sqrt + h.eps;
-  const float u = s.step_size * m / denom;
-  if (h.weight_decay != 0.f && (h.flags & kDecoupled)) p = p * h.decay;
-  p = p - s.update_scale * u;
+  p = stepped(h, s, p, adam_update(s, h.eps, m, sqrtf(v_hat)));
 }
 
 }  // namespace lowbit

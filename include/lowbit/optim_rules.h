@@ -102,25 +102,33 @@ LB_HD float torch_lerp(float m, float g, float w) {
 // p <- p - update_scale * u, after decoupled decay. Multiplying by an update_scale of 1 is exact,
 // so without a norm mode the arithmetic is torch.optim's.
 
-// torch.optim.Adam / AdamW: s1 = exp_avg, s2 = exp_avg_sq.
-LB_HD float adam_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v) {
+// torch.optim.Adam / AdamW in two halves: the moments m = exp_avg and v = exp_avg_sq, then the step from
+// m and the root of v. Split so that a loop may compute the new moments of a whole block before any step
+// (csrc/cpu/optim.cpp requantizes them while it updates the parameters); adam_step is both in turn.
+LB_HD void adam_moments(const StepHyper& h, float p, float g, float& m, float& v) {
   if (h.weight_decay != 0.f && !(h.flags & kDecoupled)) g = g + h.weight_decay * p;
   m = torch_lerp(m, g, h.one_minus_beta1);
   v = v * h.beta2 + h.one_minus_beta2 * g * g;
-  const float denom = sqrtf(v) / s.bias2_sqrt + h.eps;
+}
+
+LB_HD float adam_update(const StepScalars& s, float eps, float m, float root_v) {
+  const float denom = root_v / s.bias2_sqrt + eps;
   return s.step_size * m / denom;
+}
+
+// torch.optim.Adam / AdamW: s1 = exp_avg, s2 = exp_avg_sq.
+LB_HD float adam_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v) {
+  adam_moments(h, p, g, m, v);
+  return adam_update(s, h.eps, m, sqrtf(v));
 }
 
 // torch.optim.Adam / AdamW with amsgrad=True: s3 = max_exp_avg_sq, the running maximum of exp_avg_sq,
 // takes its place in the denominator (torch's _single_tensor_adam order).
 LB_HD float adam_amsgrad_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v,
                               float& vmax) {
-  if (h.weight_decay != 0.f && !(h.flags & kDecoupled)) g = g + h.weight_decay * p;
-  m = torch_lerp(m, g, h.one_minus_beta1);
-  v = v * h.beta2 + h.one_minus_beta2 * g * g;
+  adam_moments(h, p, g, m, v);
   vmax = nan_max(vmax, v);
-  const float denom = sqrtf(vmax) / s.bias2_sqrt + h.eps;
-  return s.step_size * m / denom;
+  return adam_update(s, h.eps, m, sqrtf(vmax));
 }
 
 // AdEMAMix (Pagliardini, Ablin, Grangier 2024, Algorithm 1): s1 = the fast EMA m1 (bias-corrected
@@ -238,11 +246,16 @@ LB_HD float effective_grad(const StepHyper& h, const StepScalars& s, float g) {
   return (h.flags & kMaximize) ? -g : g;
 }
 
+// The parameter after a step u: decoupled decay, then the step scaled by the norm pre-pass.
+LB_HD float stepped(const StepHyper& h, const StepScalars& s, float p, float u) {
+  if (h.weight_decay != 0.f && (h.flags & kDecoupled)) p = p * h.decay;
+  return p - s.update_scale * u;
+}
+
 LB_HD void apply_rule(Rule rule, const StepHyper& h, const StepScalars& s, float& p, float g, float& s1, float& s2,
                       float& s3) {
   const float u = rule_step(rule, h, s, p, effective_grad(h, s, g), s1, s2, s3);
-  if (h.weight_decay != 0.f && (h.flags & kDecoupled)) p = p * h.decay;
-  p = p - s.update_scale * u;
+  p = stepped(h, s, p, u);
 }
 
 // The two-state rules (LPMM steps Adam and SGD only).

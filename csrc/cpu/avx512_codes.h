@@ -1,0 +1,74 @@
+// The AVX-512 nearest 8-bit encoder's 16-lane step (map_index.h: order key, bucket, one gather of the
+// step word), inline so that a loop in another file can run it between its own work: the optimizer's
+// Adam pass (optim.cpp) updates parameters, which needs the divider, while the encoder waits on its
+// gathers. avx512.cpp's nearest_codes_u8_avx512 is the same step in a loop of its own.
+#pragma once
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "lowbit/blockwise.h"
+#include "map_index.h"
+
+#define LB_AVX512_CODES 1
+
+namespace lowbit::cpu {
+
+// What the encoder needs of one block: the nearest-step table indexed by bucket, and the block's absmax
+// with its inverse (block_inverse; the caller keeps blocks whose inverse is not finite for the scalar
+// path).
+struct NearestBlock {
+  const int* table;
+  float absmax;
+  float inv;
+};
+
+inline NearestBlock nearest_block(const MapIndex& index, float absmax) {
+  return {reinterpret_cast<const int*>(index.nearest_steps()) - kFirstBucket, absmax, block_inverse(absmax)};
+}
+
+// order_key (map_index.h) of 16 floats.
+__attribute__((target("avx512f"))) inline __m512i order_keys(__m512 x) {
+  const __m512i b = _mm512_castps_si512(_mm512_add_ps(x, _mm512_setzero_ps()));
+  const __m512i neg = _mm512_srai_epi32(b, 31);
+  return _mm512_xor_si512(_mm512_xor_si512(b, _mm512_srli_epi32(neg, 1)), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+}
+
+// step_code (map_index.h) of 16 elements with order keys `key` in buckets `bucket`: the step words by
+// one gather.
+__attribute__((target("avx512f"))) inline __m512i step_codes16(const int* table, __m512i key, __m512i bucket) {
+  const __m512i word = _mm512_i32gather_epi32(bucket, table, 4);
+  const __mmask16 up = _mm512_cmpge_epu32_mask(_mm512_and_si512(key, _mm512_set1_epi32(0xFFFF)),
+                                               _mm512_and_si512(word, _mm512_set1_epi32(static_cast<int>(kStepMask))));
+  const __m512i code = _mm512_srli_epi32(word, kStepBits);
+  return _mm512_mask_add_epi32(code, up, code, _mm512_set1_epi32(1));
+}
+
+// The nearest codes of x[0..16) in block b, as 16 bytes: normalise() of blockwise.h (0 for non-positive
+// and NaN absmax), order_key (with -0 keyed as +0), the bucket's step word, step_code.
+// kExactUnit: normalise() as written, with its clamp and its exact +-1 at +-absmax. For maps whose index is
+// unit_stable() the plain product gives the same codes: it lies within one ulp of [-1, 1], in the index's
+// first or last bucket, where the code is that of +-1 (no map value lies beyond +-1), and at +-absmax it is
+// +-1 or +-(1 - 2^-24), which unit_stable() says code alike.
+template <bool kExactUnit>
+__attribute__((target("avx512f"))) inline __m128i nearest_codes16(const NearestBlock& b, const float* x) {
+  __m512 xn = _mm512_setzero_ps();
+  if (b.absmax > 0.f) {
+    const __m512 v = _mm512_loadu_ps(x);
+    xn = _mm512_mul_ps(v, _mm512_set1_ps(b.inv));
+    if (kExactUnit) {
+      const __m512 plus1 = _mm512_set1_ps(1.f), minus1 = _mm512_set1_ps(-1.f);
+      xn = _mm512_min_ps(_mm512_max_ps(xn, minus1), plus1);
+      xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(b.absmax), _CMP_EQ_OQ), xn, plus1);
+      xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-b.absmax), _CMP_EQ_OQ), xn, minus1);
+    }
+  }
+  const __m512i key = order_keys(xn);
+  return _mm512_cvtepi32_epi8(step_codes16(b.table, key, _mm512_srli_epi32(key, 16)));
+}
+
+}  // namespace lowbit::cpu
+
+#endif
