@@ -569,6 +569,32 @@ LB_ALWAYS_INLINE inline void with_root(bool quantized, Fn&& fn) {
   fn(std::false_type{});
 }
 
+// Starts reading the parameter and gradient of the block two ahead into L2. A block reads them only in its
+// update, so the hardware prefetchers, which follow the demand stream, idle while the states decode and
+// encode; requested two blocks early, the lines arrive in time (Adam8bit, one 16M fp32 tensor, 2 threads:
+// 1.28-1.40x fused AdamW's step without, 1.10-1.16x with; one block ahead about as good, three worse).
+template <typename T>
+void prefetch_ahead(const OptimArgs& a, const TensorView& t, int64_t lo) {
+  constexpr int64_t kAhead = 2;
+  constexpr int64_t kLine = 64;
+  const int64_t from = lo + kAhead * a.block_size;
+  if (from >= t.n) return;
+  const int64_t bytes = (std::min(t.n, from + a.block_size) - from) * static_cast<int64_t>(sizeof(T));
+  const char* param = static_cast<const char*>(t.param) + from * static_cast<int64_t>(sizeof(T));
+  const char* grad = static_cast<const char*>(t.grad) + from * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < bytes; off += kLine) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    // prefetcht1 (into L2) as volatile asm: GCC 12 drops this loop of __builtin_prefetch when it inlines it
+    // here (the built module held no prefetch instruction).
+    asm volatile("prefetcht1 %0" : : "m"(param[off]));
+    asm volatile("prefetcht1 %0" : : "m"(grad[off]));
+#else
+    __builtin_prefetch(param + off, 1, 2);
+    __builtin_prefetch(grad + off, 0, 2);
+#endif
+  }
+}
+
 template <Rule kRule, int kStates, typename T>
 void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders) {
   const int64_t lo = block * a.block_size;
@@ -578,6 +604,7 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
+  prefetch_ahead<T>(a, t, lo);
 #ifdef LB_AVX512_CODES
   if constexpr (kRule == Rule::Adam && kStates == 2) {
     if (coders.adam_split && t.bits == 8 && !t.stochastic && t.rank1_slot < 0) {
