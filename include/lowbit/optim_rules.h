@@ -102,16 +102,20 @@ LB_HD float torch_lerp(float m, float g, float w) {
 // p <- p - update_scale * u, after decoupled decay. Multiplying by an update_scale of 1 is exact,
 // so without a norm mode the arithmetic is torch.optim's.
 
+// Forced inline on the host too: GCC's inliner left these calls out of line in some of csrc/cpu/optim.cpp's
+// many update loops, which then ran scalar (AdamW32bit's step took 3x as long).
+#define LB_HD_ALWAYS LB_HD __attribute__((always_inline))
+
 // torch.optim.Adam / AdamW in two halves: the moments m = exp_avg and v = exp_avg_sq, then the step from
 // m and the root of v. Split so that a loop may compute the new moments of a whole block before any step
 // (csrc/cpu/optim.cpp requantizes them while it updates the parameters); adam_step is both in turn.
-LB_HD void adam_moments(const StepHyper& h, float p, float g, float& m, float& v) {
+LB_HD_ALWAYS void adam_moments(const StepHyper& h, float p, float g, float& m, float& v) {
   if (h.weight_decay != 0.f && !(h.flags & kDecoupled)) g = g + h.weight_decay * p;
   m = torch_lerp(m, g, h.one_minus_beta1);
   v = v * h.beta2 + h.one_minus_beta2 * g * g;
 }
 
-LB_HD float adam_update(const StepScalars& s, float eps, float m, float root_v) {
+LB_HD_ALWAYS float adam_update(const StepScalars& s, float eps, float m, float root_v) {
   const float denom = root_v / s.bias2_sqrt + eps;
   return s.step_size * m / denom;
 }
@@ -247,7 +251,7 @@ LB_HD float effective_grad(const StepHyper& h, const StepScalars& s, float g) {
 }
 
 // The parameter after a step u: decoupled decay, then the step scaled by the norm pre-pass.
-LB_HD float stepped(const StepHyper& h, const StepScalars& s, float p, float u) {
+LB_HD_ALWAYS float stepped(const StepHyper& h, const StepScalars& s, float p, float u) {
   if (h.weight_decay != 0.f && (h.flags & kDecoupled)) p = p * h.decay;
   return p - s.update_scale * u;
 }
