@@ -493,10 +493,9 @@ template <bool kExact1, bool kExact2, bool kDecay, typename T>
 __attribute__((target("avx512f"))) void adam_encode_step_avx512(const StepHyper& h, const StepScalars& sc,
                                                                T* __restrict param, const float* __restrict s1,
                                                                const float* __restrict s2, int cnt,
-                                                               const MapIndex* const* index, float amax1, float amax2,
-                                                               uint8_t* __restrict q1, uint8_t* __restrict q2) {
-  const NearestBlock b1 = nearest_block(*index[0], amax1);
-  const NearestBlock b2 = nearest_block(*index[1], amax2);
+                                                               const MapIndex* const* index, NearestBlock b1,
+                                                               NearestBlock b2, uint8_t* __restrict q1,
+                                                               uint8_t* __restrict q2) {
   int j = 0;
   for (; j + 16 <= cnt; j += 16) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + j), nearest_codes16<kExact1>(b1, s1 + j));
@@ -504,8 +503,8 @@ __attribute__((target("avx512f"))) void adam_encode_step_avx512(const StepHyper&
     adam_params<kDecay>(h, sc, param, s1, s2, j, j + 16);
   }
   if (j < cnt) {
-    nearest_codes_u8(*index[0], s1 + j, cnt - j, amax1, q1 + j);
-    nearest_codes_u8(*index[1], s2 + j, cnt - j, amax2, q2 + j);
+    nearest_codes_u8(*index[0], s1 + j, cnt - j, b1.absmax, q1 + j);
+    nearest_codes_u8(*index[1], s2 + j, cnt - j, b2.absmax, q2 + j);
     adam_params<kDecay>(h, sc, param, s1, s2, j, cnt);
   }
 }
@@ -535,10 +534,12 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
     adam_moments_avx512<decltype(flags)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
   });
   const bool decay = a.hyper.weight_decay != 0.f && (a.hyper.flags & kDecoupled);
-  const float amax1 = absmax_from_bits(max_bits[0]);
-  const float amax2 = absmax_from_bits(max_bits[1]);
+  const NearestBlock b1 = nearest_block(*coders.index[0], absmax_from_bits(max_bits[0]));
+  const NearestBlock b2 = nearest_block(*coders.index[1], absmax_from_bits(max_bits[1]));
   const bool finite = max_bits[0] < kNonFiniteBits && max_bits[1] < kNonFiniteBits;
-  if (!finite || block_inverse(amax1) == 0.f || block_inverse(amax2) == 0.f) {
+  // A subnormal absmax has no finite inverse (nearest_codes_u8_avx512 leaves such blocks to the scalar loop too).
+  const bool subnormal = (b1.absmax > 0.f && b1.inv == 0.f) || (b2.absmax > 0.f && b2.inv == 0.f);
+  if (!finite || subnormal) {
     if (decay) {
       adam_params_avx512<true>(a.hyper, t.scalars, param, s[0], s[1], cnt);
     } else {
@@ -548,13 +549,13 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
     for (int k = 0; k < 2; ++k) store_state(t, k, block, lo, cnt, max_bits[k], coders.index[k], coders.gather, s[k]);
     return;
   }
-  t.absmax[0][block] = amax1;
-  t.absmax[1][block] = amax2;
+  t.absmax[0][block] = b1.absmax;
+  t.absmax[1][block] = b2.absmax;
   uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo;
   uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo;
   with_bools(!coders.index[0]->unit_stable(), !coders.index[1]->unit_stable(), decay, [&](auto e1, auto e2, auto d) {
     adam_encode_step_avx512<decltype(e1)::value, decltype(e2)::value, decltype(d)::value>(
-        a.hyper, t.scalars, param, s[0], s[1], cnt, coders.index, amax1, amax2, q1, q2);
+        a.hyper, t.scalars, param, s[0], s[1], cnt, coders.index, b1, b2, q1, q2);
   });
 }
 #endif
