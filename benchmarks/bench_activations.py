@@ -18,12 +18,16 @@ backward slope against the exact f' over x in [-10, 10] as each layer computes i
 (:func:`lowbit.nn.invact.gradient_error`; the same grid for the few-bit layers), for lowbit's InvAct
 tables, the InvAct paper's approximations and few-bit tables of 1, 3 and 8 bits. BLPA: bytes saved by a
 pre-activation conv stack (8 units BatchNorm2d -> ReLU -> Conv2d 64 -> 64, 3x3, batch 32 x 32 x 32) with
-torch's layers and with ApproxBNReLUConv2d at 8 and 4 bits, and the forward+backward time of the stack.
+torch's layers and with ApproxBNReLUConv2d at 8 and 4 bits, and the forward+backward time of the stack:
+training (the gradients of the input and of every parameter) and frozen (parameters with
+``requires_grad=False``, the input's gradient alone, as when fine-tuning the layers above), each against torch's
+layers in the same mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -43,11 +47,13 @@ from lowbit.nn.activations import FewBitGELU, FewBitSiLU, InvGELU, InvSiLU
 GPT2_BLOCKS, GPT2_D, GPT2_TOKENS = 12, 768, 8 * 1024
 
 
-def fwd_bwd(layer: nn.Module, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
-    """One forward and backward pass of ``layer`` at ``x`` with output gradient ``g``."""
+def fwd_bwd(layer: nn.Module, x: torch.Tensor, g: torch.Tensor, params: bool = False) -> Callable[[], None]:
+    """One forward and backward pass of ``layer`` at ``x`` with output gradient ``g``: the gradient of
+    ``x``, and with ``params`` those of the layer's parameters too (a training step's backward)."""
+    inputs = [x, *layer.parameters()] if params else [x]
 
     def run() -> None:
-        torch.autograd.grad(layer(x), x, g)
+        torch.autograd.grad(layer(x), inputs, g)
 
     return run
 
@@ -157,16 +163,25 @@ def main(argv: Optional[list[str]] = None) -> None:
     images = torch.randn(32, 64, 32, 32, requires_grad=True)
     stacks = {"torch BN-ReLU-Conv": preact_stack(None), "BLPA 8-bit": preact_stack(8), "BLPA 4-bit": preact_stack(4)}
     out_grad = torch.randn(32, 64, 32, 32)
-    stack_times = time_alternated({k: fwd_bwd(m, images, out_grad) for k, m in stacks.items()}, args.repeats)
-    print("\npre-activation conv stack (8 units, 64 channels, 32 x 32 x 32, fp32): saved bytes, fwd+bwd time")
-    base_bytes, base_time = None, stack_times["torch BN-ReLU-Conv"]
+    calls = {}
+    for k, m in stacks.items():
+        calls[f"{k} train"] = fwd_bwd(m, images, out_grad, params=True)
+        calls[f"{k} frozen"] = fwd_bwd(copy.deepcopy(m).requires_grad_(False), images, out_grad)
+    stack_times = time_alternated(calls, args.repeats)
+    print(
+        "\npre-activation conv stack (8 units, 64 channels, 32 x 32 x 32, fp32): saved bytes; fwd+bwd time with the"
+        " gradients of the input and all parameters (train), and with the parameters frozen (frozen)"
+    )
+    print(f"{'stack':<20} {'saved':>12} {'x torch':>7} {'train ms':>9} {'x torch':>7} {'frozen ms':>9} {'x torch':>7}")
+    base_bytes = None
     for label, model in stacks.items():
         saved = saved_tensor_bytes(model, images).total
         base_bytes = base_bytes or saved
-        ms = stack_times[label] * 1e3
-        print(
-            f"{label:<20} {saved / 2**20:8.1f} MiB {saved / base_bytes:6.3f}x {ms:9.1f} ms {ms / base_time / 1e3:6.2f}x"
-        )
+        row = f"{label:<20} {saved / 2**20:8.1f} MiB {saved / base_bytes:6.3f}x"
+        for mode in ("train", "frozen"):
+            t = stack_times[f"{label} {mode}"]
+            row += f" {t * 1e3:9.1f} {t / stack_times[f'torch BN-ReLU-Conv {mode}']:6.2f}x"
+        print(row)
 
     print("\nbackward slope error vs exact f', x in [-10, 10] (fp32 forward and evaluation)")
     print(f"{'method':<24} {'Linf':>9} {'L2 unif':>9} {'L2 normal':>9}")

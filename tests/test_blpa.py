@@ -88,6 +88,34 @@ def test_gradients(kind, bits, train):
             assert rel < 3 * (6 / 2**bits) / 12**0.5, (name, rel)
 
 
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+@pytest.mark.parametrize("frozen", ["none", "map", "bn", "all"])
+@pytest.mark.parametrize("x_grad", [True, False])
+def test_only_the_requested_gradients_are_computed(kind, frozen, x_grad, monkeypatch):
+    """As torch's layers: a frozen linear map decodes no A3 and gets no grad W; what is asked for equals
+    the full backward's bit for bit (the same operations on the same values)."""
+    ours, _ = _pair(kind, 8)
+    x = _input(kind)
+    g = torch.randn_like(ours(x))
+    names = ["x", *(n for n, _ in ours.named_parameters())]
+    full = dict(zip(names, torch.autograd.grad(ours(x), [x, *ours.parameters()], g), strict=True))
+    for name, p in ours.named_parameters():
+        prefixes = {"none": (), "map": ("linear.", "conv."), "bn": ("bn.",), "all": ("",)}[frozen]
+        p.requires_grad_(not name.startswith(prefixes))
+    x.requires_grad_(x_grad)
+    wanted = {n: p for n, p in [("x", x), *ours.named_parameters()] if p.requires_grad}
+    if not wanted:  # nothing to differentiate: the forward is torch's layers alone
+        assert not ours(x).requires_grad
+        return
+    decodes = []
+    decode = blpa._ops.blpa_decode
+    monkeypatch.setattr(blpa._ops, "blpa_decode", lambda *a: decodes.append(1) or decode(*a))
+    got = torch.autograd.grad(ours(x), list(wanted.values()), g)
+    for name, a in zip(wanted, got, strict=True):
+        assert torch.equal(a, full[name]), name
+    assert len(decodes) == (0 if frozen in ("map", "all") else 1)
+
+
 def test_relu_mask_is_exact_at_zero_and_for_outliers():
     ours, ref = _pair("linear", 2)
     x = _input("linear")
@@ -285,6 +313,34 @@ def test_converted_unit_forward_is_torchs_and_backward_is_the_twins(relu6, pad, 
     # a few fp32 ulps of gradients of order 1 (rtol 1e-5 is ~80 ulps; atol for sums that cancel to ~0).
     for a, b in zip(got, twin, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("relu6", [False, True])
+@pytest.mark.parametrize("pad", [(0, 0, 0, 0), (0, 1, 1, 0)])
+# The cases where the unit records a graph: with neither x nor the BatchNorm parameters requiring grad it runs
+# torch's layers (BlpaBatchNorm2d's fallback), which save the convolution's input.
+@pytest.mark.parametrize(("frozen", "x_grad"), [("map", True), ("map", False), ("bn", True), ("all", True)])
+def test_converted_unit_computes_only_the_requested_gradients(relu6, pad, frozen, x_grad, monkeypatch):
+    """As test_only_the_requested_gradients_are_computed, for a converted unit."""
+    ours = _unit(relu6, pad, groups=1)
+    x = _input("conv")
+    lnn.compress_activations(ours, method="blpa", bits=8, sample_args=(x,))
+    bn, conv = ours[0], ours[3]
+    params = {"bn.weight": bn.weight, "bn.bias": bn.bias, "conv.weight": conv.weight, "conv.bias": conv.bias}
+    grad = torch.randn(ours(x).shape, generator=torch.Generator().manual_seed(2))
+    full = dict(zip(["x", *params], torch.autograd.grad(ours(x), [x, *params.values()], grad), strict=True))
+    prefixes = {"map": ("conv.",), "bn": ("bn.",), "all": ("",)}[frozen]
+    for name, p in params.items():
+        p.requires_grad_(not name.startswith(prefixes))
+    x.requires_grad_(x_grad)
+    wanted = {n: p for n, p in [("x", x), *params.items()] if p.requires_grad}
+    decodes = []
+    decode = blpa_convert._ops.blpa_decode
+    monkeypatch.setattr(blpa_convert._ops, "blpa_decode", lambda *a: decodes.append(1) or decode(*a))
+    got = torch.autograd.grad(ours(x), list(wanted.values()), grad)
+    for name, a in zip(wanted, got, strict=True):
+        assert torch.equal(a, full[name]), name
+    assert len(decodes) == (0 if frozen in ("map", "all") else 1)
 
 
 @pytest.mark.parametrize("relu6", [False, True])

@@ -115,16 +115,32 @@ class _ApproxFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         packed, invstd, gamma, beta, weight, bias, span = ctx.saved_tensors
         block = ctx.block
+        # Only the gradients autograd asks for, as torch's own layers do: with a frozen linear map no A3 is
+        # decoded and no grad W computed, and without grads for x, gamma and beta no batch-norm backward.
+        need_x, need_gamma, need_beta, need_w, need_bias = ctx.needs_input_grad[:5]
+        need_a3 = need_x or need_gamma or need_beta
         grid = _grid(gamma, beta, block.bits, span)
         g32, b32 = gamma.detach().float().contiguous(), beta.detach().float().contiguous()
-        a3 = _ops.blpa_decode(packed, grid, g32, b32, ctx.shape, block.bits, ctx.dtype)
+        if need_w:
+            a3 = _ops.blpa_decode(packed, grid, g32, b32, ctx.shape, block.bits, ctx.dtype)
+        else:  # the linear backward reads only its shape and layout
+            a3 = grad.new_empty(ctx.shape, dtype=ctx.dtype)
         # Eq. 5: grad A3 does not depend on A3; grad W uses the approximation.
-        g_a3, g_w, g_bias = block._linear_backward(grad, a3, weight, bias is not None)
+        g_a3, g_w, g_bias = block._linear_backward(grad, a3, weight, (need_a3, need_w, need_bias and bias is not None))
+        if not need_a3:
+            return None, None, None, g_w, g_bias, None
         # Eqs. 6-8 in one native pass: the ReLU mask is exact, A1 comes from the codes.
         g_x, g_gamma, g_beta = _ops.blpa_backward(
             packed, g_a3.contiguous(), grid, g32, b32, invstd, block.bits, ctx.batch_stats
         )
-        return g_x, g_gamma.to(gamma.dtype), g_beta.to(beta.dtype), g_w, g_bias, None
+        return (
+            g_x if need_x else None,
+            g_gamma.to(gamma.dtype) if need_gamma else None,
+            g_beta.to(beta.dtype) if need_beta else None,
+            g_w,
+            g_bias,
+            None,
+        )
 
 
 class _ApproxBlock(nn.Module):
@@ -152,8 +168,9 @@ class _ApproxBlock(nn.Module):
         raise NotImplementedError
 
     def _linear_backward(
-        self, grad: Tensor, a3: Tensor, weight: Tensor, has_bias: bool
-    ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        self, grad: Tensor, a3: Tensor, weight: Tensor, mask: tuple[bool, bool, bool]
+    ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """(grad A3, grad W, grad bias) of the linear map, each only where ``mask`` asks for it."""
         raise NotImplementedError
 
     def _layer(self) -> Union[nn.Linear, nn.Conv2d]:
@@ -216,9 +233,13 @@ class ApproxBNReLULinear(_ApproxBlock):
         return F.linear(a3, weight, bias)
 
     def _linear_backward(
-        self, grad: Tensor, a3: Tensor, weight: Tensor, has_bias: bool
-    ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
-        return grad @ weight, grad.t() @ a3, grad.sum(0) if has_bias else None
+        self, grad: Tensor, a3: Tensor, weight: Tensor, mask: tuple[bool, bool, bool]
+    ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        return (
+            grad @ weight if mask[0] else None,
+            grad.t() @ a3 if mask[1] else None,
+            grad.sum(0) if mask[2] else None,
+        )
 
 
 class ApproxBNReLUConv2d(_ApproxBlock):
@@ -270,10 +291,10 @@ class ApproxBNReLUConv2d(_ApproxBlock):
         return F.conv2d(a3, weight, bias, c.stride, c.padding, c.dilation, c.groups)
 
     def _linear_backward(
-        self, grad: Tensor, a3: Tensor, weight: Tensor, has_bias: bool
-    ) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+        self, grad: Tensor, a3: Tensor, weight: Tensor, mask: tuple[bool, bool, bool]
+    ) -> tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
         c = self.conv
-        bias_sizes = [weight.shape[0]] if has_bias else None
+        bias_sizes = [weight.shape[0]] if mask[2] else None
         return torch.ops.aten.convolution_backward(
             grad,
             a3,
@@ -285,5 +306,5 @@ class ApproxBNReLUConv2d(_ApproxBlock):
             False,
             [0, 0],
             c.groups,
-            [True, True, has_bias],
+            list(mask),
         )

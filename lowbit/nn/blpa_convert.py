@@ -24,6 +24,7 @@ the original layers.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -215,17 +216,25 @@ class _UnitFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
         packed, below, invstd, gamma, beta, weight, bias, span = ctx.saved_tensors
         conv, bits, pad = ctx.conv, ctx.conv.bits, ctx.pad
+        # Only the gradients autograd asks for, as torch's layers do (see blpa._ApproxFunction.backward).
+        need_x, need_gamma, need_beta, need_w, need_bias = ctx.needs_input_grad[:5]
+        need_in = need_x or need_gamma or need_beta
         grid = _grid(gamma, beta, bits, span)
         g32, b32 = gamma.detach().float().contiguous(), beta.detach().float().contiguous()
-        a3 = _ops.blpa_decode(packed, grid, g32, b32, ctx.shape, bits, ctx.dtype)
         clipped = None
         if below is not None:
-            clipped = _ops.unpack_bits(below, 1, a3.numel()).reshape(a3.shape) == 0  # ReLU6 gave 6
-            # In place on the fresh decoded tensor: min(a3, 6), and 6 where clipped, without two more
-            # full-size tensors.
-            a3 = a3.clamp_max_(_RELU6_TOP).masked_fill_(clipped, _RELU6_TOP)
-        if any(pad):
-            a3 = F.pad(a3, pad)
+            clipped = _ops.unpack_bits(below, 1, math.prod(ctx.shape)).reshape(ctx.shape) == 0  # ReLU6 gave 6
+        if need_w:
+            a3 = _ops.blpa_decode(packed, grid, g32, b32, ctx.shape, bits, ctx.dtype)
+            if clipped is not None:
+                # In place on the fresh decoded tensor: min(a3, 6), and 6 where clipped, without two more
+                # full-size tensors.
+                a3 = a3.clamp_max_(_RELU6_TOP).masked_fill_(clipped, _RELU6_TOP)
+            if any(pad):
+                a3 = F.pad(a3, pad)
+        else:  # the convolution's backward reads only its shape and layout
+            n, c, h, w = ctx.shape
+            a3 = grad.new_empty((n, c, h + pad[2] + pad[3], w + pad[0] + pad[1]), dtype=ctx.dtype)
         g_in, g_w, g_bias = torch.ops.aten.convolution_backward(
             grad,
             a3,
@@ -237,8 +246,10 @@ class _UnitFunction(torch.autograd.Function):
             False,
             [0, 0],
             conv.groups,
-            [True, True, bias is not None],
+            [need_in, need_w, need_bias and bias is not None],
         )
+        if not need_in:
+            return None, None, None, g_w, g_bias, None
         if any(pad):
             g_in = g_in[:, :, pad[2] : g_in.shape[2] - pad[3], pad[0] : g_in.shape[3] - pad[1]]
         if clipped is not None:
@@ -246,7 +257,14 @@ class _UnitFunction(torch.autograd.Function):
         g_x, g_gamma, g_beta = _ops.blpa_backward(
             packed, g_in.contiguous(), grid, g32, b32, invstd, bits, ctx.batch_stats
         )
-        return g_x, g_gamma.to(gamma.dtype), g_beta.to(beta.dtype), g_w, g_bias, None
+        return (
+            g_x if need_x else None,
+            g_gamma.to(gamma.dtype) if need_gamma else None,
+            g_beta.to(beta.dtype) if need_beta else None,
+            g_w,
+            g_bias,
+            None,
+        )
 
 
 def _same_padding(conv: nn.Conv2d) -> tuple[int, int]:
