@@ -51,7 +51,10 @@ void decode_linear(const uint8_t* codes, int64_t lo, int cnt, int bits, float ab
       [&](const uint32_t* t, int m, float* o) { linear_values(t, m, absmax, qmax, o); }, out + done);
 }
 
-void decode_map(const uint8_t* codes, int64_t lo, int cnt, int bits, const float* map, float absmax, float* out) {
+// planes: the map's byte planes where 8-bit states decode with the VBMI permutes (optim.cpp's choice too).
+void decode_map(const uint8_t* codes, int64_t lo, int cnt, int bits, const float* map, const BytePlanes* planes,
+                float absmax, float* out) {
+  if (bits == 8 && planes != nullptr) return decode_u8_vbmi(*planes, map, codes + lo, cnt, absmax, out);
   if (bits == 8 && avx512_active()) return decode_u8_avx512(map, codes + lo, cnt, absmax, out);
   if (bits == 8 && avx2_active()) return decode_u8_avx2(map, codes + lo, cnt, absmax, out);
   decode_group(
@@ -190,9 +193,11 @@ LpTensor lp_tensor(const LpmmArgs& a, int64_t t) {
                   scalars_row(a.scalars, t, 1.f, 1.f)};
 }
 
-// Map indexes of the state maps, built once per call outside the parallel loop.
+// Map indexes (and byte planes, where vbmi_decode_active) of the state maps, built once per call outside the
+// parallel loop.
 struct LpCoders {
   std::shared_ptr<const MapIndex> index[2];
+  std::unique_ptr<BytePlanes> planes[2];
   bool gather = false;
 };
 
@@ -207,7 +212,8 @@ void step_group(const LpmmArgs& a, const LpTensor& t, int64_t g, const LpCoders&
   decode_linear(t.grad, lo, cnt, a.grad_bits, t.grad_absmax[g], grad);
   constexpr int kRoot = second_moment_slot(kRule);  // stored as its root: state_form.h
   for (int k = 0; k < kStates; ++k) {
-    decode_map(t.state[k], lo, cnt, a.state_bits, k == 0 ? a.map1 : a.map2, t.absmax[k][g], s[k]);
+    decode_map(t.state[k], lo, cnt, a.state_bits, k == 0 ? a.map1 : a.map2, coders.planes[k].get(), t.absmax[k][g],
+               s[k]);
     if (k == kRoot) {
       for (int i = 0; i < cnt; ++i) s[k][i] = state_value(s[k][i], true);
     }
@@ -249,7 +255,11 @@ void step_all(const LpmmArgs& a, int threads) {
   }
   LpCoders coders;
   const uint32_t map_n = 1u << a.state_bits;
-  for (int k = 0; k < a.n_states; ++k) coders.index[k] = map_index(k == 0 ? a.map1 : a.map2, map_n);
+  const bool vbmi = a.n_states > 0 && a.state_bits == 8 && vbmi_decode_active();
+  for (int k = 0; k < a.n_states; ++k) {
+    coders.index[k] = map_index(k == 0 ? a.map1 : a.map2, map_n);
+    if (vbmi) coders.planes[k] = std::make_unique<BytePlanes>(k == 0 ? a.map1 : a.map2);
+  }
   // Decided (and on first use timed) here, outside the parallel region.
   coders.gather = a.n_states > 0 && gather_encode_active();
 #pragma omp parallel for schedule(static) num_threads(threads) if (run_parallel(threads, elements))
