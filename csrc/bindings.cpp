@@ -154,8 +154,11 @@ lowbit::OptimArgs optim_args(int rule, const std::vector<float>& hyper, int flag
   }
   const lowbit::StepHyper h = step_hyper(hyper, flags, norm_mode);
   check_n_states(n_states);
-  if (norm_mode < lowbit::kNormNone || norm_mode > lowbit::kNormClip) {
+  if (norm_mode < lowbit::kNormNone || norm_mode > lowbit::kNormGrad) {
     throw std::invalid_argument("lowbit: unknown norm mode " + std::to_string(norm_mode));
+  }
+  if (norm_mode == lowbit::kNormGrad && norm_sums == 0) {
+    throw std::invalid_argument("lowbit: norm mode kNormGrad computes norms only; it needs norm_sums");
   }
   if (state_bits != 8 && state_bits != 4) {
     throw std::invalid_argument("lowbit: optimizer states are 8-bit or 4-bit, got state_bits " +
@@ -373,6 +376,7 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
   m.attr("NORM_NONE") = static_cast<int>(lowbit::kNormNone);
   m.attr("NORM_TRUST") = static_cast<int>(lowbit::kNormTrust);
   m.attr("NORM_CLIP") = static_cast<int>(lowbit::kNormClip);
+  m.attr("NORM_GRAD") = static_cast<int>(lowbit::kNormGrad);
   m.attr("NORM_SQUARE_LANES") = lowbit::kSquareLanes;
   m.attr("NORM_BLOCK_SUM_LANES") = lowbit::kBlockSumLanes;
   using lowbit::DType;

@@ -437,6 +437,25 @@ def test_optimizer_norms_then_step_with_update_scales(rule, norm_mode, max_unorm
     _identical(_norms_then_step(rule, norm_mode, max_unorm))
 
 
+def test_gradient_norms():
+    """norm_mode 3 (LARS's ||p|| and ||g||): the pre-pass with the gradient in the update's place, no states."""
+    from lowbit import _C
+    from tests.test_optim import _step_args
+
+    def run() -> list:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            args = list(_step_args(1, False))
+        args[0] = [*args[0], args[0][0].bfloat16()]
+        args[1] = [*args[1], args[1][0].bfloat16()]
+        args[2:8] = [[] for _ in range(6)]
+        args[8] = [1e-3, 1.0, 1.0] * len(args[0])
+        args[15], args[16], args[17] = 0, _C.NORM_GRAD, 0
+        return [_ops.optimizer_norms(*args)]
+
+    _identical(run)
+
+
 _ORDERED_NORMS = [
     (64, True),  # 45 blocks in a tensor: more than the 32 lanes of its block sums
     (64, False),

@@ -641,6 +641,36 @@ def test_norm_sums_add_in_the_documented_order():
     assert sums[0, 0].item() != sum(blocks)  # the order shows in these bits
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_norm_sums_add_in_the_documented_order(dtype):
+    # norm_mode 3 (LARS): the sums of p^2 and g^2, no states read, in norm_order.h's order like the other modes;
+    # values over seven decades and more blocks than lanes, so that another order gives other bits.
+    from lowbit import _C
+
+    gen = torch.Generator().manual_seed(3)
+    block = 64
+    n = block * (_C.NORM_BLOCK_SUM_LANES + 13) + 5
+    param = (torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 4, (n,), generator=gen)).to(dtype)
+    grad = (torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 4, (n,), generator=gen)).to(dtype)
+    args = list(_step_args(1, False))
+    args[0], args[1] = [param, torch.randn(3, generator=gen).to(dtype)], [grad, torch.randn(3, generator=gen).to(dtype)]
+    args[2:8] = [[] for _ in range(6)]
+    args[15], args[16], args[17], args[18] = 0, _C.NORM_GRAD, 0, block
+    sums = _ops.optimizer_norms(*args)
+    order_shows = []
+    for col, t in enumerate((param, grad)):
+        squares = [float(x) * float(x) for x in t.float().tolist()]
+        blocks = [_sum_in_lanes(squares[lo : lo + block], _C.NORM_SQUARE_LANES) for lo in range(0, n, block)]
+        assert sums[0, col].item() == _sum_in_lanes(blocks, _C.NORM_BLOCK_SUM_LANES)
+        order_shows.append(sums[0, col].item() != sum(blocks))
+    assert any(order_shows)  # another order gives other bits here
+    # The norms of a whole tensor in double: within a few double roundings of float64 torch's.
+    want = torch.stack([args[0][1].double().square().sum(), args[1][1].double().square().sum()])
+    torch.testing.assert_close(sums[1], want, rtol=1e-15, atol=0.0)
+    with pytest.raises(ValueError, match="norm_mode 3"):
+        _ops.optimizer_step_(*args)
+
+
 def test_norm_prepass_scratch_comes_from_torch_only_when_the_prepass_runs(monkeypatch):
     # The pre-pass's per-block sums and per-tensor scales are torch tensors that the op passes to the
     # native step (the two pointers before the rank-1 table, the statistics-only flag, the factored table and

@@ -93,8 +93,11 @@ __device__ void norm_block(const OptimArgs& a, const BlockTask& task, const floa
                          : reinterpret_cast<const float*>(ptr)[task.lo + i];
       }
       const float p = to_float(param[i]);
-      const float u = rule_step(kRule, a.hyper, scalars, p, effective_grad(a.hyper, scalars, to_float(grad[i])), s[0],
-                                s[1], s[2]);
+      // kNormGrad (LARS): the gradient as given; optimizer_norms passes no states for it.
+      const float u = a.hyper.norm_mode == kNormGrad
+                          ? to_float(grad[i])
+                          : rule_step(kRule, a.hyper, scalars, p, effective_grad(a.hyper, scalars, to_float(grad[i])),
+                                      s[0], s[1], s[2]);
       squares[0][threadIdx.x] = static_cast<double>(p) * p;
       squares[1][threadIdx.x] = static_cast<double>(u) * u;
     }

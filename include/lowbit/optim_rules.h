@@ -39,7 +39,9 @@ LB_HD float nan_max(float a, float b) { return (b != b || b > a) ? b : a; }
 // How the per-tensor update_scale is derived from a pre-pass over the update (csrc/*/optim.*):
 // kNormNone: 1; kNormTrust: LAMB's trust ratio ||p|| / ||r||; kNormClip: min(1, max_unorm * ||p|| /
 // ||u / lr||), bitsandbytes' max_unorm (skipped for a zero parameter, which would never move).
-enum NormMode : int { kNormNone = 0, kNormTrust = 1, kNormClip = 2 };
+// kNormGrad is the pre-pass alone (optimizer_norms), with the gradient as given in u's place: LARS's ||p||
+// and ||g||, whose local learning rate scales the gradient (the caller's grad_scales), not the update.
+enum NormMode : int { kNormNone = 0, kNormTrust = 1, kNormClip = 2, kNormGrad = 3 };
 
 // Hyperparameters of one native call. Derived constants (1 - beta, 1 - lr * wd, ...) are computed
 // in double on the host and rounded once, as torch.optim does with Python floats, so that the fp32

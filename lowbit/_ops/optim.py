@@ -72,13 +72,13 @@ class StepArgs(NamedTuple):
     ``scalars`` holds 3 floats per tensor (step size, sqrt of Adam's second bias correction, 1.0 on the
     first step); ``grad_scales`` (optional, fp32, one per tensor, on the params' device) multiplies each
     gradient; ``hyper`` is :meth:`StepHyper.values`; ``norm_mode`` selects LAMB's trust ratio (1) or
-    max_unorm clipping (2). Each of the ``n_states`` states (up to 3, in the rule's slot order) is either
-    uint8 codes into its map (``map1``..``map3``, ``2**state_bits`` entries) with one fp32 absmax per block
-    of ``block_size`` elements, or an fp32 tensor (then its absmax entry is unused). ``state_bits`` is 8
-    (one code per byte, a state of as many elements as its parameter) or 4 (two codes per byte, element
-    ``2i`` in the low nibble: ``ceil(n / 2)`` bytes for ``n`` elements). ``update_scales`` (optional, fp32, one
-    per tensor, on the params' device) replaces the norm mode's own per-tensor scales: the step of tensors
-    whose norms span ranks (see :func:`optimizer_norms`).
+    max_unorm clipping (2), or (3, ``optimizer_norms`` only) the sums of p^2 and g^2 for LARS. Each of the
+    ``n_states`` states (up to 3, in the rule's slot order) is either uint8 codes into its map (``map1``..``map3``,
+    ``2**state_bits`` entries) with one fp32 absmax per block of ``block_size`` elements, or an fp32 tensor (then
+    its absmax entry is unused). ``state_bits`` is 8 (one code per byte, a state of as many elements as its
+    parameter) or 4 (two codes per byte, element ``2i`` in the low nibble: ``ceil(n / 2)`` bytes for ``n``
+    elements). ``update_scales`` (optional, fp32, one per tensor, on the params' device) replaces the norm mode's
+    own per-tensor scales: the step of tensors whose norms span ranks (see :func:`optimizer_norms`).
 
     ``rank1`` (optional) gives, for each tensor in turn, 0 where its second moment is block-wise, or the
     entries ``ndim, offset, *dims`` of a 4-bit second moment normalised rank-1 (include/lowbit/rank1.h): the
@@ -237,7 +237,7 @@ def check_optimizer_step(args: StepArgs, known_widths: Optional[list[int]] = Non
     count = len(args.params)
     _common.check(args.state_bits in (8, 4), f"state_bits must be 8 or 4, got {args.state_bits}")
     _common.check(0 <= args.n_states <= MAX_STATES, f"n_states must be 0 to {MAX_STATES}, got {args.n_states}")
-    _common.check(args.norm_mode in (0, 1, 2), f"norm_mode must be 0, 1 or 2, got {args.norm_mode}")
+    _common.check(args.norm_mode in (0, 1, 2, 3), f"norm_mode must be 0, 1, 2 or 3, got {args.norm_mode}")
     _common.check_blocksize(args.block_size)
     _common.check(args.block_size > 0, "block_size must be positive for optimizer states")
     _common.check(
@@ -492,6 +492,10 @@ def _call(
     (the checks are then not repeated)."""
     if widths is None:
         widths = check_optimizer_step(args)
+    _common.check(
+        args.norm_mode != _C.NORM_GRAD or norm_sums is not None,
+        "norm_mode 3 (the gradient's norms) computes norms only; call optimizer_norms with it",
+    )
     if not args.params:
         return
     states = (args.state1, args.state2, args.state3)
@@ -582,19 +586,26 @@ def optimizer_step_eager(args: StepArgs, widths: Optional[list[int]] = None) -> 
 
 def _norms(*args: Any, **kwargs: Any) -> Tensor:
     """The norm pre-pass of ``lowbit::optimizer_step_`` alone: for each tensor, the sums of p^2 and of u^2
-    (u the step the rule would subtract), as a float64 tensor of shape (count, 2); nothing is updated.
+    (u the step the rule would subtract; with ``norm_mode`` 3, the gradient as given, and no states are
+    read), as a float64 tensor of shape (count, 2); nothing is updated.
 
     For tensors sharded over ranks (FSDP2), the caller all-reduces these sums and passes the resulting
     scales to the step as ``update_scales`` (which this pre-pass does not take).
     """
     call = StepArgs(*args, **kwargs)
     _common.check(call.update_scales is None, "optimizer_norms computes the update scales; update_scales must be None")
+    return optimizer_norms_eager(call)
+
+
+def optimizer_norms_eager(args: StepArgs) -> Tensor:
+    """``lowbit::optimizer_norms`` without the dispatcher (see :func:`optimizer_step_eager`)."""
     _common.check(
-        call.norm_mode in (1, 2), f"norm_mode must be 1 (trust ratio) or 2 (max_unorm) for norms, got {call.norm_mode}"
+        args.norm_mode in (1, 2, 3),
+        f"norm_mode must be 1 (trust ratio), 2 (max_unorm) or 3 (the gradient's) for norms, got {args.norm_mode}",
     )
-    device = call.params[0].device if call.params else torch.device("cpu")
-    sums = torch.zeros(len(call.params), 2, dtype=torch.float64, device=device)
-    _call(call, sums)
+    device = args.params[0].device if args.params else torch.device("cpu")
+    sums = torch.zeros(len(args.params), 2, dtype=torch.float64, device=device)
+    _call(args, sums)
     return sums
 
 

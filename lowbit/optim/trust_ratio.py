@@ -9,9 +9,12 @@ from typing import Any, Optional, cast
 import torch
 from torch import Tensor
 
-from lowbit._ops import StepHyper
+from lowbit import _C, _ops
+from lowbit._ops import StepArgs, StepHyper
 from lowbit.optim.optimizer import NORM_TRUST, LowbitOptimizer, Params
 from lowbit.optim.optimizers import SGD, step_flags
+from lowbit.optim.sharded_norms import sum_over_shards
+from lowbit.optim.state_storage import optimizer_state_map
 
 __all__ = ["LAMB", "LARS"]
 
@@ -123,8 +126,7 @@ class LARS(SGD):
         originals: list[Tensor],
     ) -> tuple[list[Tensor], Optional[Tensor]]:
         wd, eta, eps = config["weight_decay"], config["trust_coefficient"], config["eps"]
-        p_norm = torch.stack(self._norms(params, originals)).float()
-        g_norm = torch.stack(self._norms(grads, originals)).float()
+        p_norm, g_norm = _parameter_and_gradient_norms(params, grads, originals, config["block_size"])
         local = eta * p_norm / (g_norm + wd * p_norm + eps)
         local = torch.where((p_norm > 0) & (g_norm > 0), local, torch.ones_like(local))
         # A NaN norm makes the tensor's update NaN, not a silent local rate of 1 (1/eta times too large).
@@ -132,3 +134,40 @@ class LARS(SGD):
         if wd != 0:
             grads = cast(list[Tensor], torch._foreach_add(grads, params, alpha=wd))  # a list at run time
         return grads, local if scales is None else local * scales
+
+
+def _parameter_and_gradient_norms(
+    params: list[Tensor], grads: list[Tensor], originals: list[Tensor], block_size: int
+) -> tuple[Tensor, Tensor]:
+    """Each tensor's ||p|| and ||g|| (fp32), from the native norm pre-pass with the gradient in the update's
+    place (norm mode NORM_GRAD): one parallel pass over every parameter and gradient, summing squares in
+    float64 in include/lowbit/norm_order.h's order (the same bits for any thread count, on CPU and CUDA);
+    the sums of FSDP2 shards are added over their ranks."""
+    device = params[0].device
+    count = len(params)
+    maps = optimizer_state_map(True, device, 8)
+    args = StepArgs(
+        params=params,
+        grads=grads,
+        state1=[],
+        state2=[],
+        state3=[],
+        absmax1=[],
+        absmax2=[],
+        absmax3=[],
+        scalars=[0.0, 1.0, 1.0] * count,
+        grad_scales=None,
+        map1=maps,
+        map2=maps,
+        map3=maps,
+        rule=_C.RULES["sgd"],
+        hyper=StepHyper(lr=0.0).values(),
+        flags=0,
+        norm_mode=_C.NORM_GRAD,
+        n_states=0,
+        block_size=block_size,
+        state_bits=8,
+    )
+    sums = sum_over_shards(_ops.optimizer_norms_eager(args), originals)
+    p_norm, g_norm = sums.sqrt().float().unbind(1)
+    return p_norm, g_norm
