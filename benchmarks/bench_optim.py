@@ -26,7 +26,8 @@ and layer-norm weights have fewer than 4096 elements, so lowbit keeps fp32 state
 
 Every optimizer steps its own copy of the parameters; the gradients are fixed random tensors assigned
 once, so only ``step()`` is timed. The optimizers take turns: each warm-up round and each timed repeat
-steps every optimizer once, so a noisy neighbour or a clock change slows them all alike. The table shows
+steps every optimizer once, so a noisy neighbour or a clock change slows them all alike; the turn order rotates
+by one each repeat. The table shows
 the median and fastest step, the median per parameter, and the ratio of each median to the median of
 ``torch.optim.AdamW(fused=True)`` from the same run: this machine is noisy, so that ratio is the number
 to read, and absolute times mean something only on a GPU. State bytes per parameter are counted after
@@ -284,10 +285,15 @@ def run_workload(
             if round_ == 0:
                 memory[name] = state_bytes(opt)
     times: dict[str, list[float]] = {name: [] for name in optimizers}
+    names = list(optimizers)
     for repeat in range(repeats):
         print(f"{workload.name}: repeat {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
-        for name, opt in optimizers.items():
-            times[name].append(time_step(opt, device))
+        # The turn order rotates by one each repeat, so that no optimizer always follows the same one: on the
+        # CPU a step right after torch's for-loop AdamW (which allocates and frees its temporaries) ran 10-15%
+        # slower than after another optimizer's step.
+        start = repeat % len(names)
+        for name in names[start:] + names[:start]:
+            times[name].append(time_step(optimizers[name], device))
     return [Row(name, statistics.median(ts), min(ts), memory[name]) for name, ts in times.items()]
 
 
