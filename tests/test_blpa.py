@@ -107,13 +107,21 @@ def test_only_the_requested_gradients_are_computed(kind, frozen, x_grad, monkeyp
     if not wanted:  # nothing to differentiate: the forward is torch's layers alone
         assert not ours(x).requires_grad
         return
+    assert _decodes_of_requested(ours, x, g, wanted, full, blpa, monkeypatch) == (0 if frozen in ("map", "all") else 1)
+
+
+def _decodes_of_requested(
+    module: nn.Module, x: torch.Tensor, g: torch.Tensor, wanted: dict, full: dict, where: object, monkeypatch
+) -> int:
+    """Checks that the gradients of ``wanted`` (name -> tensor) equal those of the full backward ``full`` bit for
+    bit, and returns how many activations the backward decoded (``where``'s ``_ops.blpa_decode`` calls)."""
     decodes = []
-    decode = blpa._ops.blpa_decode
-    monkeypatch.setattr(blpa._ops, "blpa_decode", lambda *a: decodes.append(1) or decode(*a))
-    got = torch.autograd.grad(ours(x), list(wanted.values()), g)
+    decode = where._ops.blpa_decode
+    monkeypatch.setattr(where._ops, "blpa_decode", lambda *a: decodes.append(1) or decode(*a))
+    got = torch.autograd.grad(module(x), list(wanted.values()), g)
     for name, a in zip(wanted, got, strict=True):
         assert torch.equal(a, full[name]), name
-    assert len(decodes) == (0 if frozen in ("map", "all") else 1)
+    return len(decodes)
 
 
 def test_relu_mask_is_exact_at_zero_and_for_outliers():
@@ -334,13 +342,8 @@ def test_converted_unit_computes_only_the_requested_gradients(relu6, pad, frozen
         p.requires_grad_(not name.startswith(prefixes))
     x.requires_grad_(x_grad)
     wanted = {n: p for n, p in [("x", x), *params.items()] if p.requires_grad}
-    decodes = []
-    decode = blpa_convert._ops.blpa_decode
-    monkeypatch.setattr(blpa_convert._ops, "blpa_decode", lambda *a: decodes.append(1) or decode(*a))
-    got = torch.autograd.grad(ours(x), list(wanted.values()), grad)
-    for name, a in zip(wanted, got, strict=True):
-        assert torch.equal(a, full[name]), name
-    assert len(decodes) == (0 if frozen in ("map", "all") else 1)
+    decodes = _decodes_of_requested(ours, x, grad, wanted, full, blpa_convert, monkeypatch)
+    assert decodes == (0 if frozen in ("map", "all") else 1)
 
 
 @pytest.mark.parametrize("relu6", [False, True])

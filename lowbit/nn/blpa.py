@@ -64,6 +64,20 @@ def _grid(gamma: Tensor, beta: Tensor, bits: int, span: Optional[Tensor]) -> Ten
     return torch.stack([t, o, h, torch.sign(g)]).contiguous()
 
 
+def _requested(
+    needs: tuple[bool, ...],
+    g_x: Tensor,
+    g_gamma: Tensor,
+    g_beta: Tensor,
+    g_w: Optional[Tensor],
+    g_bias: Optional[Tensor],
+) -> tuple[Optional[Tensor], ...]:
+    """A block function's backward result: the gradients of (x, gamma, beta), each None where ``needs``
+    (``ctx.needs_input_grad``) says autograd did not ask for it, then those of the weight and bias (already
+    None where not asked for) and None for the block argument."""
+    return (g_x if needs[0] else None, g_gamma if needs[1] else None, g_beta if needs[2] else None, g_w, g_bias, None)
+
+
 def _bcast(v: Tensor, dim: int) -> Tensor:
     """A per-channel vector shaped to broadcast over an input of ``dim`` dims (channels at dim 1)."""
     return v.reshape((1, -1) + (1,) * (dim - 2))
@@ -133,14 +147,7 @@ class _ApproxFunction(torch.autograd.Function):
         g_x, g_gamma, g_beta = _ops.blpa_backward(
             packed, g_a3.contiguous(), grid, g32, b32, invstd, block.bits, ctx.batch_stats
         )
-        return (
-            g_x if need_x else None,
-            g_gamma.to(gamma.dtype) if need_gamma else None,
-            g_beta.to(beta.dtype) if need_beta else None,
-            g_w,
-            g_bias,
-            None,
-        )
+        return _requested(ctx.needs_input_grad, g_x, g_gamma.to(gamma.dtype), g_beta.to(beta.dtype), g_w, g_bias)
 
 
 class _ApproxBlock(nn.Module):

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
 from lowbit import _ops
-from lowbit.nn.blpa import _grid, _normalize
+from lowbit.nn.blpa import _grid, _normalize, _requested
 
 __all__ = ["BlpaBatchNorm2d", "BlpaConv2d", "BlpaReLU", "BlpaReLU6", "find_units"]
 
@@ -257,14 +257,7 @@ class _UnitFunction(torch.autograd.Function):
         g_x, g_gamma, g_beta = _ops.blpa_backward(
             packed, g_in.contiguous(), grid, g32, b32, invstd, bits, ctx.batch_stats
         )
-        return (
-            g_x if need_x else None,
-            g_gamma.to(gamma.dtype) if need_gamma else None,
-            g_beta.to(beta.dtype) if need_beta else None,
-            g_w,
-            g_bias,
-            None,
-        )
+        return _requested(ctx.needs_input_grad, g_x, g_gamma.to(gamma.dtype), g_beta.to(beta.dtype), g_w, g_bias)
 
 
 def _same_padding(conv: nn.Conv2d) -> tuple[int, int]:
