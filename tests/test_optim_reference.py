@@ -182,6 +182,64 @@ def test_4bit_codes_of_exact_ties_and_block_edges_match_reference(cpu_kernels):
     assert torch.equal(codes[tie_at], lower)
 
 
+def test_8bit_adam_codes_of_exact_ties_and_block_edges_match_reference(cpu_kernels):
+    """Adam's 8-bit block loops on the values where a fast encoder can go wrong, for both moments: exact ties
+    between two map entries, the map entries themselves, +-absmax, -0, an all-zero block, a poisoned (NaN)
+    block and a block whose absmax is subnormal (no finite inverse). With beta1 = beta2 = 0 the new moments are
+    m = g and v = g * g, whose stored root is |g| exactly, so the gradients are the values both encoders see;
+    every block's absmax is exactly 1. Blocks of whole groups of 64 take the fused loops (adam_moments_vbmi,
+    adam_encode_step_sums) where the CPU has VBMI, the 136-element tail the others."""
+    rule, n_states, flags, hyper = RULES["adam"]
+    hyper = list(hyper)
+    hyper[1], hyper[2], hyper[3], hyper[4] = 0.0, 0.0, 1.0, 1.0  # beta1 = beta2 = 0
+    hyper[6], hyper[7] = 0.0, 1.0  # no weight decay
+    block = BLOCK[8]
+    maps = [optimizer_state_map(s, torch.device("cpu"), 8) for s in (True, False)]
+
+    def ties_of(m: torch.Tensor) -> torch.Tensor:
+        lo, hi = m[:-1], m[1:]
+        mid = (lo + hi) / 2
+        return mid[((hi - mid) == (mid - lo)) & (hi > lo)]
+
+    signed_ties, unsigned_ties = ties_of(maps[0]), ties_of(maps[1])
+    assert signed_ties.numel() >= 8 and unsigned_ties.numel() >= 8, "the 8-bit maps should have exact midpoints"
+    gen = torch.Generator().manual_seed(0)
+    values = torch.cat([signed_ties, maps[0], maps[1], unsigned_ties, -unsigned_ties, torch.tensor([-0.0, 0.0])])
+    n = 40 * block + 136
+    grad = values[torch.randint(values.numel(), (n,), generator=gen)]
+    grad[::block] = 1.0  # every block's absmax is exactly 1 ...
+    grad[block // 2 :: 4 * block] = -1.0  # ... and some reach it from below too
+    grad[3 * block : 4 * block] = 0.0
+    grad[7 * block : 8 * block] = -0.0
+    grad[5 * block + 7] = float("nan")
+    grad[9 * block : 10 * block] *= 1e-39  # a subnormal absmax
+    params = [torch.randn(n, generator=gen)]
+    states, absmax = [[], [], []], [[], [], []]
+    for k, m in enumerate(maps):
+        value = torch.randn(n, generator=gen) * 0.1
+        codes, qs = quantize_blockwise(value if k == 0 else value.abs(), code=m, blocksize=block)
+        states[k].append(codes)
+        absmax[k].append(qs.absmax)
+    scalars = [1e-3 / (1 - 0.9**2), (1 - 0.999**2) ** 0.5, 0.0]
+    ours = copy.deepcopy((params, *states, *absmax))
+    ref = copy.deepcopy((params, *states, *absmax))
+    args = (scalars, None, maps[0], maps[1], maps[1], rule, hyper, flags, 0, n_states, block, None, 8)
+    _ops.optimizer_step_(ours[0], [grad], *ours[1:], *args)
+    R.optimizer_step_(ref[0], [grad], *ref[1:], *args)
+    for got, want in zip(ours, ref, strict=True):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    # Direction: a tie of either moment stored the lower of its two entries.
+    m_codes, root_codes = ours[1][0].long(), ours[2][0].long()
+    clean = (torch.arange(n) // block != 5) & (torch.arange(n) // block != 9)
+    m_tie = torch.isin(grad, signed_ties) & clean
+    assert m_tie.any()
+    assert torch.equal(m_codes[m_tie], torch.searchsorted(maps[0], grad[m_tie], right=True) - 1)
+    root_tie = torch.isin(grad.abs(), unsigned_ties) & clean
+    assert root_tie.any()
+    assert torch.equal(root_codes[root_tie], torch.searchsorted(maps[1], grad[root_tie].abs(), right=True) - 1)
+
+
 def _rank1_case(rule: int, n_states: int, shape: tuple[int, ...], seed: int, nan: bool = False) -> tuple:
     """One fp32 tensor of ``shape`` with 4-bit states whose second moment is normalised rank-1 (statistics
     from the twin's maxima of the stored roots), as the op's arguments."""

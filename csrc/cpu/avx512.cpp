@@ -17,6 +17,7 @@
 #include "avx512_codes.h"
 #include "encode.h"
 #include "map_index.h"
+#include "vbmi_decode.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -124,39 +125,18 @@ LB_TARGET void decode_u8_avx512(const float* map, const uint8_t* codes, int cnt,
   for (; i < cnt; ++i) out[i] = map[codes[i]] * scale;
 }
 
-// Element order of the byte planes such that the lane-wise unpacks of decode_u8_vbmi produce floats
-// in order: plane position 16 L + 4 m + j holds element 16 m + 4 L + j.
-alignas(64) constexpr uint8_t kPlaneOrder[64] = {
-    0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4,  5,  6,  7,  20, 21,
-    22, 23, 36, 37, 38, 39, 52, 53, 54, 55, 8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43,
-    56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
-
-// The planes in four registers each: two-table byte permutes look up 64 codes per plane at once, and
-// the unpacks reassemble the floats, exactly.
+// The planes in four registers each (vbmi_decode.h), 64 codes at a time.
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void decode_u8_vbmi(const BytePlanes& planes, const float* map,
                                                                            const uint8_t* codes, int cnt, float scale,
                                                                            float* out) {
-  __m512i t[4][4];
-  for (int k = 0; k < 4; ++k) {
-    for (int q = 0; q < 4; ++q) t[k][q] = _mm512_load_si512(planes.p[k] + 64 * q);
-  }
+  const PlaneRegisters r = plane_registers(planes);
   const __m512i order = _mm512_load_si512(kPlaneOrder);
   const __m512 s = _mm512_set1_ps(scale);
   int i = 0;
   for (; i + 64 <= cnt; i += 64) {
-    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes + i));
-    const __mmask64 high = _mm512_movepi8_mask(c);
-    __m512i p[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m512i lo = _mm512_permutex2var_epi8(t[k][0], c, t[k][1]);
-      const __m512i hi = _mm512_permutex2var_epi8(t[k][2], c, t[k][3]);
-      p[k] = _mm512_mask_blend_epi8(high, lo, hi);
-    }
-    const __m512i b01_lo = _mm512_unpacklo_epi8(p[0], p[1]), b01_hi = _mm512_unpackhi_epi8(p[0], p[1]);
-    const __m512i b23_lo = _mm512_unpacklo_epi8(p[2], p[3]), b23_hi = _mm512_unpackhi_epi8(p[2], p[3]);
-    const __m512i f[4] = {_mm512_unpacklo_epi16(b01_lo, b23_lo), _mm512_unpackhi_epi16(b01_lo, b23_lo),
-                          _mm512_unpacklo_epi16(b01_hi, b23_hi), _mm512_unpackhi_epi16(b01_hi, b23_hi)};
-    for (int m = 0; m < 4; ++m) _mm512_storeu_ps(out + i + 16 * m, _mm512_mul_ps(_mm512_castsi512_ps(f[m]), s));
+    __m512 v[4];
+    vbmi_decode64(r, order, codes + i, s, v);
+    for (int m = 0; m < 4; ++m) _mm512_storeu_ps(out + i + 16 * m, v[m]);
   }
   if (i < cnt) decode_u8_avx512(map, codes + i, cnt - i, scale, out + i);
 }

@@ -29,11 +29,32 @@ inline NearestBlock nearest_block(const MapIndex& index, float absmax) {
   return {reinterpret_cast<const int*>(index.nearest_steps()) - kFirstBucket, absmax, block_inverse(absmax)};
 }
 
-// order_key (map_index.h) of 16 floats.
+// order_key (map_index.h) of 16 floats, as b ^ (neg | 0x80000000): the same key in one three-input logic
+// operation (imm 0x1E: a ^ (b | c)) after the sign broadcast.
 __attribute__((target("avx512f"))) inline __m512i order_keys(__m512 x) {
   const __m512i b = _mm512_castps_si512(_mm512_add_ps(x, _mm512_setzero_ps()));
   const __m512i neg = _mm512_srai_epi32(b, 31);
-  return _mm512_xor_si512(_mm512_xor_si512(b, _mm512_srli_epi32(neg, 1)), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm512_ternarylogic_epi32(b, neg, _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0x1E);
+}
+
+// order_key of 16 floats that are +0 or positive (never -0 or NaN): the sign bit set.
+__attribute__((target("avx512f"))) inline __m512i nonnegative_keys(__m512 x) {
+  return _mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+}
+
+// step_code of the nearest words of 16 keys by the index's nearest_sums() (sums: the table less
+// kFirstBucket): one gather, an add and a shift.
+__attribute__((target("avx512f"))) inline __m512i sum_codes16(const int* sums, __m512i key) {
+  const __m512i word = _mm512_i32gather_epi32(_mm512_srli_epi32(key, 16), sums, 4);
+  return _mm512_srli_epi32(_mm512_add_epi32(word, key), 16);
+}
+
+// Four vectors of 16 codes (0..255) as their 64 bytes in order: saturating packs (exact for codes below
+// 256) interleave the 128-bit lanes, one dword permute restores the order. Three shuffles where four
+// vpmovdb take eight.
+__attribute__((target("avx512f,avx512bw"))) inline __m512i pack_codes64(__m512i a, __m512i b, __m512i c, __m512i d) {
+  const __m512i bytes = _mm512_packus_epi16(_mm512_packus_epi32(a, b), _mm512_packus_epi32(c, d));
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), bytes);
 }
 
 // step_code (map_index.h) of 16 elements with order keys `key` in buckets `bucket`: the step words by

@@ -51,7 +51,8 @@ MapIndex::MapIndex(const float* map, uint32_t n)
       padded_(map, map + n),
       start_(kLastBucket - kFirstBucket + 1),
       floor_steps_(kLastBucket - kFirstBucket + 1),
-      nearest_steps_(kLastBucket - kFirstBucket + 1) {
+      nearest_steps_(kLastBucket - kFirstBucket + 1),
+      nearest_sums_(kLastBucket - kFirstBucket + 1) {
   padded_.push_back(std::numeric_limits<float>::infinity());
   for (uint32_t i = 0; i < n; ++i) {
     low_gap_.push_back(padded_[i]);
@@ -84,6 +85,7 @@ MapIndex::MapIndex(const float* map, uint32_t n)
       }
     }
     nearest_steps_[b - kFirstBucket] = base << kStepBits | jump;
+    nearest_sums_[b - kFirstBucket] = (base << 16) + (0x10000u - jump) - (b << 16);
     nearest_direct_ = nearest_direct_ && jumps <= 1;
   }
   const float below_one = std::nextafter(1.f, 0.f);

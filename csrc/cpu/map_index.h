@@ -69,6 +69,12 @@ class MapIndex {
   // when steps() <= 1) or its nearest code (valid when nearest_direct()).
   const uint32_t* floor_steps() const { return floor_steps_.data(); }
   const uint32_t* nearest_steps() const { return nearest_steps_.data(); }
+  // The nearest steps as sums, indexed by bucket - kFirstBucket: (nearest_sums()[bucket - kFirstBucket] +
+  // key) >> 16, in uint32 arithmetic, is step_code of the nearest word for any key of the bucket (valid when
+  // nearest_direct()). Two operations instead of step_code's five: the word (code << 16) + 0x10000 - step,
+  // less the bucket's key bits (bucket << 16), adds up to (code << 16) + 0x10000 + low - step, whose bit 16
+  // is set exactly when the key's low half low >= step.
+  const uint32_t* nearest_sums() const { return nearest_sums_.data(); }
 
   // True when no bucket holds more than one step of the nearest code.
   bool nearest_direct() const { return nearest_direct_; }
@@ -95,6 +101,7 @@ class MapIndex {
   std::vector<uint8_t> start_;  // floor index at each bucket's first x; bytes keep it cache-resident
   std::vector<uint32_t> floor_steps_;
   std::vector<uint32_t> nearest_steps_;
+  std::vector<uint32_t> nearest_sums_;
 };
 
 // The index for this map, built on first use and kept in a small cache keyed by the map values.

@@ -27,6 +27,7 @@
 #include "map_index.h"
 #include "pack_chunk.h"
 #include "parallel.h"
+#include "vbmi_decode.h"
 
 namespace lowbit::cpu {
 namespace {
@@ -510,6 +511,100 @@ __attribute__((target("avx512f"))) void adam_encode_step_avx512(const StepHyper&
   }
 }
 
+#ifdef LB_VBMI_DECODE
+// adam_moments_avx512 on fp32 parameters with the states' decode in the same loop, 64 elements at a time
+// (cnt a multiple of 64): the first moment by gathers from its map (the load ports, idle in this pass), the
+// second by the VBMI byte-plane permutes (port 5), while the square roots keep the divider busy. Where the
+// decode was a pass of its own, each of the three waited on one unit. The same operations on the same
+// values as block_states and adam_moments_avx512 (the decoded values are map[code] * absmax either way), so
+// the same results; s1 and s2 receive the new m and root of v.
+// kSmall: torch_lerp's first form (|1 - beta1| < 0.5); kL2: weight decay added to the gradient. Template
+// arguments like kFlags, because as run-time values GCC tested them in every iteration.
+template <int32_t kFlags, bool kSmall, bool kL2>
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
+    const StepHyper& h, const StepScalars& sc, const float* __restrict param, const float* __restrict grad,
+    const uint8_t* __restrict q1, const uint8_t* __restrict q2, float absmax1, float absmax2, const float* map1,
+    const BytePlanes& planes2, float* __restrict s1, float* __restrict s2, int cnt, uint32_t* max_bits) {
+  const PlaneRegisters t2 = plane_registers(planes2);
+  const __m512i order = _mm512_load_si512(kPlaneOrder);
+  const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
+  // torch_lerp's two forms (optim_rules.h): m + w (g - m) or g + (w - 1) (g - m).
+  const __m512 lerp_weight = _mm512_set1_ps(kSmall ? h.one_minus_beta1 : h.one_minus_beta1 - 1.f);
+  const __m512 beta2 = _mm512_set1_ps(h.beta2), one_minus_beta2 = _mm512_set1_ps(h.one_minus_beta2);
+  const __m512 grad_scale = _mm512_set1_ps(sc.grad_scale), weight_decay = _mm512_set1_ps(h.weight_decay);
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  __m512i max1 = _mm512_setzero_si512(), max2 = _mm512_setzero_si512();
+  for (int j = 0; j < cnt; j += 64) {
+    __m512 root_old[4];
+    vbmi_decode64(t2, order, q2 + j, scale2, root_old);
+    for (int k = 0; k < 4; ++k) {
+      const int i = j + 16 * k;
+      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + i)));
+      const __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(codes, map1, 4), scale1);
+      // effective_grad, then adam_moments' L2 term.
+      __m512 g = _mm512_mul_ps(_mm512_loadu_ps(grad + i), grad_scale);
+      if (kFlags & kMaximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
+      if (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(weight_decay, _mm512_loadu_ps(param + i)));
+      const __m512 m_new = _mm512_add_ps(kSmall ? m : g, _mm512_mul_ps(lerp_weight, _mm512_sub_ps(g, m)));
+      const __m512 v = _mm512_mul_ps(root_old[k], root_old[k]);
+      const __m512 v_new = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
+      const __m512 root = _mm512_sqrt_ps(v_new);
+      _mm512_storeu_ps(s1 + i, m_new);
+      _mm512_storeu_ps(s2 + i, root);
+      max1 = _mm512_max_epu32(max1, _mm512_and_si512(_mm512_castps_si512(m_new), magnitude));
+      max2 = _mm512_max_epu32(max2, _mm512_and_si512(_mm512_castps_si512(root), magnitude));
+    }
+  }
+  max_bits[0] = _mm512_reduce_max_epu32(max1);
+  max_bits[1] = _mm512_reduce_max_epu32(max2);
+  max_bits[2] = 0;
+}
+
+// adam_encode_step_avx512 for fp32 parameters, unit-stable maps and cnt a multiple of 64: the codes by the
+// indexes' nearest_sums (sums1, sums2: the tables less kFirstBucket), the root of v keyed as non-negative
+// (it is +0 or positive: v is a sum of products of like-signed factors, its root is finite here), 64 codes
+// of each state packed per store, the step's constants held in registers. Same codes and parameters as
+// adam_encode_step_avx512.
+template <bool kDecay>
+__attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const StepHyper& h, const StepScalars& sc,
+                                                                      float* __restrict param, const float* __restrict s1,
+                                                                      const float* __restrict s2, int cnt,
+                                                                      const int* sums1, const int* sums2, float inv1,
+                                                                      float inv2, uint8_t* __restrict q1,
+                                                                      uint8_t* __restrict q2) {
+  // adam_update and stepped (optim_rules.h), operation for operation.
+  const __m512 bias2_sqrt = _mm512_set1_ps(sc.bias2_sqrt), eps = _mm512_set1_ps(h.eps);
+  const __m512 step_size = _mm512_set1_ps(sc.step_size), update_scale = _mm512_set1_ps(sc.update_scale);
+  const __m512 decay = _mm512_set1_ps(h.decay);
+  // nearest_codes16's normalisation for unit-stable maps; an inverse of 0 (absmax <= 0) gives x * 0 = +-0,
+  // keyed as +0, which is normalise()'s 0 for such blocks.
+  const __m512 scale1 = _mm512_set1_ps(inv1), scale2 = _mm512_set1_ps(inv2);
+  for (int j = 0; j < cnt; j += 64) {
+    __m512i c1[4], c2[4];
+    for (int k = 0; k < 4; ++k) {
+      const int i = j + 16 * k;
+      const __m512 m = _mm512_loadu_ps(s1 + i), root = _mm512_loadu_ps(s2 + i);
+      c1[k] = sum_codes16(sums1, order_keys(_mm512_mul_ps(m, scale1)));
+      c2[k] = sum_codes16(sums2, nonnegative_keys(_mm512_mul_ps(root, scale2)));
+      const __m512 denom = _mm512_add_ps(_mm512_div_ps(root, bias2_sqrt), eps);
+      const __m512 u = _mm512_div_ps(_mm512_mul_ps(step_size, m), denom);
+      __m512 p = _mm512_loadu_ps(param + i);
+      if (kDecay) p = _mm512_mul_ps(p, decay);
+      _mm512_storeu_ps(param + i, _mm512_sub_ps(p, _mm512_mul_ps(update_scale, u)));
+    }
+    _mm512_storeu_si512(q1 + j, pack_codes64(c1[0], c1[1], c1[2], c1[3]));
+    _mm512_storeu_si512(q2 + j, pack_codes64(c2[0], c2[1], c2[2], c2[3]));
+  }
+}
+#endif
+
+// Calls fn(std::bool_constant<b>{}).
+template <typename Fn>
+LB_ALWAYS_INLINE inline void with_bool(bool b, Fn&& fn) {
+  if (b) return fn(std::true_type{});
+  fn(std::false_type{});
+}
+
 template <typename Fn>
 LB_ALWAYS_INLINE inline void with_bools(bool a, bool b, bool c, Fn&& fn) {
   const auto pick_c = [&](auto x, auto y) LB_ALWAYS_INLINE {
@@ -524,16 +619,54 @@ LB_ALWAYS_INLINE inline void with_bools(bool a, bool b, bool c, Fn&& fn) {
   pick_b(std::false_type{});
 }
 
-// step_block's Adam path for a block of 8-bit states (s: the decoded states) when coders.adam_split. A
-// block with a non-finite moment, or whose absmax has no finite inverse, steps its parameters first and
-// then takes the non-finite restart and store_state, as step_block does.
+// Whether adam_block's block runs the fused loops (adam_moments_vbmi, adam_encode_step_sums): fp32
+// parameters, the VBMI decoder in use, whole groups of 64 and unit-stable maps.
+template <typename T>
+bool adam_fused(const StateCoders& coders, int cnt) {
+#ifdef LB_VBMI_DECODE
+  return std::is_same_v<T, float> && coders.planes[1] != nullptr && cnt % 64 == 0 && coders.index[0]->unit_stable() &&
+         coders.index[1]->unit_stable();
+#else
+  return false;
+#endif
+}
+
+// step_block's Adam path for a block of 8-bit states when coders.adam_split: the states decoded and the new
+// moments computed, then both encoded while the parameters step. A block with a non-finite moment, or whose
+// absmax has no finite inverse, steps its parameters first and then takes the non-finite restart and
+// store_state, as step_block does.
 template <typename T>
 void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
-                const StateCoders& coders, float* const* s, T* param, const T* grad) {
+                const StateCoders& coders, T* param, const T* grad) {
+  float decoded[kMaxStates][kMaxBlock];
+  float* s[kMaxStates] = {decoded[0], decoded[1], decoded[2]};
   uint32_t max_bits[kMaxStates];
-  with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
-    adam_moments_avx512<decltype(flags)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
-  });
+  uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo;
+  uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo;
+  const bool fused = adam_fused<T>(coders, cnt);
+#ifdef LB_VBMI_DECODE
+  if constexpr (std::is_same_v<T, float>) {
+    if (fused) {
+      const bool small = fabsf(a.hyper.one_minus_beta1) < 0.5f;
+      const bool l2 = a.hyper.weight_decay != 0.f && !(a.hyper.flags & kDecoupled);
+      with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
+        with_bool(small, [&](auto kSmall) LB_ALWAYS_INLINE {
+          with_bool(l2, [&](auto kL2) LB_ALWAYS_INLINE {
+            adam_moments_vbmi<decltype(flags)::value, decltype(kSmall)::value, decltype(kL2)::value>(
+                a.hyper, t.scalars, param, grad, q1, q2, t.absmax[0][block], t.absmax[1][block], state_map(a, 0),
+                *coders.planes[1], s[0], s[1], cnt, max_bits);
+          });
+        });
+      });
+    }
+  }
+#endif
+  if (!fused) {
+    block_states<2>(a, t, block, lo, cnt, coders.planes, decoded, s);
+    with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
+      adam_moments_avx512<decltype(flags)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
+    });
+  }
   const bool decay = a.hyper.weight_decay != 0.f && (a.hyper.flags & kDecoupled);
   const NearestBlock b1 = nearest_block(*coders.index[0], absmax_from_bits(max_bits[0]));
   const NearestBlock b2 = nearest_block(*coders.index[1], absmax_from_bits(max_bits[1]));
@@ -552,8 +685,16 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   }
   t.absmax[0][block] = b1.absmax;
   t.absmax[1][block] = b2.absmax;
-  uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo;
-  uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo;
+#ifdef LB_VBMI_DECODE
+  if constexpr (std::is_same_v<T, float>) {
+    if (fused) {
+      const int* sums1 = reinterpret_cast<const int*>(coders.index[0]->nearest_sums()) - kFirstBucket;
+      const int* sums2 = reinterpret_cast<const int*>(coders.index[1]->nearest_sums()) - kFirstBucket;
+      if (decay) return adam_encode_step_sums<true>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv, b2.inv, q1, q2);
+      return adam_encode_step_sums<false>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv, b2.inv, q1, q2);
+    }
+  }
+#endif
   with_bools(!coders.index[0]->unit_stable(), !coders.index[1]->unit_stable(), decay, [&](auto e1, auto e2, auto d) {
     adam_encode_step_avx512<decltype(e1)::value, decltype(e2)::value, decltype(d)::value>(
         a.hyper, t.scalars, param, s[0], s[1], cnt, coders.index, b1, b2, q1, q2);
@@ -571,29 +712,38 @@ LB_ALWAYS_INLINE inline void with_root(bool quantized, Fn&& fn) {
   fn(std::false_type{});
 }
 
-// Starts reading the parameter and gradient of the block two ahead into L2. A block reads them only in its
-// update, so the hardware prefetchers, which follow the demand stream, idle while the states decode and
-// encode; requested two blocks early, the lines arrive in time (Adam8bit, one 16M fp32 tensor, 2 threads:
-// 1.28-1.40x fused AdamW's step without, 1.10-1.16x with; one block ahead about as good, three worse).
+// Starts reading bytes [0, bytes) at p into L2.
+inline void prefetch_l2(const char* p, int64_t bytes) {
+  constexpr int64_t kLine = 64;
+  for (int64_t off = 0; off < bytes; off += kLine) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    // prefetcht1 (into L2) as volatile asm: GCC 12 drops a loop of __builtin_prefetch when it inlines it
+    // into step_block (the built module held no prefetch instruction).
+    asm volatile("prefetcht1 %0" : : "m"(p[off]));
+#else
+    __builtin_prefetch(p + off, 0, 2);
+#endif
+  }
+}
+
+// Starts reading the parameter, gradient and quantized states of the block two ahead into L2. A block reads
+// its parameters and gradients only in its update, so the hardware prefetchers, which follow the demand
+// stream, idle while the states decode and encode; requested two blocks early, the lines arrive in time
+// (Adam8bit, one 16M fp32 tensor, 2 threads: 1.28-1.40x fused AdamW's step without, 1.10-1.16x with; one
+// block ahead about as good, three worse). The states' lines, read first thing in a block, wait on memory
+// as well: prefetched too, Adam8bit's block loop over one 16M fp32 tensor took 6-10% less time (1 thread).
 template <typename T>
 void prefetch_ahead(const OptimArgs& a, const TensorView& t, int64_t lo) {
   constexpr int64_t kAhead = 2;
-  constexpr int64_t kLine = 64;
   const int64_t from = lo + kAhead * a.block_size;
   if (from >= t.n) return;
-  const int64_t bytes = (std::min(t.n, from + a.block_size) - from) * static_cast<int64_t>(sizeof(T));
-  const char* param = static_cast<const char*>(t.param) + from * static_cast<int64_t>(sizeof(T));
-  const char* grad = static_cast<const char*>(t.grad) + from * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < bytes; off += kLine) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    // prefetcht1 (into L2) as volatile asm: GCC 12 drops this loop of __builtin_prefetch when it inlines it
-    // here (the built module held no prefetch instruction).
-    asm volatile("prefetcht1 %0" : : "m"(param[off]));
-    asm volatile("prefetcht1 %0" : : "m"(grad[off]));
-#else
-    __builtin_prefetch(param + off, 1, 2);
-    __builtin_prefetch(grad + off, 0, 2);
-#endif
+  const int64_t count = std::min(t.n, from + a.block_size) - from;
+  const int64_t size = static_cast<int64_t>(sizeof(T));
+  prefetch_l2(static_cast<const char*>(t.param) + from * size, count * size);
+  prefetch_l2(static_cast<const char*>(t.grad) + from * size, count * size);
+  if (!t.quantized) return;
+  for (int k = 0; k < a.n_states; ++k) {
+    prefetch_l2(static_cast<const char*>(t.state[k]) + from * t.bits / 8, (count * t.bits + 7) / 8);
   }
 }
 
@@ -601,19 +751,19 @@ template <Rule kRule, int kStates, typename T>
 void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders) {
   const int64_t lo = block * a.block_size;
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
-  float decoded[kMaxStates][kMaxBlock];
-  float* s[kMaxStates];
-  block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   prefetch_ahead<T>(a, t, lo);
 #ifdef LB_AVX512_CODES
   if constexpr (kRule == Rule::Adam && kStates == 2) {
     if (coders.adam_split && t.bits == 8 && !t.stochastic && t.rank1_slot < 0) {
-      return adam_block(a, t, block, lo, cnt, coders, s, param, grad);
+      return adam_block(a, t, block, lo, cnt, coders, param, grad);
     }
   }
 #endif
+  float decoded[kMaxStates][kMaxBlock];
+  float* s[kMaxStates];
+  block_states<kStates>(a, t, block, lo, cnt, coders.planes, decoded, s);
   uint32_t max_bits[kMaxStates];
   with_root<kRule>(t.quantized, [&](auto root) {
     update<kRule, kStates, decltype(root)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], s[2], cnt, max_bits);
