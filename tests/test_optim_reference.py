@@ -134,13 +134,38 @@ def test_norm_modes_match_reference(name, norm_mode):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def _adam_step_matches_reference(grad: torch.Tensor, hyper: list, bits: int, gen: torch.Generator) -> tuple:
+    """One Adam step of the fused op and of the twin on one fp32 parameter with gradient ``grad``, from states of
+    ``bits`` quantized from random values: bit-identical results. Returns the op's (params, state1, state2, absmax1,
+    absmax2)."""
+    rule, n_states, flags, _ = RULES["adam"]
+    block = BLOCK[bits]
+    params = [torch.randn(grad.numel(), generator=gen)]
+    maps = [optimizer_state_map(s, torch.device("cpu"), bits) for s in (True, False)]
+    states, absmax = [[], [], []], [[], [], []]
+    for k, m in enumerate(maps):
+        value = torch.randn(grad.numel(), generator=gen) * 0.1
+        codes, qs = quantize_blockwise(value if k == 0 else value.abs(), code=m, blocksize=block)
+        states[k].append(codes)
+        absmax[k].append(qs.absmax)
+    scalars = [1e-3 / (1 - 0.9**2), (1 - 0.999**2) ** 0.5, 0.0]
+    ours = copy.deepcopy((params, *states, *absmax))
+    ref = copy.deepcopy((params, *states, *absmax))
+    args = (scalars, None, maps[0], maps[1], maps[1], rule, hyper, flags, 0, n_states, block, None, bits)
+    _ops.optimizer_step_(ours[0], [grad], *ours[1:], *args)
+    R.optimizer_step_(ref[0], [grad], *ref[1:], *args)
+    for got, want in zip(ours, ref, strict=True):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    return ours
+
+
 def test_4bit_codes_of_exact_ties_and_block_edges_match_reference(cpu_kernels):
     """The 4-bit state encoder on the values where a fast encoder can go wrong: exact ties between two map
     entries (nearest goes to the lower one), the map entries themselves, +-absmax, an all-zero block and a
     poisoned (NaN) block. Adam with beta1 = 0 stores exp_avg = grad exactly, so the gradients are the values
     that the first-moment encoder sees, normalised by an absmax of exactly 1."""
-    rule, n_states, flags, hyper = RULES["adam"]
-    hyper = list(hyper)
+    hyper = list(RULES["adam"][3])
     hyper[1], hyper[3] = 0.0, 1.0  # beta1 = 0 and no weight decay: exp_avg = grad
     hyper[6], hyper[7] = 0.0, 1.0
     block = BLOCK[4]
@@ -157,23 +182,7 @@ def test_4bit_codes_of_exact_ties_and_block_edges_match_reference(cpu_kernels):
     grad[block // 2 :: 4 * block] = -1.0  # ... and some reach it from below too
     grad[3 * block : 4 * block] = 0.0
     grad[5 * block + 7] = float("nan")
-    params = [torch.randn(n, generator=gen)]
-    maps = [optimizer_state_map(s, torch.device("cpu"), 4) for s in (True, False)]
-    states, absmax = [[], [], []], [[], [], []]
-    for k, m in enumerate(maps):
-        value = torch.randn(n, generator=gen) * 0.1
-        codes, qs = quantize_blockwise(value if k == 0 else value.abs(), code=m, blocksize=block)
-        states[k].append(codes)
-        absmax[k].append(qs.absmax)
-    scalars = [1e-3 / (1 - 0.9**2), (1 - 0.999**2) ** 0.5, 0.0]
-    ours = copy.deepcopy((params, *states, *absmax))
-    ref = copy.deepcopy((params, *states, *absmax))
-    args = (scalars, None, maps[0], maps[1], maps[1], rule, hyper, flags, 0, n_states, block, None, 4)
-    _ops.optimizer_step_(ours[0], [grad], *ours[1:], *args)
-    R.optimizer_step_(ref[0], [grad], *ref[1:], *args)
-    for got, want in zip(ours, ref, strict=True):
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    ours = _adam_step_matches_reference(grad, hyper, 4, gen)
     # Direction: a tie stored the lower of its two entries (low nibble first, pack.h).
     packed = ours[1][0]
     codes = torch.stack([packed & 15, packed >> 4], dim=1).flatten().long()
@@ -189,8 +198,7 @@ def test_8bit_adam_codes_of_exact_ties_and_block_edges_match_reference(cpu_kerne
     m = g and v = g * g, whose stored root is |g| exactly, so the gradients are the values both encoders see;
     every block's absmax is exactly 1. Blocks of whole groups of 64 take the fused loops (adam_moments_vbmi,
     adam_encode_step_sums) where the CPU has VBMI, the 136-element tail the others."""
-    rule, n_states, flags, hyper = RULES["adam"]
-    hyper = list(hyper)
+    hyper = list(RULES["adam"][3])
     hyper[1], hyper[2], hyper[3], hyper[4] = 0.0, 0.0, 1.0, 1.0  # beta1 = beta2 = 0
     hyper[6], hyper[7] = 0.0, 1.0  # no weight decay
     block = BLOCK[8]
@@ -213,22 +221,7 @@ def test_8bit_adam_codes_of_exact_ties_and_block_edges_match_reference(cpu_kerne
     grad[7 * block : 8 * block] = -0.0
     grad[5 * block + 7] = float("nan")
     grad[9 * block : 10 * block] *= 1e-39  # a subnormal absmax
-    params = [torch.randn(n, generator=gen)]
-    states, absmax = [[], [], []], [[], [], []]
-    for k, m in enumerate(maps):
-        value = torch.randn(n, generator=gen) * 0.1
-        codes, qs = quantize_blockwise(value if k == 0 else value.abs(), code=m, blocksize=block)
-        states[k].append(codes)
-        absmax[k].append(qs.absmax)
-    scalars = [1e-3 / (1 - 0.9**2), (1 - 0.999**2) ** 0.5, 0.0]
-    ours = copy.deepcopy((params, *states, *absmax))
-    ref = copy.deepcopy((params, *states, *absmax))
-    args = (scalars, None, maps[0], maps[1], maps[1], rule, hyper, flags, 0, n_states, block, None, 8)
-    _ops.optimizer_step_(ours[0], [grad], *ours[1:], *args)
-    R.optimizer_step_(ref[0], [grad], *ref[1:], *args)
-    for got, want in zip(ours, ref, strict=True):
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    ours = _adam_step_matches_reference(grad, hyper, 8, gen)
     # Direction: a tie of either moment stored the lower of its two entries.
     m_codes, root_codes = ours[1][0].long(), ours[2][0].long()
     clean = (torch.arange(n) // block != 5) & (torch.arange(n) // block != 9)
