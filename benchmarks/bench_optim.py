@@ -267,6 +267,20 @@ def time_step(opt: torch.optim.Optimizer, device: torch.device) -> float:
     return time_once(opt.step, device)
 
 
+def turn_orders(names: list[str], repeats: int, seed: int = 0) -> Iterator[list[str]]:
+    """The optimizers' turn order in each of ``repeats`` timed repeats: a new shuffle each repeat (fixed
+    ``seed``), so that no optimizer always follows the same one. On the CPU a step right after one that wrote
+    or allocated much memory (torch's for-loop and foreach steps, whose temporaries are freed again) ran
+    10-25% slower than after another optimizer's step. Rotating the order, as this benchmark once did, keeps
+    each optimizer's predecessor: Adam8bit always followed torch's foreach SGD (1.02-1.17x fused AdamW's
+    median in three runs; 0.96-1.02x with the order shuffled)."""
+    rng = random.Random(seed)
+    order = list(names)
+    for _ in range(repeats):
+        rng.shuffle(order)
+        yield list(order)
+
+
 def run_workload(
     workload: Workload,
     factories: dict[str, Factory],
@@ -286,17 +300,9 @@ def run_workload(
             if round_ == 0:
                 memory[name] = state_bytes(opt)
     times: dict[str, list[float]] = {name: [] for name in optimizers}
-    names = list(optimizers)
-    order = random.Random(0)
-    for repeat in range(repeats):
+    for repeat, order in enumerate(turn_orders(list(optimizers), repeats)):
         print(f"{workload.name}: repeat {repeat + 1}/{repeats} ...", file=sys.stderr, flush=True)
-        # A new turn order each repeat, so that no optimizer always follows the same one: on the CPU a step
-        # right after one that wrote or allocated much memory (torch's for-loop and foreach steps, whose
-        # temporaries are freed again) ran 10-25% slower than after another optimizer's step. Rotating the
-        # order, as this loop once did, keeps each optimizer's predecessor: Adam8bit always followed torch's
-        # foreach SGD (1.02-1.17x fused AdamW's median in three runs; 0.96-1.02x with the order shuffled).
-        order.shuffle(names)
-        for name in names:
+        for name in order:
             times[name].append(time_step(optimizers[name], device))
     return [Row(name, statistics.median(ts), min(ts), memory[name]) for name, ts in times.items()]
 
