@@ -607,16 +607,9 @@ LB_ALWAYS_INLINE inline void with_bool(bool b, Fn&& fn) {
 
 template <typename Fn>
 LB_ALWAYS_INLINE inline void with_bools(bool a, bool b, bool c, Fn&& fn) {
-  const auto pick_c = [&](auto x, auto y) LB_ALWAYS_INLINE {
-    if (c) return fn(x, y, std::true_type{});
-    fn(x, y, std::false_type{});
-  };
-  const auto pick_b = [&](auto x) LB_ALWAYS_INLINE {
-    if (b) return pick_c(x, std::true_type{});
-    pick_c(x, std::false_type{});
-  };
-  if (a) return pick_b(std::true_type{});
-  pick_b(std::false_type{});
+  with_bool(a, [&](auto x) LB_ALWAYS_INLINE {
+    with_bool(b, [&](auto y) LB_ALWAYS_INLINE { with_bool(c, [&](auto z) LB_ALWAYS_INLINE { fn(x, y, z); }); });
+  });
 }
 
 // Starts reading bytes [0, bytes) at p into L2.
