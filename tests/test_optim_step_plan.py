@@ -102,6 +102,19 @@ def _new_storage(run: Run) -> None:
     p.data = p.data.clone()  # same shape, another storage: the step must write the new one
 
 
+def _new_state_storage(run: Run) -> None:
+    state = run.opt.state[run.groups[1][0]]
+    state["state1"].data = state["state1"].data.clone()  # the same tensor object on another storage
+
+
+def _set_step_counter(run: Run) -> None:
+    run.opt.state[run.groups[0][1]]["step"] = torch.tensor(40.0)  # a new counter: the bias corrections follow it
+
+
+def _edit_step_counter(run: Run) -> None:
+    run.opt.state[run.groups[1][0]]["step"].fill_(20.0)  # in place: the plan stays, and the step reads 21
+
+
 def _reshape(run: Run) -> None:
     p = run.groups[1][0]
     p.data = p.data.reshape(32, 40).clone()  # same numel; rank-1 statistics and factors follow the shape
@@ -132,6 +145,9 @@ EDITS: dict[str, tuple[Callable[[Run], None], bool]] = {
     "override": (_override, True),
     "no_grad": (_drop_grad, True),
     "new_storage": (_new_storage, False),
+    "new_state_storage": (_new_state_storage, False),
+    "set_step_counter": (_set_step_counter, True),
+    "edit_step_counter": (_edit_step_counter, False),
     "reshape": (_reshape, True),
     "replace_state": (_replace_state, True),
     "load_state_dict": (_load_state_dict, True),

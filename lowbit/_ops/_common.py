@@ -3,6 +3,7 @@ turns a device into the native entry point for it."""
 
 from __future__ import annotations
 
+import array
 import inspect
 import typing
 from collections.abc import Callable, Sequence
@@ -161,9 +162,18 @@ def call_tables(
     rows: Sequence[Sequence[int]], cols: int, scalars: list[float], device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """The per-tensor tables of a fused call: ``rows`` as an int64 (count, cols) table and ``scalars`` as
-    fp32, on ``device`` (pinned and copied in stream order to a GPU, so the host does not wait)."""
+    fp32 (:func:`scalar_table`), on ``device`` (pinned and copied in stream order to a GPU, so the host does
+    not wait)."""
     meta = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), cols)
-    scal = torch.tensor(scalars, dtype=torch.float32)
     if device.type != "cpu":
-        meta, scal = (t.pin_memory().to(device, non_blocking=True) for t in (meta, scal))
-    return meta, scal
+        meta = meta.pin_memory().to(device, non_blocking=True)
+    return meta, scalar_table(scalars, device)
+
+
+def scalar_table(scalars: list[float], device: torch.device) -> Tensor:
+    """``scalars`` as an fp32 tensor on ``device``, each rounded to nearest as ``torch.tensor`` rounds it; through
+    an ``array`` of C floats, a third of ``torch.tensor``'s time on a list of Python floats."""
+    scal = torch.frombuffer(array.array("f", scalars), dtype=torch.float32) if scalars else torch.empty(0)
+    if device.type != "cpu":
+        scal = scal.pin_memory().to(device, non_blocking=True)
+    return scal

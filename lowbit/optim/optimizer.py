@@ -404,6 +404,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
         runs, planned = [], []
         for overrides, config, items, places, positions in batches.values():
             layout = self._fused_layout(config, items)
+            layout.share_counters()
             runs.append(self._prepare_fused(config, items, places, positions, layout))
             planned.append((overrides, places, positions, layout))
         stepped = [p.grad is not None for p in params]
@@ -525,7 +526,10 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                 raise ValueError(f"lowbit: {type(self).__name__} scales its update itself; max_unorm must be 0")
             norm_mode = NORM_CLIP
         # The step numbers this step takes; the counters advance once the native call has succeeded.
-        steps = [int(s) + 1 for s in torch.stack([state["step"] for _, state in batch]).tolist()]
+        counters = layout.counters
+        if counters is None:
+            counters = torch.stack([state["step"] for _, state in batch])
+        steps = [int(s) + 1 for s in counters.tolist()]
         scalars: list[float] = []
         by_step: dict[int, tuple[float, float, float]] = {}
         for step in steps:
@@ -625,7 +629,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                         params[given_at], grads[given_at], row, col, hyper, flags, originals[given_at]
                     )
                     args.factors.narrow(0, offset, new.numel()).copy_(new)
-            _ops.optimizer_step_eager(args, widths)
+            _ops.optimizer_step_eager(args, widths, layout.meta)
             for state, offset, _ in factored_items:
                 assert args.factors is not None
                 row, col = _ops.local(state["row2"]), _ops.local(state["col2"])
@@ -637,7 +641,10 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
                     batch[i][1][key] = part.clone()
             for shard, work in copied:
                 shard.copy_(work)
-            torch._foreach_add_([state["step"] for _, state in batch], 1.0)
+            if layout.counters is not None:
+                layout.counters.add_(1.0)
+            else:
+                torch._foreach_add_([state["step"] for _, state in batch], 1.0)
             if histories:
                 for (_, state), history in zip(batch, histories, strict=True):
                     state["gnorm_vec"] = history
