@@ -518,9 +518,11 @@ __attribute__((target("avx512f"))) void adam_encode_step_avx512(const StepHyper&
 // decode was a pass of its own, each of the three waited on one unit. The same operations on the same
 // values as block_states and adam_moments_avx512 (the decoded values are map[code] * absmax either way), so
 // the same results; s1 and s2 receive the new m and root of v.
-// kSmall: torch_lerp's first form (|1 - beta1| < 0.5); kL2: weight decay added to the gradient. Template
-// arguments like kFlags, because as run-time values GCC tested them in every iteration.
-template <int32_t kFlags, bool kSmall, bool kL2>
+// kSmall: torch_lerp's first form (|1 - beta1| < 0.5); kL2: weight decay added to the gradient; kScaled: a
+// gradient scale other than 1 (g * 1 is g: every use of g below is arithmetic, which quiets a signaling NaN
+// as the product would, so leaving the product out changes no bit). Template arguments like kFlags, because
+// as run-time values GCC tested them in every iteration.
+template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
     const StepHyper& h, const StepScalars& sc, const float* __restrict param, const float* __restrict grad,
     const uint8_t* __restrict q1, const uint8_t* __restrict q2, float absmax1, float absmax2, const float* map1,
@@ -542,7 +544,8 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + i)));
       const __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(codes, map1, 4), scale1);
       // effective_grad, then adam_moments' L2 term.
-      __m512 g = _mm512_mul_ps(_mm512_loadu_ps(grad + i), grad_scale);
+      __m512 g = _mm512_loadu_ps(grad + i);
+      if (kScaled) g = _mm512_mul_ps(g, grad_scale);
       if (kFlags & kMaximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
       if (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(weight_decay, _mm512_loadu_ps(param + i)));
       const __m512 m_new = _mm512_add_ps(kSmall ? m : g, _mm512_mul_ps(lerp_weight, _mm512_sub_ps(g, m)));
@@ -564,8 +567,9 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
 // indexes' nearest_sums (sums1, sums2: the tables less kFirstBucket), the root of v keyed as non-negative
 // (it is +0 or positive: v is a sum of products of like-signed factors, its root is finite here), 64 codes
 // of each state packed per store, the step's constants held in registers. Same codes and parameters as
-// adam_encode_step_avx512.
-template <bool kDecay>
+// adam_encode_step_avx512. kScaled: an update scale other than 1 (u * 1 is u, and the subtraction quiets a
+// signaling NaN as the product would).
+template <bool kDecay, bool kScaled>
 __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const StepHyper& h, const StepScalars& sc,
                                                                       float* __restrict param, const float* __restrict s1,
                                                                       const float* __restrict s2, int cnt,
@@ -590,7 +594,7 @@ __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const Ste
       const __m512 u = _mm512_div_ps(_mm512_mul_ps(step_size, m), denom);
       __m512 p = _mm512_loadu_ps(param + i);
       if (kDecay) p = _mm512_mul_ps(p, decay);
-      _mm512_storeu_ps(param + i, _mm512_sub_ps(p, _mm512_mul_ps(update_scale, u)));
+      _mm512_storeu_ps(param + i, _mm512_sub_ps(p, kScaled ? _mm512_mul_ps(update_scale, u) : u));
     }
     _mm512_storeu_si512(q1 + j, pack_codes64(c1[0], c1[1], c1[2], c1[3]));
     _mm512_storeu_si512(q2 + j, pack_codes64(c2[0], c2[1], c2[2], c2[3]));
@@ -695,12 +699,11 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
       const bool small = fabsf(a.hyper.one_minus_beta1) < 0.5f;
       const bool l2 = a.hyper.weight_decay != 0.f && !(a.hyper.flags & kDecoupled);
       with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
-        with_bool(small, [&](auto kSmall) LB_ALWAYS_INLINE {
-          with_bool(l2, [&](auto kL2) LB_ALWAYS_INLINE {
-            adam_moments_vbmi<decltype(flags)::value, decltype(kSmall)::value, decltype(kL2)::value>(
-                a.hyper, t.scalars, param, grad, q1, q2, t.absmax[0][block], t.absmax[1][block], state_map(a, 0),
-                *coders.planes[1], s[0], s[1], cnt, max_bits);
-          });
+        with_bools(small, l2, t.scalars.grad_scale != 1.f, [&](auto kSmall, auto kL2, auto kScaled) LB_ALWAYS_INLINE {
+          adam_moments_vbmi<decltype(flags)::value, decltype(kSmall)::value, decltype(kL2)::value,
+                            decltype(kScaled)::value>(a.hyper, t.scalars, param, grad, q1, q2, t.absmax[0][block],
+                                                      t.absmax[1][block], state_map(a, 0), *coders.planes[1], s[0],
+                                                      s[1], cnt, max_bits);
         });
       });
     }
@@ -739,13 +742,15 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
       const int* sums2 = reinterpret_cast<const int*>(coders.index[1]->nearest_sums()) - kFirstBucket;
       // In two halves (whole groups of 64), the last part of the prefetch between them.
       const int half = cnt / 128 * 64;
+      const bool scaled = t.scalars.update_scale != 1.f;
       const auto encode = [&](int from, int count) LB_ALWAYS_INLINE {
-        if (decay) {
-          return adam_encode_step_sums<true>(a.hyper, t.scalars, param + from, s[0] + from, s[1] + from, count,
-                                             sums1, sums2, b1.inv, b2.inv, q1 + from, q2 + from);
-        }
-        adam_encode_step_sums<false>(a.hyper, t.scalars, param + from, s[0] + from, s[1] + from, count, sums1, sums2,
-                                     b1.inv, b2.inv, q1 + from, q2 + from);
+        with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
+          with_bool(scaled, [&](auto kScaled) LB_ALWAYS_INLINE {
+            adam_encode_step_sums<decltype(kDecay)::value, decltype(kScaled)::value>(
+                a.hyper, t.scalars, param + from, s[0] + from, s[1] + from, count, sums1, sums2, b1.inv, b2.inv,
+                q1 + from, q2 + from);
+          });
+        });
       };
       encode(0, half);
       prefetch_ahead<T>(a, t, lo, 3);
