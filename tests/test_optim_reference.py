@@ -160,49 +160,27 @@ def _adam_step_matches_reference(grad: torch.Tensor, hyper: list, bits: int, gen
     return ours
 
 
-def test_4bit_codes_of_exact_ties_and_block_edges_match_reference(cpu_kernels):
-    """The 4-bit state encoder on the values where a fast encoder can go wrong: exact ties between two map
-    entries (nearest goes to the lower one), the map entries themselves, +-absmax, an all-zero block and a
-    poisoned (NaN) block. Adam with beta1 = 0 stores exp_avg = grad exactly, so the gradients are the values
-    that the first-moment encoder sees, normalised by an absmax of exactly 1."""
-    hyper = list(RULES["adam"][3])
-    hyper[1], hyper[3] = 0.0, 1.0  # beta1 = 0 and no weight decay: exp_avg = grad
-    hyper[6], hyper[7] = 0.0, 1.0
-    block = BLOCK[4]
-    signed_map = optimizer_state_map(True, torch.device("cpu"), 4)
-    lo, hi = signed_map[:-1], signed_map[1:]
-    mid = (lo + hi) / 2
-    ties = mid[((hi - mid) == (mid - lo)) & (hi > lo)]  # exact fp32 ties (the map holds 0 twice)
-    assert ties.numel() >= 8, "the signed 4-bit map should have exact midpoints to test"
-    gen = torch.Generator().manual_seed(0)
-    values = torch.cat([ties, signed_map, -ties])
-    n = 40 * block
-    grad = values[torch.randint(values.numel(), (n,), generator=gen)]
-    grad[::block] = 1.0  # every block's absmax is exactly 1 ...
-    grad[block // 2 :: 4 * block] = -1.0  # ... and some reach it from below too
-    grad[3 * block : 4 * block] = 0.0
-    grad[5 * block + 7] = float("nan")
-    ours = _adam_step_matches_reference(grad, hyper, 4, gen)
-    # Direction: a tie stored the lower of its two entries (low nibble first, pack.h).
-    packed = ours[1][0]
-    codes = torch.stack([packed & 15, packed >> 4], dim=1).flatten().long()
-    tie_at = torch.isin(grad, ties) & (torch.arange(n) // block != 5)
-    lower = torch.searchsorted(signed_map, grad[tie_at], right=True) - 1
-    assert torch.equal(codes[tie_at], lower)
+def _codes(stored: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes of a state as stored, one per element (4-bit: the low nibble first, pack.h)."""
+    if bits == 8:
+        return stored.long()
+    return torch.stack([stored & 15, stored >> 4], dim=1).flatten().long()
 
 
-def test_8bit_adam_codes_of_exact_ties_and_block_edges_match_reference(cpu_kernels):
-    """Adam's 8-bit block loops on the values where a fast encoder can go wrong, for both moments: exact ties
-    between two map entries, the map entries themselves, +-absmax, -0, an all-zero block, a poisoned (NaN)
-    block and a block whose absmax is subnormal (no finite inverse). With beta1 = beta2 = 0 the new moments are
-    m = g and v = g * g, whose stored root is |g| exactly, so the gradients are the values both encoders see;
-    every block's absmax is exactly 1. Blocks of whole groups of 64 take the fused loops (adam_moments_vbmi,
-    adam_encode_step_sums) where the CPU has VBMI, the 136-element tail the others."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_adam_codes_of_exact_ties_and_block_edges_match_reference(bits, cpu_kernels):
+    """Adam's block loops on the values where a fast encoder can go wrong, for both moments: exact ties between
+    two map entries, the map entries themselves, +-absmax, -0, an all-zero block, a poisoned (NaN) block and a
+    block whose absmax is subnormal (no finite inverse). With beta1 = beta2 = 0 the new moments are m = g and
+    v = g * g, whose stored root is |g| exactly, so the gradients are the values both encoders see; every block's
+    absmax is exactly 1. Blocks of whole groups of 64 take the fused loops (adam_moments_vbmi and
+    adam_encode_step_sums for 8-bit states where the CPU has VBMI, adam_moments_u4 and adam_encode_step_u4 for
+    4-bit ones), the 48-element tail the others."""
     hyper = list(RULES["adam"][3])
     hyper[1], hyper[2], hyper[3], hyper[4] = 0.0, 0.0, 1.0, 1.0  # beta1 = beta2 = 0
     hyper[6], hyper[7] = 0.0, 1.0  # no weight decay
-    block = BLOCK[8]
-    maps = [optimizer_state_map(s, torch.device("cpu"), 8) for s in (True, False)]
+    block = BLOCK[bits]
+    maps = [optimizer_state_map(s, torch.device("cpu"), bits) for s in (True, False)]
 
     def ties_of(m: torch.Tensor) -> torch.Tensor:
         lo, hi = m[:-1], m[1:]
@@ -210,10 +188,10 @@ def test_8bit_adam_codes_of_exact_ties_and_block_edges_match_reference(cpu_kerne
         return mid[((hi - mid) == (mid - lo)) & (hi > lo)]
 
     signed_ties, unsigned_ties = ties_of(maps[0]), ties_of(maps[1])
-    assert signed_ties.numel() >= 8 and unsigned_ties.numel() >= 8, "the 8-bit maps should have exact midpoints"
+    assert signed_ties.numel() >= 8 and unsigned_ties.numel() >= 8, "the maps should have exact midpoints"
     gen = torch.Generator().manual_seed(0)
     values = torch.cat([signed_ties, maps[0], maps[1], unsigned_ties, -unsigned_ties, torch.tensor([-0.0, 0.0])])
-    n = 40 * block + 136
+    n = 40 * block + 48
     grad = values[torch.randint(values.numel(), (n,), generator=gen)]
     grad[::block] = 1.0  # every block's absmax is exactly 1 ...
     grad[block // 2 :: 4 * block] = -1.0  # ... and some reach it from below too
@@ -221,9 +199,9 @@ def test_8bit_adam_codes_of_exact_ties_and_block_edges_match_reference(cpu_kerne
     grad[7 * block : 8 * block] = -0.0
     grad[5 * block + 7] = float("nan")
     grad[9 * block : 10 * block] *= 1e-39  # a subnormal absmax
-    ours = _adam_step_matches_reference(grad, hyper, 8, gen)
+    ours = _adam_step_matches_reference(grad, hyper, bits, gen)
     # Direction: a tie of either moment stored the lower of its two entries.
-    m_codes, root_codes = ours[1][0].long(), ours[2][0].long()
+    m_codes, root_codes = _codes(ours[1][0], bits), _codes(ours[2][0], bits)
     clean = (torch.arange(n) // block != 5) & (torch.arange(n) // block != 9)
     m_tie = torch.isin(grad, signed_ties) & clean
     assert m_tie.any()

@@ -164,17 +164,12 @@ LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, floa
 LB_TARGET int decode_u4_avx512(const float* map, const uint8_t* packed, int cnt, float scale, float* out) {
   const __m512 m = _mm512_loadu_ps(map);
   const __m512 s = _mm512_set1_ps(scale);
-  const __m128i nibble = _mm_set1_epi8(0x0F);
   const int vec = cnt - cnt % 32;
   for (int i = 0; i < vec; i += 32) {
-    // Code 2j is the low nibble of byte j (pack.h): interleaving the low and high nibbles restores order.
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + i / 2));
-    const __m128i lo = _mm_and_si128(b, nibble);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
-    const __m512i c0 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
-    const __m512i c1 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(c0, m), s));
-    _mm512_storeu_ps(out + i + 16, _mm512_mul_ps(_mm512_permutexvar_ps(c1, m), s));
+    __m512 values[2];
+    decode_u4_32(m, s, packed + i / 2, values);
+    _mm512_storeu_ps(out + i, values[0]);
+    _mm512_storeu_ps(out + i + 16, values[1]);
   }
   return vec;
 }
@@ -209,12 +204,6 @@ LB_TARGET inline U4Brackets u4_brackets(const __m512 m, const float* x, float ab
   }
   const __m512i hi = _mm512_min_epu32(_mm512_add_epi32(lo, _mm512_set1_epi32(1)), _mm512_set1_epi32(15));
   return {lo, hi, xn, _mm512_permutexvar_ps(lo, m), _mm512_permutexvar_ps(hi, m)};
-}
-
-// Pairs of 16 codes to 8 bytes at out, the even code in the low nibble (pack.h).
-LB_TARGET inline void pack_u4_16(__m512i code, uint8_t* out) {
-  const __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(pair));
 }
 
 }  // namespace

@@ -57,6 +57,26 @@ __attribute__((target("avx512f,avx512bw"))) inline __m512i pack_codes64(__m512i 
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), bytes);
 }
 
+// 32 codes of a 4-bit state (16 bytes at packed, code 2j in the low nibble of byte j: pack.h) decoded as
+// map[code] * scale into out[0] (codes 0..15) and out[1] (16..31); map: the 16 map values in one register.
+__attribute__((target("avx512f"))) inline void decode_u4_32(__m512 map, __m512 scale, const uint8_t* packed,
+                                                           __m512 (&out)[2]) {
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  const __m128i lo = _mm_and_si128(b, nibble);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
+  // Interleaving the low and high nibbles restores the element order.
+  out[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), map), scale);
+  out[1] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpackhi_epi8(lo, hi)), map), scale);
+}
+
+// 16 codes (0..15) as 8 bytes at out, the even code in the low nibble (pack.h): each 64-bit lane's two codes
+// joined into its low byte, then one truncating move.
+__attribute__((target("avx512f"))) inline void pack_u4_16(__m512i code, uint8_t* out) {
+  const __m512i pair = _mm512_or_si512(code, _mm512_srli_epi64(code, 28));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(pair));
+}
+
 // step_code (map_index.h) of 16 elements with order keys `key` in buckets `bucket`: the step words by
 // one gather.
 __attribute__((target("avx512f"))) inline __m512i step_codes16(const int* table, __m512i key, __m512i bucket) {

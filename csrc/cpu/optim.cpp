@@ -429,13 +429,14 @@ struct StateCoders {
   const MapIndex* index[kMaxStates] = {nullptr, nullptr, nullptr};
   const BytePlanes* planes[kMaxStates] = {nullptr, nullptr, nullptr};
   bool gather = false;
-  // Adam's 8-bit blocks take adam_block (below): the AVX-512 gather encoder is in use for both states.
+  // Adam's 8-bit blocks, and the 4-bit ones adam_fused takes, take adam_block (below): the AVX-512 gather
+  // encoder is in use for both states.
   bool adam_split = false;
 };
 
 #ifdef LB_AVX512_CODES
-// Adam's block of 8-bit states where the AVX-512 gather encoder requantizes them, in two passes instead of
-// update() and then store_state(): the new moments of the whole block and their maxima (adam_moments, and
+// Adam's block of 8-bit states (and 4-bit ones, adam_fused) where the AVX-512 gather encoder requantizes
+// them, in two passes instead of update() and then store_state(): the new moments of the whole block and their maxima (adam_moments, and
 // the root of v, its stored form), then one loop that encodes both moments and steps the parameters
 // (adam_update), 16 elements at a time. The step's two divisions and the encoder's gathers then keep
 // different units busy at once, where the update loop and the encoder loops used them one after the
@@ -511,6 +512,77 @@ __attribute__((target("avx512f"))) void adam_encode_step_avx512(const StepHyper&
   }
 }
 
+// The constants of Adam's moments in registers (adam_moments16). kSmall: torch_lerp's first form
+// (|1 - beta1| < 0.5).
+struct AdamMomentConstants {
+  __m512 lerp_weight;
+  __m512 beta2;
+  __m512 one_minus_beta2;
+  __m512 grad_scale;
+  __m512 weight_decay;
+};
+
+template <bool kSmall>
+__attribute__((target("avx512f"), always_inline)) inline AdamMomentConstants adam_moment_constants(
+    const StepHyper& h, const StepScalars& sc) {
+  // torch_lerp's two forms (optim_rules.h): m + w (g - m) or g + (w - 1) (g - m).
+  return {_mm512_set1_ps(kSmall ? h.one_minus_beta1 : h.one_minus_beta1 - 1.f), _mm512_set1_ps(h.beta2),
+          _mm512_set1_ps(h.one_minus_beta2), _mm512_set1_ps(sc.grad_scale), _mm512_set1_ps(h.weight_decay)};
+}
+
+// Adam's moments of 16 fp32 elements at i from their decoded m and root of v: effective_grad, adam_moments'
+// L2 term and torch_lerp, and stored_form (optim_rules.h), operation for operation. The new m and root of v
+// go to s1 + i and s2 + i, their magnitudes' bit patterns raise max1 and max2. kL2: weight decay added to
+// the gradient; kScaled: a gradient scale other than 1 (g * 1 is g: every use of g below is arithmetic,
+// which quiets a signaling NaN as the product would, so leaving the product out changes no bit). Template
+// arguments like kFlags, because as run-time values GCC tested them in every iteration.
+template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
+__attribute__((target("avx512f"), always_inline)) inline void adam_moments16(
+    const AdamMomentConstants& c, __m512 m, __m512 root_old, const float* __restrict param,
+    const float* __restrict grad, int i, float* __restrict s1, float* __restrict s2, __m512i& max1, __m512i& max2) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  __m512 g = _mm512_loadu_ps(grad + i);
+  if (kScaled) g = _mm512_mul_ps(g, c.grad_scale);
+  if (kFlags & kMaximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
+  if (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(c.weight_decay, _mm512_loadu_ps(param + i)));
+  const __m512 m_new = _mm512_add_ps(kSmall ? m : g, _mm512_mul_ps(c.lerp_weight, _mm512_sub_ps(g, m)));
+  const __m512 v = _mm512_mul_ps(root_old, root_old);
+  const __m512 v_new = _mm512_add_ps(_mm512_mul_ps(v, c.beta2), _mm512_mul_ps(_mm512_mul_ps(c.one_minus_beta2, g), g));
+  const __m512 root = _mm512_sqrt_ps(v_new);
+  _mm512_storeu_ps(s1 + i, m_new);
+  _mm512_storeu_ps(s2 + i, root);
+  max1 = _mm512_max_epu32(max1, _mm512_and_si512(_mm512_castps_si512(m_new), magnitude));
+  max2 = _mm512_max_epu32(max2, _mm512_and_si512(_mm512_castps_si512(root), magnitude));
+}
+
+// adam_moments_avx512 on fp32 parameters and 4-bit states with their decode in the same loop, 32 elements
+// at a time (cnt a multiple of 32): each map's 16 values sit in one register, so a code's value is one
+// permute. Same values as load_state and adam_moments_avx512, so the same results; s1 and s2 receive the
+// new m and root of v. p1, p2: the block's packed codes.
+template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
+__attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, const StepScalars& sc,
+                                                        const float* __restrict param, const float* __restrict grad,
+                                                        const uint8_t* __restrict p1, const uint8_t* __restrict p2,
+                                                        float absmax1, float absmax2, const float* map1,
+                                                        const float* map2, float* __restrict s1,
+                                                        float* __restrict s2, int cnt, uint32_t* max_bits) {
+  const AdamMomentConstants c = adam_moment_constants<kSmall>(h, sc);
+  const __m512 values1 = _mm512_loadu_ps(map1), values2 = _mm512_loadu_ps(map2);
+  const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
+  __m512i max1 = _mm512_setzero_si512(), max2 = _mm512_setzero_si512();
+  for (int j = 0; j < cnt; j += 32) {
+    __m512 m[2], root_old[2];
+    decode_u4_32(values1, scale1, p1 + j / 2, m);
+    decode_u4_32(values2, scale2, p2 + j / 2, root_old);
+    for (int k = 0; k < 2; ++k) {
+      adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m[k], root_old[k], param, grad, j + 16 * k, s1, s2, max1, max2);
+    }
+  }
+  max_bits[0] = _mm512_reduce_max_epu32(max1);
+  max_bits[1] = _mm512_reduce_max_epu32(max2);
+  max_bits[2] = 0;
+}
+
 #ifdef LB_VBMI_DECODE
 // adam_moments_avx512 on fp32 parameters with the states' decode in the same loop, 64 elements at a time
 // (cnt a multiple of 64): the first moment by gathers from its map (the load ports, idle in this pass), the
@@ -518,10 +590,6 @@ __attribute__((target("avx512f"))) void adam_encode_step_avx512(const StepHyper&
 // decode was a pass of its own, each of the three waited on one unit. The same operations on the same
 // values as block_states and adam_moments_avx512 (the decoded values are map[code] * absmax either way), so
 // the same results; s1 and s2 receive the new m and root of v.
-// kSmall: torch_lerp's first form (|1 - beta1| < 0.5); kL2: weight decay added to the gradient; kScaled: a
-// gradient scale other than 1 (g * 1 is g: every use of g below is arithmetic, which quiets a signaling NaN
-// as the product would, so leaving the product out changes no bit). Template arguments like kFlags, because
-// as run-time values GCC tested them in every iteration.
 template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
     const StepHyper& h, const StepScalars& sc, const float* __restrict param, const float* __restrict grad,
@@ -530,11 +598,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
   const PlaneRegisters t2 = plane_registers(planes2);
   const __m512i order = _mm512_load_si512(kPlaneOrder);
   const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
-  // torch_lerp's two forms (optim_rules.h): m + w (g - m) or g + (w - 1) (g - m).
-  const __m512 lerp_weight = _mm512_set1_ps(kSmall ? h.one_minus_beta1 : h.one_minus_beta1 - 1.f);
-  const __m512 beta2 = _mm512_set1_ps(h.beta2), one_minus_beta2 = _mm512_set1_ps(h.one_minus_beta2);
-  const __m512 grad_scale = _mm512_set1_ps(sc.grad_scale), weight_decay = _mm512_set1_ps(h.weight_decay);
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const AdamMomentConstants c = adam_moment_constants<kSmall>(h, sc);
   __m512i max1 = _mm512_setzero_si512(), max2 = _mm512_setzero_si512();
   for (int j = 0; j < cnt; j += 64) {
     __m512 root_old[4];
@@ -543,32 +607,81 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
       const int i = j + 16 * k;
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + i)));
       const __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(codes, map1, 4), scale1);
-      // effective_grad, then adam_moments' L2 term.
-      __m512 g = _mm512_loadu_ps(grad + i);
-      if (kScaled) g = _mm512_mul_ps(g, grad_scale);
-      if (kFlags & kMaximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
-      if (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(weight_decay, _mm512_loadu_ps(param + i)));
-      const __m512 m_new = _mm512_add_ps(kSmall ? m : g, _mm512_mul_ps(lerp_weight, _mm512_sub_ps(g, m)));
-      const __m512 v = _mm512_mul_ps(root_old[k], root_old[k]);
-      const __m512 v_new = _mm512_add_ps(_mm512_mul_ps(v, beta2), _mm512_mul_ps(_mm512_mul_ps(one_minus_beta2, g), g));
-      const __m512 root = _mm512_sqrt_ps(v_new);
-      _mm512_storeu_ps(s1 + i, m_new);
-      _mm512_storeu_ps(s2 + i, root);
-      max1 = _mm512_max_epu32(max1, _mm512_and_si512(_mm512_castps_si512(m_new), magnitude));
-      max2 = _mm512_max_epu32(max2, _mm512_and_si512(_mm512_castps_si512(root), magnitude));
+      adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m, root_old[k], param, grad, i, s1, s2, max1, max2);
     }
   }
   max_bits[0] = _mm512_reduce_max_epu32(max1);
   max_bits[1] = _mm512_reduce_max_epu32(max2);
   max_bits[2] = 0;
 }
+#endif
 
-// adam_encode_step_avx512 for fp32 parameters, unit-stable maps and cnt a multiple of 64: the codes by the
-// indexes' nearest_sums (sums1, sums2: the tables less kFirstBucket), the root of v keyed as non-negative
-// (it is +0 or positive: v is a sum of products of like-signed factors, its root is finite here), 64 codes
-// of each state packed per store, the step's constants held in registers. Same codes and parameters as
-// adam_encode_step_avx512. kScaled: an update scale other than 1 (u * 1 is u, and the subtraction quiets a
-// signaling NaN as the product would).
+// The constants of Adam's step and of the encoders' normalisation in registers (adam_step16).
+struct AdamStepConstants {
+  __m512 bias2_sqrt;
+  __m512 eps;
+  __m512 step_size;
+  __m512 update_scale;
+  __m512 decay;
+  __m512 inv1;
+  __m512 inv2;
+};
+
+__attribute__((target("avx512f"), always_inline)) inline AdamStepConstants adam_step_constants(const StepHyper& h,
+                                                                                              const StepScalars& sc,
+                                                                                              float inv1, float inv2) {
+  return {_mm512_set1_ps(sc.bias2_sqrt),  _mm512_set1_ps(h.eps), _mm512_set1_ps(sc.step_size),
+          _mm512_set1_ps(sc.update_scale), _mm512_set1_ps(h.decay), _mm512_set1_ps(inv1),
+          _mm512_set1_ps(inv2)};
+}
+
+// adam_encode_step_avx512's work on 16 fp32 elements at i of a block with unit-stable maps: the nearest codes
+// of the new m (s1) and root of v (s2) by the indexes' nearest_sums (sums1, sums2: the tables less
+// kFirstBucket), the root keyed as non-negative (it is +0 or positive: v is a sum of products of like-signed
+// factors, its root is finite here), into c1 and c2; and the parameters' step, adam_update and stepped
+// (optim_rules.h) operation for operation. An inverse of 0 (absmax <= 0) gives x * 0 = +-0, keyed as +0,
+// which is normalise()'s 0 for such blocks (nearest_codes16's normalisation for unit-stable maps).
+// kScaled: an update scale other than 1 (u * 1 is u, and the subtraction quiets a signaling NaN as the
+// product would).
+template <bool kDecay, bool kScaled>
+__attribute__((target("avx512f"), always_inline)) inline void adam_step16(const AdamStepConstants& c,
+                                                                         float* __restrict param,
+                                                                         const float* __restrict s1,
+                                                                         const float* __restrict s2, int i,
+                                                                         const int* sums1, const int* sums2,
+                                                                         __m512i& c1, __m512i& c2) {
+  const __m512 m = _mm512_loadu_ps(s1 + i), root = _mm512_loadu_ps(s2 + i);
+  c1 = sum_codes16(sums1, order_keys(_mm512_mul_ps(m, c.inv1)));
+  c2 = sum_codes16(sums2, nonnegative_keys(_mm512_mul_ps(root, c.inv2)));
+  const __m512 denom = _mm512_add_ps(_mm512_div_ps(root, c.bias2_sqrt), c.eps);
+  const __m512 u = _mm512_div_ps(_mm512_mul_ps(c.step_size, m), denom);
+  __m512 p = _mm512_loadu_ps(param + i);
+  if (kDecay) p = _mm512_mul_ps(p, c.decay);
+  _mm512_storeu_ps(param + i, _mm512_sub_ps(p, kScaled ? _mm512_mul_ps(c.update_scale, u) : u));
+}
+
+// adam_encode_step_avx512 for fp32 parameters and 4-bit states, unit-stable maps and cnt a multiple of 16:
+// adam_step16, and each 16 codes of a state packed to 8 bytes at q1, q2 (the block's packed codes). Same
+// codes as store_state's 4-bit encoder, same parameters as adam_params.
+template <bool kDecay, bool kScaled>
+__attribute__((target("avx512f"))) void adam_encode_step_u4(const StepHyper& h, const StepScalars& sc,
+                                                            float* __restrict param, const float* __restrict s1,
+                                                            const float* __restrict s2, int cnt, const int* sums1,
+                                                            const int* sums2, float inv1, float inv2,
+                                                            uint8_t* __restrict q1, uint8_t* __restrict q2) {
+  const AdamStepConstants c = adam_step_constants(h, sc, inv1, inv2);
+  for (int i = 0; i < cnt; i += 16) {
+    __m512i c1, c2;
+    adam_step16<kDecay, kScaled>(c, param, s1, s2, i, sums1, sums2, c1, c2);
+    pack_u4_16(c1, q1 + i / 2);
+    pack_u4_16(c2, q2 + i / 2);
+  }
+}
+
+#ifdef LB_VBMI_DECODE
+// adam_encode_step_avx512 for fp32 parameters, 8-bit states, unit-stable maps and cnt a multiple of 64:
+// adam_step16, 64 codes of each state packed per store, the step's constants held in registers (GCC had
+// reloaded and broadcast them in each iteration). Same codes and parameters as adam_encode_step_avx512.
 template <bool kDecay, bool kScaled>
 __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const StepHyper& h, const StepScalars& sc,
                                                                       float* __restrict param, const float* __restrict s1,
@@ -576,26 +689,10 @@ __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const Ste
                                                                       const int* sums1, const int* sums2, float inv1,
                                                                       float inv2, uint8_t* __restrict q1,
                                                                       uint8_t* __restrict q2) {
-  // adam_update and stepped (optim_rules.h), operation for operation.
-  const __m512 bias2_sqrt = _mm512_set1_ps(sc.bias2_sqrt), eps = _mm512_set1_ps(h.eps);
-  const __m512 step_size = _mm512_set1_ps(sc.step_size), update_scale = _mm512_set1_ps(sc.update_scale);
-  const __m512 decay = _mm512_set1_ps(h.decay);
-  // nearest_codes16's normalisation for unit-stable maps; an inverse of 0 (absmax <= 0) gives x * 0 = +-0,
-  // keyed as +0, which is normalise()'s 0 for such blocks.
-  const __m512 scale1 = _mm512_set1_ps(inv1), scale2 = _mm512_set1_ps(inv2);
+  const AdamStepConstants c = adam_step_constants(h, sc, inv1, inv2);
   for (int j = 0; j < cnt; j += 64) {
     __m512i c1[4], c2[4];
-    for (int k = 0; k < 4; ++k) {
-      const int i = j + 16 * k;
-      const __m512 m = _mm512_loadu_ps(s1 + i), root = _mm512_loadu_ps(s2 + i);
-      c1[k] = sum_codes16(sums1, order_keys(_mm512_mul_ps(m, scale1)));
-      c2[k] = sum_codes16(sums2, nonnegative_keys(_mm512_mul_ps(root, scale2)));
-      const __m512 denom = _mm512_add_ps(_mm512_div_ps(root, bias2_sqrt), eps);
-      const __m512 u = _mm512_div_ps(_mm512_mul_ps(step_size, m), denom);
-      __m512 p = _mm512_loadu_ps(param + i);
-      if (kDecay) p = _mm512_mul_ps(p, decay);
-      _mm512_storeu_ps(param + i, _mm512_sub_ps(p, kScaled ? _mm512_mul_ps(update_scale, u) : u));
-    }
+    for (int k = 0; k < 4; ++k) adam_step16<kDecay, kScaled>(c, param, s1, s2, j + 16 * k, sums1, sums2, c1[k], c2[k]);
     _mm512_storeu_si512(q1 + j, pack_codes64(c1[0], c1[1], c1[2], c1[3]));
     _mm512_storeu_si512(q2 + j, pack_codes64(c2[0], c2[1], c2[2], c2[3]));
   }
@@ -666,49 +763,59 @@ void prefetch_ahead(const OptimArgs& a, const TensorView& t, int64_t lo, int par
   prefetch_ahead<T>(a, t, lo, part, a.n_states);
 }
 
-// Whether adam_block's block runs the fused loops (adam_moments_vbmi, adam_encode_step_sums): fp32
-// parameters, the VBMI decoder in use, whole groups of 64 and unit-stable maps.
+// Whether adam_block's block runs the fused loops: fp32 parameters, whole groups of 64 and unit-stable maps,
+// and for 8-bit states the VBMI decoder in use (adam_moments_vbmi, adam_encode_step_sums). 4-bit states need
+// no more (adam_moments_u4, adam_encode_step_u4), and their blocks take adam_block only then.
 template <typename T>
-bool adam_fused(const StateCoders& coders, int cnt) {
+bool adam_fused(const TensorView& t, const StateCoders& coders, int cnt) {
+  if (!std::is_same_v<T, float> || cnt % 64 != 0 || !coders.index[0]->unit_stable() ||
+      !coders.index[1]->unit_stable()) {
+    return false;
+  }
+  if (t.bits == 4) return true;
 #ifdef LB_VBMI_DECODE
-  return std::is_same_v<T, float> && coders.planes[1] != nullptr && cnt % 64 == 0 && coders.index[0]->unit_stable() &&
-         coders.index[1]->unit_stable();
+  return coders.planes[1] != nullptr;
 #else
   return false;
 #endif
 }
 
-// step_block's Adam path for a block of 8-bit states when coders.adam_split: the states decoded and the new
-// moments computed, then both encoded while the parameters step. A block with a non-finite moment, or whose
-// absmax has no finite inverse, steps its parameters first and then takes the non-finite restart and
-// store_state, as step_block does.
+// step_block's Adam path when coders.adam_split, for a block of 8-bit states or one of 4-bit states that
+// adam_fused takes: the states decoded and the new moments computed, then both encoded while the parameters
+// step. A block with a non-finite moment, or whose absmax has no finite inverse, steps its parameters first
+// and then takes the non-finite restart and store_state, as step_block does.
 template <typename T>
 void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
                 const StateCoders& coders, T* param, const T* grad) {
   float decoded[kMaxStates][kMaxBlock];
   float* s[kMaxStates] = {decoded[0], decoded[1], decoded[2]};
   uint32_t max_bits[kMaxStates];
-  uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo;
-  uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo;
-  const bool fused = adam_fused<T>(coders, cnt);
+  uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo * t.bits / 8;
+  uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo * t.bits / 8;
+  const bool fused = adam_fused<T>(t, coders, cnt);
   prefetch_ahead<T>(a, t, lo, 0);
   prefetch_ahead<T>(a, t, lo, 1);
-#ifdef LB_VBMI_DECODE
   if constexpr (std::is_same_v<T, float>) {
     if (fused) {
       const bool small = fabsf(a.hyper.one_minus_beta1) < 0.5f;
       const bool l2 = a.hyper.weight_decay != 0.f && !(a.hyper.flags & kDecoupled);
       with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
         with_bools(small, l2, t.scalars.grad_scale != 1.f, [&](auto kSmall, auto kL2, auto kScaled) LB_ALWAYS_INLINE {
-          adam_moments_vbmi<decltype(flags)::value, decltype(kSmall)::value, decltype(kL2)::value,
-                            decltype(kScaled)::value>(a.hyper, t.scalars, param, grad, q1, q2, t.absmax[0][block],
-                                                      t.absmax[1][block], state_map(a, 0), *coders.planes[1], s[0],
-                                                      s[1], cnt, max_bits);
+          constexpr int32_t kF = decltype(flags)::value;
+          constexpr bool kS = decltype(kSmall)::value, kL = decltype(kL2)::value, kG = decltype(kScaled)::value;
+          const float amax1 = t.absmax[0][block], amax2 = t.absmax[1][block];
+          if (t.bits == 4) {
+            return adam_moments_u4<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2,
+                                                   state_map(a, 0), state_map(a, 1), s[0], s[1], cnt, max_bits);
+          }
+#ifdef LB_VBMI_DECODE
+          adam_moments_vbmi<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
+                                            *coders.planes[1], s[0], s[1], cnt, max_bits);
+#endif
         });
       });
     }
   }
-#endif
   if (!fused) {
     block_states<2>(a, t, block, lo, cnt, coders.planes, decoded, s);
     with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
@@ -735,7 +842,6 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   }
   t.absmax[0][block] = b1.absmax;
   t.absmax[1][block] = b2.absmax;
-#ifdef LB_VBMI_DECODE
   if constexpr (std::is_same_v<T, float>) {
     if (fused) {
       const int* sums1 = reinterpret_cast<const int*>(coders.index[0]->nearest_sums()) - kFirstBucket;
@@ -746,9 +852,15 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
       const auto encode = [&](int from, int count) LB_ALWAYS_INLINE {
         with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
           with_bool(scaled, [&](auto kScaled) LB_ALWAYS_INLINE {
-            adam_encode_step_sums<decltype(kDecay)::value, decltype(kScaled)::value>(
-                a.hyper, t.scalars, param + from, s[0] + from, s[1] + from, count, sums1, sums2, b1.inv, b2.inv,
-                q1 + from, q2 + from);
+            constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
+            if (t.bits == 4) {
+              return adam_encode_step_u4<kD, kG>(a.hyper, t.scalars, param + from, s[0] + from, s[1] + from, count,
+                                                 sums1, sums2, b1.inv, b2.inv, q1 + from / 2, q2 + from / 2);
+            }
+#ifdef LB_VBMI_DECODE
+            adam_encode_step_sums<kD, kG>(a.hyper, t.scalars, param + from, s[0] + from, s[1] + from, count, sums1,
+                                          sums2, b1.inv, b2.inv, q1 + from, q2 + from);
+#endif
           });
         });
       };
@@ -757,7 +869,6 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
       return encode(half, cnt - half);
     }
   }
-#endif
   prefetch_ahead<T>(a, t, lo, 3);
   with_bools(!coders.index[0]->unit_stable(), !coders.index[1]->unit_stable(), decay, [&](auto e1, auto e2, auto d) {
     adam_encode_step_avx512<decltype(e1)::value, decltype(e2)::value, decltype(d)::value>(
@@ -784,7 +895,8 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   const T* grad = static_cast<const T*>(t.grad) + lo;
 #ifdef LB_AVX512_CODES
   if constexpr (kRule == Rule::Adam && kStates == 2) {
-    if (coders.adam_split && t.bits == 8 && !t.stochastic && t.rank1_slot < 0) {
+    if (coders.adam_split && !t.stochastic && t.rank1_slot < 0 &&
+        (t.bits == 8 || (t.bits == 4 && adam_fused<T>(t, coders, cnt)))) {
       return adam_block(a, t, block, lo, cnt, coders, param, grad);
     }
   }
@@ -1273,7 +1385,7 @@ void step_all(const OptimArgs& a, int threads) {
       coders.planes[k] = planes[k].get();
     }
   }
-  coders.adam_split = kRule == Rule::Adam && a.n_states == 2 && a.state_bits == 8 && coders.gather &&
+  coders.adam_split = kRule == Rule::Adam && a.n_states == 2 && coders.gather &&
                       avx512_active() && coders.index[0]->nearest_direct() && coders.index[1]->nearest_direct();
   const bool par = run_parallel(threads, elements);
   if (a.stats_only) return rank1_stats<kRule>(a, tensors, coders, threads, par);
