@@ -111,6 +111,11 @@ def _set_step_counter(run: Run) -> None:
     run.opt.state[run.groups[0][1]]["step"] = torch.tensor(40.0)  # a new counter: the bias corrections follow it
 
 
+def _float64_step_counter(run: Run) -> None:
+    # A counter the plan cannot share (not fp32): that parameter's call advances its counters one by one.
+    run.opt.state[run.groups[1][0]]["step"] = torch.tensor(3.0, dtype=torch.float64)
+
+
 def _edit_step_counter(run: Run) -> None:
     run.opt.state[run.groups[1][0]]["step"].fill_(20.0)  # in place: the plan stays, and the step reads 21
 
@@ -148,6 +153,7 @@ EDITS: dict[str, tuple[Callable[[Run], None], bool]] = {
     "new_state_storage": (_new_state_storage, False),
     "set_step_counter": (_set_step_counter, True),
     "edit_step_counter": (_edit_step_counter, False),
+    "float64_step_counter": (_float64_step_counter, True),
     "reshape": (_reshape, True),
     "replace_state": (_replace_state, True),
     "load_state_dict": (_load_state_dict, True),

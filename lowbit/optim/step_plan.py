@@ -73,19 +73,20 @@ class FusedLayout:
     def share_counters(self) -> None:
         """Puts the step counters of the layout's states into :attr:`counters`: each state's ``step`` becomes a
         0-d view into it, with the same value, so a step reads all of them with one ``tolist`` and advances them
-        with one ``add_`` (one ``torch._foreach_add_`` over 0-d CPU tensors costs about 1 us per tensor, half
-        the Python time of a 387-tensor step). The views stay ordinary fp32 scalars for the user, the state dict
+        with one ``add_``: on a 387-tensor model the ``torch._foreach_add_`` over 0-d CPU tensors took 0.45 ms and
+        their ``torch.stack`` 0.11 ms, of the 3.4 ms of Python in a step (2 threads). The views stay ordinary fp32 scalars for the user, the state dict
         and torch.optim, and the layout holds them (:meth:`holds`), so a state given a new ``step`` ends the
         plan. Counters that are not 0-d fp32 CPU tensors (a state loaded by hand) are left as they are."""
-        steps = [entries.get("step") for _, entries in self.items]
-        if not all(
-            type(s) is Tensor
+        steps = [
+            s
+            for s in (entries.get("step") for _, entries in self.items)
+            if type(s) is Tensor
             and s.dtype == torch.float32
             and s.device.type == "cpu"
             and s.dim() == 0
             and not s.requires_grad
-            for s in steps
-        ):
+        ]
+        if len(steps) != len(self.items):
             return
         counters = torch.stack(steps)
         views = counters.unbind()
