@@ -253,3 +253,35 @@ def test_a_copied_optimizer_prepares_its_own_step(count_preparations):
     for a, b in zip(planned.tensors(), originals, strict=True):
         assert torch.equal(a, b), "stepping the copy must not touch the original"
     assert count_preparations.get(id(opt), 0) == len(SHAPES), "the copy prepares its steps anew"
+
+
+def test_step_counters_advance_as_torch_optims_do():
+    """The planned step's shared counters (FusedLayout.share_counters) against torch.optim.AdamW's: the same
+    values each step, for a parameter that skips steps (no gradient) too; 0-d fp32 CPU tensors, each an
+    object of its own, updated in place as autograd's version counters see. A new plan (here when the
+    skipping parameter's gradient comes back at step 3) gives the counters new objects, with the same values;
+    while a plan is kept they keep their identity."""
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(64, 64)) for _ in range(3)]
+    theirs = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt, ref = O.AdamW8bit(ours, lr=1e-2, min_8bit_size=0), torch.optim.AdamW(theirs, lr=1e-2)
+    held: dict[int, torch.Tensor] = {}
+    for step in range(5):
+        for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
+            skip = i == 2 and step in (1, 2)
+            p.grad = None if skip else torch.full_like(p, 0.1)
+            q.grad = None if skip else torch.full_like(q, 0.1)
+        before = {i: opt.state[p]["step"] for i, p in enumerate(ours) if p in opt.state}
+        versions = {i: t._version for i, t in before.items()}
+        opt.step()
+        ref.step()
+        for i, (p, q) in enumerate(zip(ours, theirs, strict=True)):
+            counter = opt.state[p]["step"]
+            assert counter.dtype == torch.float32 and counter.dim() == 0 and counter.device.type == "cpu"
+            assert counter.item() == ref.state[q]["step"].item()
+            if i in before and before[i] is counter and p.grad is not None:
+                assert counter._version > versions[i], "the step's update must bump the counter's version"
+            if step == 4:
+                assert counter is held[i], "a plan kept from step to step keeps the counter objects"
+            held[i] = counter
+    assert len({id(opt.state[p]["step"]) for p in ours}) == len(ours)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import itertools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Optional
@@ -487,15 +489,22 @@ def _norm_scratch(
 
 @dataclasses.dataclass
 class MetaCache:
-    """The meta table of a CPU step (csrc/kernels.h: MetaCol) kept for the next step of the same prepared call
-    (:class:`lowbit.optim.step_plan.FusedLayout`). Building the table from Python ints costs about 0.8 us per
-    tensor, a third of the Python time of a 387-tensor step; from one step to the next only the gradients
-    usually move. So a step builds every other column as always, compares them with ``fixed``, and where they
-    are equal rewrites the gradients' column of ``meta`` in place instead of building the table anew."""
+    """The tables of a CPU step (csrc/kernels.h: MetaCol, ScalarCol) kept for the next step of the same prepared
+    call (:class:`lowbit.optim.step_plan.FusedLayout`). Building the meta table from Python ints costs about
+    0.8 us per tensor, a third of the Python time of a 387-tensor step, and from one step to the next only the
+    gradients usually move. So a step builds every other column as always, compares them with ``fixed``, and
+    where they are equal writes the gradients' column and the scalars into the kept tables. The tables are
+    tensors over Python arrays (``torch.frombuffer``), written through the arrays: no torch operation, each of
+    which costs 20-50 us right after a step has streamed the parameters through the caches."""
 
     fixed: list[list[int]] = dataclasses.field(default_factory=list)
-    """The columns of ``meta`` other than the gradients', as the step that built it computed them."""
+    """The columns of the meta table other than the gradients', as the step that built it computed them."""
+    rows: array.array[int] = dataclasses.field(default_factory=lambda: array.array("q"))
+    """The meta table's int64 entries, row by row; ``meta`` is a tensor over them."""
+    scalars: array.array[float] = dataclasses.field(default_factory=lambda: array.array("f"))
+    """The scalar table's fp32 entries; ``scal`` is a tensor over them."""
     meta: Optional[Tensor] = None
+    scal: Optional[Tensor] = None
 
 
 # The position of the gradients' column in the meta table (csrc/kernels.h: MetaCol, kGrad).
@@ -506,18 +515,24 @@ def _meta_table(
     args: StepArgs, columns: list[list[int]], device: torch.device, cache: Optional[MetaCache]
 ) -> tuple[Tensor, Tensor]:
     """The meta and scalar tables of a call (``_common.call_tables``); ``columns``: the meta table's columns.
-    On the CPU, ``cache`` (when given) supplies the meta table of the previous step where only its gradients'
-    column differs, and keeps this one."""
+    On the CPU, ``cache`` (when given) supplies the tables of the previous step where only the gradients' column
+    and the scalars differ, and keeps this step's."""
+    if cache is None or device.type != "cpu":
+        return _common.call_tables(list(zip(*columns, strict=True)), META_COLS, args.scalars, device)
     grads = columns[_GRADS_COLUMN]
     fixed = columns[:_GRADS_COLUMN] + columns[_GRADS_COLUMN + 1 :]
-    if cache is not None and device.type == "cpu" and cache.meta is not None and cache.fixed == fixed:
-        # The native call reads the table synchronously on the CPU, so rewriting it for this step is safe.
-        cache.meta[:, _GRADS_COLUMN] = torch.tensor(grads, dtype=torch.int64)
-        return cache.meta, _common.scalar_table(args.scalars, device)
-    meta, scal = _common.call_tables(list(zip(*columns, strict=True)), META_COLS, args.scalars, device)
-    if cache is not None and device.type == "cpu":
-        cache.fixed, cache.meta = fixed, meta
-    return meta, scal
+    scalars = array.array("f", args.scalars)  # each rounded to nearest, as torch.tensor rounds it
+    if cache.meta is not None and cache.scal is not None and cache.fixed == fixed:
+        # The native call reads the tables synchronously on the CPU, so rewriting them for this step is safe.
+        cache.rows[_GRADS_COLUMN::META_COLS] = array.array("q", grads)
+        cache.scalars[:] = scalars
+        return cache.meta, cache.scal
+    cache.fixed = fixed
+    cache.rows = array.array("q", itertools.chain.from_iterable(zip(*columns, strict=True)))
+    cache.scalars = scalars
+    cache.meta = torch.frombuffer(cache.rows, dtype=torch.int64).view(len(grads), META_COLS)
+    cache.scal = torch.frombuffer(cache.scalars, dtype=torch.float32)
+    return cache.meta, cache.scal
 
 
 def _call(

@@ -642,7 +642,7 @@ class LowbitOptimizer(StoredStates, torch.optim.Optimizer):
             for shard, work in copied:
                 shard.copy_(work)
             if layout.counters is not None:
-                layout.counters.add_(1.0)
+                layout.advance_counters()
             else:
                 torch._foreach_add_([state["step"] for _, state in batch], 1.0)
             if histories:
