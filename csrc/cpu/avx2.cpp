@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "avx2_codes.h"
 #include "encode.h"
 #include "map_index.h"
 
@@ -60,14 +61,6 @@ LB_TARGET void decode_u8_avx2(const float* map, const uint8_t* codes, int cnt, f
 
 namespace {
 
-// order_key (map_index.h) of 8 floats.
-LB_TARGET inline __m256i order_keys(__m256 x) {
-  const __m256i b = _mm256_castps_si256(_mm256_add_ps(x, _mm256_setzero_ps()));
-  const __m256i neg = _mm256_srai_epi32(b, 31);
-  return _mm256_xor_si256(_mm256_xor_si256(b, _mm256_srli_epi32(neg, 1)),
-                          _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-}
-
 // step_code (map_index.h) of 8 elements with order keys `key` in buckets `bucket`: the step words by
 // one gather. Both compared halves are below 2^17, so a signed compare orders them.
 LB_TARGET inline __m256i step_codes8(const int* table, __m256i key, __m256i bucket) {
@@ -113,7 +106,7 @@ LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, floa
       const __m256 v = _mm256_loadu_ps(x + j);
       xn = kExactUnit ? normalise8(v, inv, am, neg_am) : _mm256_mul_ps(v, inv);
     }
-    const __m256i key = order_keys(xn);
+    const __m256i key = order_keys8(xn);
     const __m256i code = step_codes8(table, key, _mm256_srli_epi32(key, 16));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + j), low_bytes8(code));
   }
@@ -156,7 +149,7 @@ LB_TARGET void nearest_tile_avx2(const MapIndex& index, const float* xn, const u
   const int* table = reinterpret_cast<const int*>(index.nearest_steps()) - kFirstBucket;
   int j = 0;
   for (; j + 8 <= cnt; j += 8) {
-    const __m256i key = order_keys(_mm256_loadu_ps(xn + j));
+    const __m256i key = order_keys8(_mm256_loadu_ps(xn + j));
     const __m256i bucket = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + j));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + j), step_codes8(table, key, bucket));
   }
@@ -175,7 +168,7 @@ LB_TARGET void stochastic_tile_avx2(const MapIndex& index, const float* xn, cons
   for (int j = 0; j < vec; j += 8) {
     const __m256 x = _mm256_loadu_ps(xn + j);
     const __m256i bucket = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + j));
-    const __m256i floor = step_codes8(table, order_keys(x), bucket);
+    const __m256i floor = step_codes8(table, order_keys8(x), bucket);
     const __m256i pair = _mm256_slli_epi32(floor, 1);
     const __m256 value = _mm256_i32gather_ps(low_gap, pair, 4);
     const __m256 gap = _mm256_i32gather_ps(low_gap, _mm256_add_epi32(pair, _mm256_set1_epi32(1)), 4);

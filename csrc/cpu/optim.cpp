@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "avx2.h"
+#include "avx2_codes.h"
 #include "avx512.h"
 #include "avx512_codes.h"
 #include "encode.h"
@@ -432,6 +433,9 @@ struct StateCoders {
   // Adam's 8-bit blocks, and the 4-bit ones adam_fused takes, take adam_block (below): the AVX-512 gather
   // encoder is in use for both states.
   bool adam_split = false;
+  // Adam's 8-bit blocks of fp32 parameters take adam_block_avx2 (below): the AVX2 gather encoder is in use
+  // (AVX-512 is not), and both maps are unit-stable.
+  bool adam_avx2 = false;
 };
 
 #ifdef LB_AVX512_CODES
@@ -877,6 +881,136 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
 }
 #endif
 
+#ifdef LB_AVX2_CODES
+// The largest of 8 unsigned lanes.
+__attribute__((target("avx2"))) inline uint32_t max_lane8(__m256i v) {
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  uint32_t m = 0;
+  for (uint32_t x : lanes) m = std::max(m, x);
+  return m;
+}
+
+// adam_moments_vbmi's work on the AVX2 path, 8 lanes at a time (cnt a multiple of 8): both states decoded by
+// gathers from their maps inside the moments loop, then effective_grad, adam_moments' L2 term and torch_lerp,
+// and stored_form (optim_rules.h), operation for operation. Same values as block_states and update_avx2, so
+// the same results; s1 and s2 receive the new m and root of v. Template arguments as adam_moments16's.
+template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
+__attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const StepScalars& sc,
+                                                       const float* __restrict param, const float* __restrict grad,
+                                                       const uint8_t* __restrict q1, const uint8_t* __restrict q2,
+                                                       float absmax1, float absmax2, const float* map1,
+                                                       const float* map2, float* __restrict s1, float* __restrict s2,
+                                                       int cnt, uint32_t* max_bits) {
+  // torch_lerp's two forms (optim_rules.h): m + w (g - m) or g + (w - 1) (g - m).
+  const __m256 lerp_weight = _mm256_set1_ps(kSmall ? h.one_minus_beta1 : h.one_minus_beta1 - 1.f);
+  const __m256 beta2 = _mm256_set1_ps(h.beta2), one_minus_beta2 = _mm256_set1_ps(h.one_minus_beta2);
+  const __m256 grad_scale = _mm256_set1_ps(sc.grad_scale), weight_decay = _mm256_set1_ps(h.weight_decay);
+  const __m256 scale1 = _mm256_set1_ps(absmax1), scale2 = _mm256_set1_ps(absmax2);
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  __m256i max1 = _mm256_setzero_si256(), max2 = _mm256_setzero_si256();
+  for (int i = 0; i < cnt; i += 8) {
+    const __m256i codes1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q1 + i)));
+    const __m256i codes2 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q2 + i)));
+    const __m256 m = _mm256_mul_ps(_mm256_i32gather_ps(map1, codes1, 4), scale1);
+    const __m256 root_old = _mm256_mul_ps(_mm256_i32gather_ps(map2, codes2, 4), scale2);
+    __m256 g = _mm256_loadu_ps(grad + i);
+    if (kScaled) g = _mm256_mul_ps(g, grad_scale);
+    if (kFlags & kMaximize) g = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(g), sign));
+    if (kL2) g = _mm256_add_ps(g, _mm256_mul_ps(weight_decay, _mm256_loadu_ps(param + i)));
+    const __m256 m_new = _mm256_add_ps(kSmall ? m : g, _mm256_mul_ps(lerp_weight, _mm256_sub_ps(g, m)));
+    const __m256 v = _mm256_mul_ps(root_old, root_old);
+    const __m256 v_new = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
+    const __m256 root = _mm256_sqrt_ps(v_new);
+    _mm256_storeu_ps(s1 + i, m_new);
+    _mm256_storeu_ps(s2 + i, root);
+    max1 = _mm256_max_epu32(max1, _mm256_and_si256(_mm256_castps_si256(m_new), magnitude));
+    max2 = _mm256_max_epu32(max2, _mm256_and_si256(_mm256_castps_si256(root), magnitude));
+  }
+  max_bits[0] = max_lane8(max1);
+  max_bits[1] = max_lane8(max2);
+  max_bits[2] = 0;
+}
+
+// adam_encode_step_sums on the AVX2 path (cnt a multiple of 32): adam_step16's codes and step 8 lanes at a
+// time, 32 codes of each state packed per store. Same codes and parameters.
+template <bool kDecay, bool kScaled>
+__attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, const StepScalars& sc,
+                                                           float* __restrict param, const float* __restrict s1,
+                                                           const float* __restrict s2, int cnt, const int* sums1,
+                                                           const int* sums2, float inv1, float inv2,
+                                                           uint8_t* __restrict q1, uint8_t* __restrict q2) {
+  const __m256 bias2_sqrt = _mm256_set1_ps(sc.bias2_sqrt), eps = _mm256_set1_ps(h.eps);
+  const __m256 step_size = _mm256_set1_ps(sc.step_size), update_scale = _mm256_set1_ps(sc.update_scale);
+  const __m256 decay = _mm256_set1_ps(h.decay);
+  const __m256 scale1 = _mm256_set1_ps(inv1), scale2 = _mm256_set1_ps(inv2);
+  for (int j = 0; j < cnt; j += 32) {
+    __m256i c1[4], c2[4];
+    for (int k = 0; k < 4; ++k) {
+      const int i = j + 8 * k;
+      const __m256 m = _mm256_loadu_ps(s1 + i), root = _mm256_loadu_ps(s2 + i);
+      c1[k] = sum_codes8(sums1, order_keys8(_mm256_mul_ps(m, scale1)));
+      c2[k] = sum_codes8(sums2, nonnegative_keys8(_mm256_mul_ps(root, scale2)));
+      const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, bias2_sqrt), eps);
+      const __m256 u = _mm256_div_ps(_mm256_mul_ps(step_size, m), denom);
+      __m256 p = _mm256_loadu_ps(param + i);
+      if (kDecay) p = _mm256_mul_ps(p, decay);
+      _mm256_storeu_ps(param + i, _mm256_sub_ps(p, kScaled ? _mm256_mul_ps(update_scale, u) : u));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q1 + j), pack_codes32(c1[0], c1[1], c1[2], c1[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2 + j), pack_codes32(c2[0], c2[1], c2[2], c2[3]));
+  }
+}
+
+// Adam's block of 8-bit states on the AVX2 path when coders.adam_avx2 (fp32 parameters, cnt a multiple of 32):
+// adam_block's two fused loops, 8 lanes wide. A block with a non-finite moment, or whose absmax has no finite
+// inverse, returns false before anything is written, and step_block's loops take it from the start.
+inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
+                            const StateCoders& coders, float* param, const float* grad) {
+  float decoded[2][kMaxBlock];
+  uint32_t max_bits[kMaxStates];
+  uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo;
+  uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo;
+  prefetch_ahead<float>(a, t, lo, 0);
+  prefetch_ahead<float>(a, t, lo, 1);
+  const bool small = fabsf(a.hyper.one_minus_beta1) < 0.5f;
+  const bool l2 = a.hyper.weight_decay != 0.f && !(a.hyper.flags & kDecoupled);
+  with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
+    with_bools(small, l2, t.scalars.grad_scale != 1.f, [&](auto kSmall, auto kL2, auto kScaled) LB_ALWAYS_INLINE {
+      adam_moments_avx2<decltype(flags)::value, decltype(kSmall)::value, decltype(kL2)::value,
+                        decltype(kScaled)::value>(a.hyper, t.scalars, param, grad, q1, q2, t.absmax[0][block],
+                                                  t.absmax[1][block], state_map(a, 0), state_map(a, 1), decoded[0],
+                                                  decoded[1], cnt, max_bits);
+    });
+  });
+  prefetch_ahead<float>(a, t, lo, 2);
+  const float amax1 = absmax_from_bits(max_bits[0]), amax2 = absmax_from_bits(max_bits[1]);
+  const float inv1 = block_inverse(amax1), inv2 = block_inverse(amax2);
+  const bool finite = max_bits[0] < kNonFiniteBits && max_bits[1] < kNonFiniteBits;
+  if (!finite || (amax1 > 0.f && inv1 == 0.f) || (amax2 > 0.f && inv2 == 0.f)) return false;
+  t.absmax[0][block] = amax1;
+  t.absmax[1][block] = amax2;
+  const int* sums1 = reinterpret_cast<const int*>(coders.index[0]->nearest_sums()) - kFirstBucket;
+  const int* sums2 = reinterpret_cast<const int*>(coders.index[1]->nearest_sums()) - kFirstBucket;
+  const bool decay = a.hyper.weight_decay != 0.f && (a.hyper.flags & kDecoupled);
+  // In two halves (whole groups of 32), the last part of the prefetch between them.
+  const int half = cnt / 64 * 32;
+  const auto encode = [&](int from, int count) LB_ALWAYS_INLINE {
+    with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
+      with_bool(t.scalars.update_scale != 1.f, [&](auto kScaled) LB_ALWAYS_INLINE {
+        adam_encode_step_avx2<decltype(kDecay)::value, decltype(kScaled)::value>(
+            a.hyper, t.scalars, param + from, decoded[0] + from, decoded[1] + from, count, sums1, sums2, inv1, inv2,
+            q1 + from, q2 + from);
+      });
+    });
+  };
+  encode(0, half);
+  prefetch_ahead<float>(a, t, lo, 3);
+  encode(half, cnt - half);
+  return true;
+}
+#endif
+
 // Calls fn(std::bool_constant<root>{}), root: the states are quantized ones of a rule with a second
 // moment, in their stored form (only then is the root variant of the loops instantiated).
 template <Rule kRule, typename Fn>
@@ -893,6 +1027,14 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   const int cnt = static_cast<int>(std::min(t.n - lo, a.block_size));
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
+#ifdef LB_AVX2_CODES
+  if constexpr (kRule == Rule::Adam && kStates == 2 && std::is_same_v<T, float>) {
+    if (coders.adam_avx2 && t.bits == 8 && !t.stochastic && t.rank1_slot < 0 && cnt % 32 == 0 &&
+        adam_block_avx2(a, t, block, lo, cnt, coders, param, grad)) {
+      return;
+    }
+  }
+#endif
 #ifdef LB_AVX512_CODES
   if constexpr (kRule == Rule::Adam && kStates == 2) {
     if (coders.adam_split && !t.stochastic && t.rank1_slot < 0 &&
@@ -1387,6 +1529,10 @@ void step_all(const OptimArgs& a, int threads) {
   }
   coders.adam_split = kRule == Rule::Adam && a.n_states == 2 && coders.gather &&
                       avx512_active() && coders.index[0]->nearest_direct() && coders.index[1]->nearest_direct();
+  coders.adam_avx2 = kRule == Rule::Adam && a.n_states == 2 && a.state_bits == 8 && coders.gather &&
+                     !avx512_active() && avx2_active() && coders.index[0]->nearest_direct() &&
+                     coders.index[1]->nearest_direct() && coders.index[0]->unit_stable() &&
+                     coders.index[1]->unit_stable();
   const bool par = run_parallel(threads, elements);
   if (a.stats_only) return rank1_stats<kRule>(a, tensors, coders, threads, par);
   if (a.hyper.norm_mode != kNormNone && a.update_scales == nullptr) {
