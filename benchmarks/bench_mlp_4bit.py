@@ -140,7 +140,7 @@ class Twin:
     def zero_grad(self) -> None:
         self.opt.zero_grad()
 
-    def _step(self, args: Any, widths: Optional[list[int]] = None) -> None:
+    def _step(self, args: Any, widths: Optional[list[int]] = None, cache: Any = None) -> None:
         self.calls += 1
         R.optimizer_step_(*args)
 
