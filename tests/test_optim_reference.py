@@ -175,7 +175,8 @@ def test_adam_codes_of_exact_ties_and_block_edges_match_reference(bits, cpu_kern
     v = g * g, whose stored root is |g| exactly, so the gradients are the values both encoders see; every block's
     absmax is exactly 1. Blocks of whole groups of 64 take the fused loops (adam_moments_vbmi and
     adam_encode_step_sums for 8-bit states where the CPU has VBMI, adam_moments_u4 and adam_encode_step_u4 for
-    4-bit ones), the 48-element tail the others."""
+    4-bit ones; adam_block_avx2's with the AVX2 kernels), the 48-element tail, the poisoned block and the
+    subnormal one the others."""
     hyper = list(RULES["adam"][3])
     hyper[1], hyper[2], hyper[3], hyper[4] = 0.0, 0.0, 1.0, 1.0  # beta1 = beta2 = 0
     hyper[6], hyper[7] = 0.0, 1.0  # no weight decay

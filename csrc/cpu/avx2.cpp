@@ -73,14 +73,6 @@ LB_TARGET inline __m256i step_codes8(const int* table, __m256i key, __m256i buck
   return _mm256_add_epi32(_mm256_add_epi32(code, _mm256_set1_epi32(1)), below);
 }
 
-// The low bytes of 8 32-bit lanes, in order, as the low 8 bytes of the result.
-LB_TARGET inline __m128i low_bytes8(__m256i v) {
-  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1,
-                                        -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i b = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(v, pick), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
-  return _mm256_castsi256_si128(b);
-}
-
 // normalise() of blockwise.h for 8 lanes of x with absmax > 0 and a finite inverse inv: the product,
 // its clamp (NaN to -1, as the scalar max/min order gives) and the exact +-1 at +-absmax.
 LB_TARGET inline __m256 normalise8(__m256 v, __m256 inv, __m256 am, __m256 neg_am) {
@@ -113,12 +105,6 @@ LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, floa
   if (j < cnt) nearest_codes_u8(index, x + j, cnt - j, absmax, out + j);
 }
 
-// map[c] for 8 codes c in 0..15 from the map's halves m0 = map[0..7] and m1 = map[8..15]: the
-// permutes use the low 3 bits, bit 3 (moved to the sign) picks the half.
-LB_TARGET inline __m256 lookup16(__m256 m0, __m256 m1, __m256i c) {
-  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(m0, c), _mm256_permutevar8x32_ps(m1, c),
-                          _mm256_castsi256_ps(_mm256_slli_epi32(c, 28)));
-}
 
 // map_encode_nearest (qmap.h) of 8 normalised lanes against a 16-entry map: map_floor_index's four
 // probes, then nearest_up between lo and hi = min(lo + 1, 15).
@@ -183,20 +169,11 @@ LB_TARGET void stochastic_tile_avx2(const MapIndex& index, const float* xn, cons
 LB_TARGET int decode_u4_avx2(const float* map, const uint8_t* packed, int cnt, float scale, float* out) {
   const __m256 m0 = _mm256_loadu_ps(map), m1 = _mm256_loadu_ps(map + 8);
   const __m256 s = _mm256_set1_ps(scale);
-  const __m128i nibble = _mm_set1_epi8(0x0F);
   const int vec = cnt - cnt % 32;
   for (int i = 0; i < vec; i += 32) {
-    // Code 2j is the low nibble of byte j (pack.h): interleaving the low and high nibbles restores order.
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + i / 2));
-    const __m128i lo = _mm_and_si128(b, nibble);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), nibble);
-    const __m128i c[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
-    for (int h = 0; h < 2; ++h) {
-      const __m256i c0 = _mm256_cvtepu8_epi32(c[h]);
-      const __m256i c1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(c[h], c[h]));
-      _mm256_storeu_ps(out + i + 16 * h, _mm256_mul_ps(lookup16(m0, m1, c0), s));
-      _mm256_storeu_ps(out + i + 16 * h + 8, _mm256_mul_ps(lookup16(m0, m1, c1), s));
-    }
+    __m256 values[4];
+    decode_u4_32x8(m0, m1, s, packed + i / 2, values);
+    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(out + i + 8 * k, values[k]);
   }
   return vec;
 }
@@ -216,10 +193,7 @@ LB_TARGET int nearest_codes_u4_avx2(const float* map, const float* x, int cnt, f
       const __m256 xn = scale ? normalise8(_mm256_loadu_ps(x + j + 8 * h), vinv, am, neg_am) : _mm256_setzero_ps();
       code[h] = nearest16(m0, m1, xn);
     }
-    // The 16 codes as 16-bit lanes in order, then each pair to a byte, the even code in the low nibble.
-    const __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32(code[0], code[1]), 0xD8);
-    const __m256i pair = _mm256_or_si256(w, _mm256_srli_epi32(w, 12));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(packed + j / 2), low_bytes8(pair));
+    pack_u4_16x8(code[0], code[1], packed + j / 2);
   }
   return vec;
 }

@@ -433,8 +433,8 @@ struct StateCoders {
   // Adam's 8-bit blocks, and the 4-bit ones adam_fused takes, take adam_block (below): the AVX-512 gather
   // encoder is in use for both states.
   bool adam_split = false;
-  // Adam's 8-bit blocks of fp32 parameters take adam_block_avx2 (below): the AVX2 gather encoder is in use
-  // (AVX-512 is not), and both maps are unit-stable.
+  // Adam's 8-bit and 4-bit blocks of fp32 parameters take adam_block_avx2 (below): the AVX2 gather encoder is
+  // in use (AVX-512 is not), and both maps are unit-stable.
   bool adam_avx2 = false;
 };
 
@@ -891,11 +891,12 @@ __attribute__((target("avx2"))) inline uint32_t max_lane8(__m256i v) {
   return m;
 }
 
-// adam_moments_vbmi's work on the AVX2 path, 8 lanes at a time (cnt a multiple of 8): both states decoded by
-// gathers from their maps inside the moments loop, then effective_grad, adam_moments' L2 term and torch_lerp,
-// and stored_form (optim_rules.h), operation for operation. Same values as block_states and update_avx2, so
-// the same results; s1 and s2 receive the new m and root of v. Template arguments as adam_moments16's.
-template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
+// adam_moments_vbmi's and adam_moments_u4's work on the AVX2 path, 8 lanes at a time (cnt a multiple of 32):
+// both states decoded inside the moments loop (8-bit codes by gathers from their maps, 4-bit ones by register
+// lookups), then effective_grad, adam_moments' L2 term and torch_lerp, and stored_form (optim_rules.h),
+// operation for operation. Same values as block_states and update_avx2, so the same results; s1 and s2
+// receive the new m and root of v. q1, q2: the block's codes. Template arguments as adam_moments16's.
+template <int kBits, int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
 __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const StepScalars& sc,
                                                        const float* __restrict param, const float* __restrict grad,
                                                        const uint8_t* __restrict q1, const uint8_t* __restrict q2,
@@ -909,32 +910,45 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
   const __m256 scale1 = _mm256_set1_ps(absmax1), scale2 = _mm256_set1_ps(absmax2);
   const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   __m256i max1 = _mm256_setzero_si256(), max2 = _mm256_setzero_si256();
-  for (int i = 0; i < cnt; i += 8) {
-    const __m256i codes1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q1 + i)));
-    const __m256i codes2 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q2 + i)));
-    const __m256 m = _mm256_mul_ps(_mm256_i32gather_ps(map1, codes1, 4), scale1);
-    const __m256 root_old = _mm256_mul_ps(_mm256_i32gather_ps(map2, codes2, 4), scale2);
-    __m256 g = _mm256_loadu_ps(grad + i);
-    if (kScaled) g = _mm256_mul_ps(g, grad_scale);
-    if (kFlags & kMaximize) g = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(g), sign));
-    if (kL2) g = _mm256_add_ps(g, _mm256_mul_ps(weight_decay, _mm256_loadu_ps(param + i)));
-    const __m256 m_new = _mm256_add_ps(kSmall ? m : g, _mm256_mul_ps(lerp_weight, _mm256_sub_ps(g, m)));
-    const __m256 v = _mm256_mul_ps(root_old, root_old);
-    const __m256 v_new = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
-    const __m256 root = _mm256_sqrt_ps(v_new);
-    _mm256_storeu_ps(s1 + i, m_new);
-    _mm256_storeu_ps(s2 + i, root);
-    max1 = _mm256_max_epu32(max1, _mm256_and_si256(_mm256_castps_si256(m_new), magnitude));
-    max2 = _mm256_max_epu32(max2, _mm256_and_si256(_mm256_castps_si256(root), magnitude));
+  for (int j = 0; j < cnt; j += 32) {
+    __m256 m[4], root_old[4];
+    if constexpr (kBits == 4) {
+      decode_u4_32x8(_mm256_loadu_ps(map1), _mm256_loadu_ps(map1 + 8), scale1, q1 + j / 2, m);
+      decode_u4_32x8(_mm256_loadu_ps(map2), _mm256_loadu_ps(map2 + 8), scale2, q2 + j / 2, root_old);
+    } else {
+      for (int k = 0; k < 4; ++k) {
+        const int i = j + 8 * k;
+        const __m256i codes1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q1 + i)));
+        const __m256i codes2 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q2 + i)));
+        m[k] = _mm256_mul_ps(_mm256_i32gather_ps(map1, codes1, 4), scale1);
+        root_old[k] = _mm256_mul_ps(_mm256_i32gather_ps(map2, codes2, 4), scale2);
+      }
+    }
+    for (int k = 0; k < 4; ++k) {
+      const int i = j + 8 * k;
+      __m256 g = _mm256_loadu_ps(grad + i);
+      if (kScaled) g = _mm256_mul_ps(g, grad_scale);
+      if (kFlags & kMaximize) g = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(g), sign));
+      if (kL2) g = _mm256_add_ps(g, _mm256_mul_ps(weight_decay, _mm256_loadu_ps(param + i)));
+      const __m256 m_new = _mm256_add_ps(kSmall ? m[k] : g, _mm256_mul_ps(lerp_weight, _mm256_sub_ps(g, m[k])));
+      const __m256 v = _mm256_mul_ps(root_old[k], root_old[k]);
+      const __m256 v_new = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
+      const __m256 root = _mm256_sqrt_ps(v_new);
+      _mm256_storeu_ps(s1 + i, m_new);
+      _mm256_storeu_ps(s2 + i, root);
+      max1 = _mm256_max_epu32(max1, _mm256_and_si256(_mm256_castps_si256(m_new), magnitude));
+      max2 = _mm256_max_epu32(max2, _mm256_and_si256(_mm256_castps_si256(root), magnitude));
+    }
   }
   max_bits[0] = max_lane8(max1);
   max_bits[1] = max_lane8(max2);
   max_bits[2] = 0;
 }
 
-// adam_encode_step_sums on the AVX2 path (cnt a multiple of 32): adam_step16's codes and step 8 lanes at a
-// time, 32 codes of each state packed per store. Same codes and parameters.
-template <bool kDecay, bool kScaled>
+// adam_encode_step_sums and adam_encode_step_u4 on the AVX2 path (cnt a multiple of 32): adam_step16's codes
+// and step 8 lanes at a time, 32 codes of each state packed per store (into 16 bytes at 4 bits). Same codes
+// and parameters.
+template <int kBits, bool kDecay, bool kScaled>
 __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, const StepScalars& sc,
                                                            float* __restrict param, const float* __restrict s1,
                                                            const float* __restrict s2, int cnt, const int* sums1,
@@ -957,30 +971,43 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
       if (kDecay) p = _mm256_mul_ps(p, decay);
       _mm256_storeu_ps(param + i, _mm256_sub_ps(p, kScaled ? _mm256_mul_ps(update_scale, u) : u));
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q1 + j), pack_codes32(c1[0], c1[1], c1[2], c1[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2 + j), pack_codes32(c2[0], c2[1], c2[2], c2[3]));
+    if constexpr (kBits == 4) {
+      pack_u4_16x8(c1[0], c1[1], q1 + j / 2);
+      pack_u4_16x8(c1[2], c1[3], q1 + j / 2 + 8);
+      pack_u4_16x8(c2[0], c2[1], q2 + j / 2);
+      pack_u4_16x8(c2[2], c2[3], q2 + j / 2 + 8);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q1 + j), pack_codes32(c1[0], c1[1], c1[2], c1[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q2 + j), pack_codes32(c2[0], c2[1], c2[2], c2[3]));
+    }
   }
 }
 
-// Adam's block of 8-bit states on the AVX2 path when coders.adam_avx2 (fp32 parameters, cnt a multiple of 32):
-// adam_block's two fused loops, 8 lanes wide. A block with a non-finite moment, or whose absmax has no finite
+// Adam's block of 8-bit or 4-bit states on the AVX2 path when coders.adam_avx2 (fp32 parameters, cnt a multiple
+// of 32): adam_block's two fused loops, 8 lanes wide. A block with a non-finite moment, or whose absmax has no finite
 // inverse, returns false before anything is written, and step_block's loops take it from the start.
 inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
                             const StateCoders& coders, float* param, const float* grad) {
   float decoded[2][kMaxBlock];
   uint32_t max_bits[kMaxStates];
-  uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo;
-  uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo;
+  uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo * t.bits / 8;
+  uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo * t.bits / 8;
   prefetch_ahead<float>(a, t, lo, 0);
   prefetch_ahead<float>(a, t, lo, 1);
   const bool small = fabsf(a.hyper.one_minus_beta1) < 0.5f;
   const bool l2 = a.hyper.weight_decay != 0.f && !(a.hyper.flags & kDecoupled);
   with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
     with_bools(small, l2, t.scalars.grad_scale != 1.f, [&](auto kSmall, auto kL2, auto kScaled) LB_ALWAYS_INLINE {
-      adam_moments_avx2<decltype(flags)::value, decltype(kSmall)::value, decltype(kL2)::value,
-                        decltype(kScaled)::value>(a.hyper, t.scalars, param, grad, q1, q2, t.absmax[0][block],
-                                                  t.absmax[1][block], state_map(a, 0), state_map(a, 1), decoded[0],
-                                                  decoded[1], cnt, max_bits);
+      constexpr int32_t kF = decltype(flags)::value;
+      constexpr bool kS = decltype(kSmall)::value, kL = decltype(kL2)::value, kG = decltype(kScaled)::value;
+      const auto moments = [&](auto bits) LB_ALWAYS_INLINE {
+        adam_moments_avx2<decltype(bits)::value, kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2,
+                                                                 t.absmax[0][block], t.absmax[1][block],
+                                                                 state_map(a, 0), state_map(a, 1), decoded[0],
+                                                                 decoded[1], cnt, max_bits);
+      };
+      if (t.bits == 4) return moments(std::integral_constant<int, 4>{});
+      moments(std::integral_constant<int, 8>{});
     });
   });
   prefetch_ahead<float>(a, t, lo, 2);
@@ -998,9 +1025,14 @@ inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t blo
   const auto encode = [&](int from, int count) LB_ALWAYS_INLINE {
     with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
       with_bool(t.scalars.update_scale != 1.f, [&](auto kScaled) LB_ALWAYS_INLINE {
-        adam_encode_step_avx2<decltype(kDecay)::value, decltype(kScaled)::value>(
-            a.hyper, t.scalars, param + from, decoded[0] + from, decoded[1] + from, count, sums1, sums2, inv1, inv2,
-            q1 + from, q2 + from);
+        constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
+        if (t.bits == 4) {
+          return adam_encode_step_avx2<4, kD, kG>(a.hyper, t.scalars, param + from, decoded[0] + from,
+                                                  decoded[1] + from, count, sums1, sums2, inv1, inv2, q1 + from / 2,
+                                                  q2 + from / 2);
+        }
+        adam_encode_step_avx2<8, kD, kG>(a.hyper, t.scalars, param + from, decoded[0] + from, decoded[1] + from,
+                                         count, sums1, sums2, inv1, inv2, q1 + from, q2 + from);
       });
     });
   };
@@ -1029,7 +1061,7 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   const T* grad = static_cast<const T*>(t.grad) + lo;
 #ifdef LB_AVX2_CODES
   if constexpr (kRule == Rule::Adam && kStates == 2 && std::is_same_v<T, float>) {
-    if (coders.adam_avx2 && t.bits == 8 && !t.stochastic && t.rank1_slot < 0 && cnt % 32 == 0 &&
+    if (coders.adam_avx2 && (t.bits == 8 || t.bits == 4) && !t.stochastic && t.rank1_slot < 0 && cnt % 32 == 0 &&
         adam_block_avx2(a, t, block, lo, cnt, coders, param, grad)) {
       return;
     }
@@ -1529,7 +1561,7 @@ void step_all(const OptimArgs& a, int threads) {
   }
   coders.adam_split = kRule == Rule::Adam && a.n_states == 2 && coders.gather &&
                       avx512_active() && coders.index[0]->nearest_direct() && coders.index[1]->nearest_direct();
-  coders.adam_avx2 = kRule == Rule::Adam && a.n_states == 2 && a.state_bits == 8 && coders.gather &&
+  coders.adam_avx2 = kRule == Rule::Adam && a.n_states == 2 && coders.gather &&
                      !avx512_active() && avx2_active() && coders.index[0]->nearest_direct() &&
                      coders.index[1]->nearest_direct() && coders.index[0]->unit_stable() &&
                      coders.index[1]->unit_stable();
