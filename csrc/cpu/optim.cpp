@@ -440,9 +440,9 @@ struct StateCoders {
 
 #ifdef LB_AVX512_CODES
 // Adam's block of 8-bit states (and 4-bit ones, adam_fused) where the AVX-512 gather encoder requantizes
-// them, in two passes instead of update() and then store_state(): the new moments of the whole block and their maxima (adam_moments, and
-// the root of v, its stored form), then one loop that encodes both moments and steps the parameters
-// (adam_update), 16 elements at a time. The step's two divisions and the encoder's gathers then keep
+// them, in two passes instead of update() and then store_state(): the new moments of the whole block and
+// their maxima (adam_moments, and the root of v, its stored form), then one loop that encodes both moments
+// and steps the parameters (adam_update), 16 elements at a time. The step's two divisions and the encoder's gathers then keep
 // different units busy at once, where the update loop and the encoder loops used them one after the
 // other. The same operations on the same values as update_body, so the same results.
 template <int32_t kFlags, typename T>
@@ -717,6 +717,19 @@ LB_ALWAYS_INLINE inline void with_bools(bool a, bool b, bool c, Fn&& fn) {
   });
 }
 
+// Calls fn(flags, small, l2, scaled), the template arguments of the Adam moment loops (adam_moments16) as
+// constants: the element flags (with_element_flags), torch_lerp's first form (|1 - beta1| < 0.5), weight
+// decay added to the gradient, and a gradient scale other than 1.
+template <typename Fn>
+LB_ALWAYS_INLINE inline void with_adam_moment_options(const StepHyper& h, const StepScalars& sc, Fn&& fn) {
+  const bool small = fabsf(h.one_minus_beta1) < 0.5f;
+  const bool l2 = h.weight_decay != 0.f && !(h.flags & kDecoupled);
+  with_element_flags(h.flags, [&](auto flags) LB_ALWAYS_INLINE {
+    with_bools(small, l2, sc.grad_scale != 1.f,
+               [&](auto kSmall, auto kL2, auto kScaled) LB_ALWAYS_INLINE { fn(flags, kSmall, kL2, kScaled); });
+  });
+}
+
 // Starts reading bytes [0, bytes) at p into L2.
 inline void prefetch_l2(const char* p, int64_t bytes) {
   constexpr int64_t kLine = 64;
@@ -801,22 +814,18 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   prefetch_ahead<T>(a, t, lo, 1);
   if constexpr (std::is_same_v<T, float>) {
     if (fused) {
-      const bool small = fabsf(a.hyper.one_minus_beta1) < 0.5f;
-      const bool l2 = a.hyper.weight_decay != 0.f && !(a.hyper.flags & kDecoupled);
-      with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
-        with_bools(small, l2, t.scalars.grad_scale != 1.f, [&](auto kSmall, auto kL2, auto kScaled) LB_ALWAYS_INLINE {
-          constexpr int32_t kF = decltype(flags)::value;
-          constexpr bool kS = decltype(kSmall)::value, kL = decltype(kL2)::value, kG = decltype(kScaled)::value;
-          const float amax1 = t.absmax[0][block], amax2 = t.absmax[1][block];
-          if (t.bits == 4) {
-            return adam_moments_u4<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2,
-                                                   state_map(a, 0), state_map(a, 1), s[0], s[1], cnt, max_bits);
-          }
+      with_adam_moment_options(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
+        constexpr int32_t kF = decltype(flags)::value;
+        constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
+        const float amax1 = t.absmax[0][block], amax2 = t.absmax[1][block];
+        if (t.bits == 4) {
+          return adam_moments_u4<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2,
+                                                 state_map(a, 0), state_map(a, 1), s[0], s[1], cnt, max_bits);
+        }
 #ifdef LB_VBMI_DECODE
-          adam_moments_vbmi<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
-                                            *coders.planes[1], s[0], s[1], cnt, max_bits);
+        adam_moments_vbmi<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
+                                          *coders.planes[1], s[0], s[1], cnt, max_bits);
 #endif
-        });
       });
     }
   }
@@ -994,21 +1003,16 @@ inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t blo
   uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo * t.bits / 8;
   prefetch_ahead<float>(a, t, lo, 0);
   prefetch_ahead<float>(a, t, lo, 1);
-  const bool small = fabsf(a.hyper.one_minus_beta1) < 0.5f;
-  const bool l2 = a.hyper.weight_decay != 0.f && !(a.hyper.flags & kDecoupled);
-  with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
-    with_bools(small, l2, t.scalars.grad_scale != 1.f, [&](auto kSmall, auto kL2, auto kScaled) LB_ALWAYS_INLINE {
-      constexpr int32_t kF = decltype(flags)::value;
-      constexpr bool kS = decltype(kSmall)::value, kL = decltype(kL2)::value, kG = decltype(kScaled)::value;
-      const auto moments = [&](auto bits) LB_ALWAYS_INLINE {
-        adam_moments_avx2<decltype(bits)::value, kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2,
-                                                                 t.absmax[0][block], t.absmax[1][block],
-                                                                 state_map(a, 0), state_map(a, 1), decoded[0],
-                                                                 decoded[1], cnt, max_bits);
-      };
-      if (t.bits == 4) return moments(std::integral_constant<int, 4>{});
-      moments(std::integral_constant<int, 8>{});
-    });
+  with_adam_moment_options(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
+    constexpr int32_t kF = decltype(flags)::value;
+    constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
+    const auto moments = [&](auto bits) LB_ALWAYS_INLINE {
+      adam_moments_avx2<decltype(bits)::value, kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2,
+                                                               t.absmax[0][block], t.absmax[1][block], state_map(a, 0),
+                                                               state_map(a, 1), decoded[0], decoded[1], cnt, max_bits);
+    };
+    if (t.bits == 4) return moments(std::integral_constant<int, 4>{});
+    moments(std::integral_constant<int, 8>{});
   });
   prefetch_ahead<float>(a, t, lo, 2);
   const float amax1 = absmax_from_bits(max_bits[0]), amax2 = absmax_from_bits(max_bits[1]);
