@@ -495,7 +495,7 @@ class MetaCache:
     gradients usually move. So a step builds every other column as always, compares them with ``fixed``, and
     where they are equal writes the gradients' column and the scalars into the kept tables. The tables are
     tensors over Python arrays (``torch.frombuffer``), written through the arrays: no torch operation, each of
-    which costs 20-50 us right after a step has streamed the parameters through the caches."""
+    which costs 20-75 us right after a step has streamed the parameters through the caches."""
 
     fixed: list[list[int]] = dataclasses.field(default_factory=list)
     """The columns of the meta table other than the gradients', as the step that built it computed them."""

@@ -79,8 +79,10 @@ class FusedLayout:
         at once (:meth:`advance_counters`): on a 387-tensor model the ``torch._foreach_add_`` over 0-d CPU
         tensors took 0.45 ms and their ``torch.stack`` 0.11 ms, of the 3.4 ms of Python in a step (2 threads).
         The views stay ordinary fp32 scalars for the user, the state dict and torch.optim, and the layout holds
-        them (:meth:`holds`), so a state given a new ``step`` ends the plan. Counters that are not 0-d fp32 CPU
-        tensors (a state loaded by hand) are left as they are."""
+        them (:meth:`holds`), so a state given a new ``step`` ends the plan. Unlike torch.optim's, a counter is
+        a new object (with the same value) whenever its group's plan is made anew, when the set of parameters
+        with a gradient changes for instance. Counters that are not 0-d fp32 CPU tensors (a state loaded by
+        hand) are left as they are."""
         steps = [
             s
             for s in (entries.get("step") for _, entries in self.items)
@@ -102,7 +104,7 @@ class FusedLayout:
 
     def advance_counters(self) -> None:
         """Adds 1 to each of :attr:`counters`, as ``add_`` would (one rounding of the exact sum to fp32), through
-        their array: no torch operation, each of which costs 20-50 us right after a step has streamed the
+        their array: no torch operation, each of which costs 20-75 us right after a step has streamed the
         parameters through the caches; the counters' version counter is bumped as an in-place operation's is."""
         assert self.counters is not None
         values = self.counter_values
