@@ -442,9 +442,9 @@ struct StateCoders {
 // Adam's block of 8-bit states (and 4-bit ones, adam_fused) where the AVX-512 gather encoder requantizes
 // them, in two passes instead of update() and then store_state(): the new moments of the whole block and
 // their maxima (adam_moments, and the root of v, its stored form), then one loop that encodes both moments
-// and steps the parameters (adam_update), 16 elements at a time. The step's two divisions and the encoder's gathers then keep
-// different units busy at once, where the update loop and the encoder loops used them one after the
-// other. The same operations on the same values as update_body, so the same results.
+// and steps the parameters (adam_update), 16 elements at a time. The step's two divisions and the encoder's
+// gathers then keep different units busy at once, where the update loop and the encoder loops used them one
+// after the other. The same operations on the same values as update_body, so the same results.
 template <int32_t kFlags, typename T>
 __attribute__((target("avx512f"))) void adam_moments_avx512(const StepHyper& hyper, const StepScalars& sc,
                                                             const T* __restrict param, const T* __restrict grad,
@@ -919,11 +919,14 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
   const __m256 scale1 = _mm256_set1_ps(absmax1), scale2 = _mm256_set1_ps(absmax2);
   const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
   __m256i max1 = _mm256_setzero_si256(), max2 = _mm256_setzero_si256();
+  // At 4 bits, each map's halves in registers (lookup16); unused at 8.
+  const __m256 low1 = _mm256_loadu_ps(map1), high1 = _mm256_loadu_ps(map1 + (kBits == 4 ? 8 : 0));
+  const __m256 low2 = _mm256_loadu_ps(map2), high2 = _mm256_loadu_ps(map2 + (kBits == 4 ? 8 : 0));
   for (int j = 0; j < cnt; j += 32) {
     __m256 m[4], root_old[4];
     if constexpr (kBits == 4) {
-      decode_u4_32x8(_mm256_loadu_ps(map1), _mm256_loadu_ps(map1 + 8), scale1, q1 + j / 2, m);
-      decode_u4_32x8(_mm256_loadu_ps(map2), _mm256_loadu_ps(map2 + 8), scale2, q2 + j / 2, root_old);
+      decode_u4_32x8(low1, high1, scale1, q1 + j / 2, m);
+      decode_u4_32x8(low2, high2, scale2, q2 + j / 2, root_old);
     } else {
       for (int k = 0; k < 4; ++k) {
         const int i = j + 8 * k;
@@ -992,9 +995,10 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
   }
 }
 
-// Adam's block of 8-bit or 4-bit states on the AVX2 path when coders.adam_avx2 (fp32 parameters, cnt a multiple
-// of 32): adam_block's two fused loops, 8 lanes wide. A block with a non-finite moment, or whose absmax has no finite
-// inverse, returns false before anything is written, and step_block's loops take it from the start.
+// Adam's block of 8-bit or 4-bit states on the AVX2 path when coders.adam_avx2 (fp32 parameters, cnt a
+// multiple of 32): adam_block's two fused loops, 8 lanes wide. A block with a non-finite moment, or whose
+// absmax has no finite inverse, returns false before anything is written, and step_block's loops take it from
+// the start.
 inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
                             const StateCoders& coders, float* param, const float* grad) {
   float decoded[2][kMaxBlock];
