@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -134,30 +135,40 @@ def test_norm_modes_match_reference(name, norm_mode):
             torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
-def _adam_step_matches_reference(grad: torch.Tensor, hyper: list, bits: int, gen: torch.Generator) -> tuple:
-    """One Adam step of the fused op and of the twin on one fp32 parameter with gradient ``grad``, from states of
-    ``bits`` quantized from random values: bit-identical results. Returns the op's (params, state1, state2, absmax1,
-    absmax2)."""
+def _adam_step_matches_reference(
+    grads: list[torch.Tensor],
+    hyper: list,
+    bits: int,
+    gen: torch.Generator,
+    bias2_sqrt: Optional[list[float]] = None,
+) -> tuple:
+    """One Adam step of the fused op and of the twin on fp32 parameters with gradients ``grads``, from states of
+    ``bits`` quantized from random values, each tensor with its bias correction ``bias2_sqrt`` (that of step 2 if
+    None): bit-identical results. Returns the op's (params, state1, state2, absmax1, absmax2) and the parameters
+    before the step."""
     rule, n_states, flags, _ = RULES["adam"]
     block = BLOCK[bits]
-    params = [torch.randn(grad.numel(), generator=gen)]
+    params = [torch.randn(g.numel(), generator=gen) for g in grads]
     maps = [optimizer_state_map(s, torch.device("cpu"), bits) for s in (True, False)]
     states, absmax = [[], [], []], [[], [], []]
     for k, m in enumerate(maps):
-        value = torch.randn(grad.numel(), generator=gen) * 0.1
-        codes, qs = quantize_blockwise(value if k == 0 else value.abs(), code=m, blocksize=block)
-        states[k].append(codes)
-        absmax[k].append(qs.absmax)
-    scalars = [1e-3 / (1 - 0.9**2), (1 - 0.999**2) ** 0.5, 0.0]
+        for g in grads:
+            value = torch.randn(g.numel(), generator=gen) * 0.1
+            codes, qs = quantize_blockwise(value if k == 0 else value.abs(), code=m, blocksize=block)
+            states[k].append(codes)
+            absmax[k].append(qs.absmax)
+    scalars = []
+    for b in bias2_sqrt or [(1 - 0.999**2) ** 0.5] * len(grads):
+        scalars += [1e-3 / (1 - 0.9**2), b, 0.0]
     ours = copy.deepcopy((params, *states, *absmax))
     ref = copy.deepcopy((params, *states, *absmax))
     args = (scalars, None, maps[0], maps[1], maps[1], rule, hyper, flags, 0, n_states, block, None, bits)
-    _ops.optimizer_step_(ours[0], [grad], *ours[1:], *args)
-    R.optimizer_step_(ref[0], [grad], *ref[1:], *args)
+    _ops.optimizer_step_(ours[0], grads, *ours[1:], *args)
+    R.optimizer_step_(ref[0], grads, *ref[1:], *args)
     for got, want in zip(ours, ref, strict=True):
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
-    return ours
+    return ours, params
 
 
 def _codes(stored: torch.Tensor, bits: int) -> torch.Tensor:
@@ -200,7 +211,7 @@ def test_adam_codes_of_exact_ties_and_block_edges_match_reference(bits, cpu_kern
     grad[7 * block : 8 * block] = -0.0
     grad[5 * block + 7] = float("nan")
     grad[9 * block : 10 * block] *= 1e-39  # a subnormal absmax
-    ours = _adam_step_matches_reference(grad, hyper, bits, gen)
+    ours, _ = _adam_step_matches_reference([grad], hyper, bits, gen)
     # Direction: a tie of either moment stored the lower of its two entries.
     m_codes, root_codes = _codes(ours[1][0], bits), _codes(ours[2][0], bits)
     clean = (torch.arange(n) // block != 5) & (torch.arange(n) // block != 9)
@@ -210,6 +221,44 @@ def test_adam_codes_of_exact_ties_and_block_edges_match_reference(bits, cpu_kern
     root_tie = torch.isin(grad.abs(), unsigned_ties) & clean
     assert root_tie.any()
     assert torch.equal(root_codes[root_tie], torch.searchsorted(maps[1], grad[root_tie].abs(), right=True) - 1)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_adam_bias_correction_quotients_match_reference(bits, cpu_kernels):
+    """Adam's fused loops divide the root of v by the bias correction sqrt(1 - beta2^t) through its reciprocal
+    and two FMA corrections (optim.cpp: reciprocal_divides), which must give the division's bits. With beta1 =
+    beta2 = 0 and eps = 0 the stored root is |g| exactly and the update is step_size * g / (|g| / b), so every
+    bit of the quotient reaches the parameter. Each tensor has its own b: bias corrections of real steps, the
+    ends of the range, significands of all ones, and b outside it (left to the division); the gradients'
+    magnitudes span 2^-60..2^60 with random significands, one binade per block."""
+    hyper = list(RULES["adam"][3])
+    hyper[1], hyper[2], hyper[3], hyper[4] = 0.0, 0.0, 1.0, 1.0  # beta1 = beta2 = 0
+    hyper[5], hyper[6], hyper[7] = 0.0, 0.0, 1.0  # eps = 0, no weight decay
+    block = BLOCK[bits]
+    gen = torch.Generator().manual_seed(1)
+    real = [(1 - beta2**t) ** 0.5 for beta2 in (0.999, 0.99, 0.95) for t in (1, 2, 3, 10, 1000)]
+    ones = torch.tensor([0x3F7FFFFF, 0x3EFFFFFF, 0x207FFFFF], dtype=torch.int32).view(torch.float32).tolist()
+    edges = [1.0, 0.5, 2.0**-60, float(torch.tensor(2.0**-60).nextafter(torch.tensor(1.0))), 2.0**-61, 1.5]
+    # Outside the range the reciprocal would not divide: no finite reciprocal, and quotients below the normals.
+    beyond = [1e-39, 2.0**100]
+    bias2_sqrt = real + ones + edges + beyond + torch.rand(8, generator=gen).tolist()
+    blocks = 8
+    exponents = torch.linspace(-60, 60, blocks).round().repeat_interleave(block)
+    grads = []
+    for _ in bias2_sqrt:
+        significand = 1 + torch.rand(blocks * block, generator=gen)
+        sign = torch.where(torch.rand(blocks * block, generator=gen) < 0.5, -1.0, 1.0)
+        grads.append(sign * significand * 2.0**exponents)
+    ours, before = _adam_step_matches_reference(grads, hyper, bits, gen, bias2_sqrt)
+    # Size and direction: the update is step_size * b * sign(g), up to the roundings of the quotient, of
+    # step_size * g and of their quotient (a few ulps) and of the parameter's subtraction (half an ulp of the
+    # parameter, below 2^-23 |p|): each parameter moved against its gradient by step_size * b. (Beyond the range,
+    # |g| / b overflows or underflows for some blocks.)
+    step_size = 1e-3 / (1 - 0.9**2)
+    for p, p0, g, b in zip(ours[0], before, grads, bias2_sqrt, strict=True):
+        if b in beyond:
+            continue
+        torch.testing.assert_close(p0 - p, step_size * b * g.sign(), rtol=1e-5, atol=2.0**-22 * p0.abs().max().item())
 
 
 def _rank1_case(rule: int, n_states: int, shape: tuple[int, ...], seed: int, nan: bool = False) -> tuple:

@@ -424,6 +424,17 @@ void update(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, 
   update_baseline<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
 }
 
+// Whether the fused Adam loops may divide by bias2_sqrt as divide_by_constant16 and divide_by_constant8 do, with
+// the division's bits: for finite a >= 0 and b in [2^-60, 1]. With y = 1 / b rounded (relative error below
+// 2^-24), q0 = a * y rounded is within 1.5 ulps of z = a / b. The first correction adds (a - b q0)(1 + d) y,
+// |d| <= 2^-24, which leaves q0 + (z - q0)(1 + e), |e| < 2^-22.9, before its rounding: q1 is one of the two
+// floats around z. Markstein's theorem then makes the residual a - b q1 exact and q1 + (a - b q1) * y round to
+// z rounded. The range keeps every step exact: a <= 2^64 (a root of a float) and b >= 2^-60 leave q below
+// 2^124; b <= 1 keeps q >= a, and the residual is a multiple of ulp(b) ulp(q) / 2 >= ulp(a) 2^-25 (b q is
+// about a), which for a nonzero a (at least 2^-74.5) is at least 2^-123: representable. a = +0 gives +0, as
+// the division does. test_adam_bias_correction_quotients_match_reference holds the loops to the division.
+inline bool reciprocal_divides(float b) { return b >= 0x1p-60f && b <= 1.f; }
+
 // How the 8-bit states of a call are encoded and decoded: map indexes, the VBMI decoder's byte planes
 // (null where it is not used) and the choice of encoder, all fixed before the parallel loop.
 struct StateCoders {
@@ -620,9 +631,20 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
 }
 #endif
 
-// The constants of Adam's step and of the encoders' normalisation in registers (adam_step16).
+// a / b for 16 finite a >= 0 and a constant b that reciprocal_divides, the same bits as the division, from
+// y = 1 / b rounded and without the divider (which the square root and Adam's other division keep busy):
+// q0 = a * y, then twice q + (a - b * q) * y, each residual one FMA (reciprocal_divides says why exact).
+__attribute__((target("avx512f"), always_inline)) inline __m512 divide_by_constant16(__m512 a, __m512 b, __m512 y) {
+  const __m512 q0 = _mm512_mul_ps(a, y);
+  const __m512 q1 = _mm512_fmadd_ps(_mm512_fnmadd_ps(b, q0, a), y, q0);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(b, q1, a), y, q1);
+}
+
+// The constants of Adam's step and of the encoders' normalisation in registers (adam_step16). bias2_recip:
+// 1 / bias2_sqrt rounded, for divide_by_constant16.
 struct AdamStepConstants {
   __m512 bias2_sqrt;
+  __m512 bias2_recip;
   __m512 eps;
   __m512 step_size;
   __m512 update_scale;
@@ -634,9 +656,9 @@ struct AdamStepConstants {
 __attribute__((target("avx512f"), always_inline)) inline AdamStepConstants adam_step_constants(const StepHyper& h,
                                                                                               const StepScalars& sc,
                                                                                               float inv1, float inv2) {
-  return {_mm512_set1_ps(sc.bias2_sqrt),  _mm512_set1_ps(h.eps), _mm512_set1_ps(sc.step_size),
-          _mm512_set1_ps(sc.update_scale), _mm512_set1_ps(h.decay), _mm512_set1_ps(inv1),
-          _mm512_set1_ps(inv2)};
+  return {_mm512_set1_ps(sc.bias2_sqrt),   _mm512_set1_ps(1.f / sc.bias2_sqrt), _mm512_set1_ps(h.eps),
+          _mm512_set1_ps(sc.step_size),    _mm512_set1_ps(sc.update_scale),     _mm512_set1_ps(h.decay),
+          _mm512_set1_ps(inv1),            _mm512_set1_ps(inv2)};
 }
 
 // adam_encode_step_avx512's work on 16 fp32 elements at i of a block with unit-stable maps: the nearest codes
@@ -657,7 +679,7 @@ __attribute__((target("avx512f"), always_inline)) inline void adam_step16(const 
   const __m512 m = _mm512_loadu_ps(s1 + i), root = _mm512_loadu_ps(s2 + i);
   c1 = sum_codes16(sums1, order_keys(_mm512_mul_ps(m, c.inv1)));
   c2 = sum_codes16(sums2, nonnegative_keys(_mm512_mul_ps(root, c.inv2)));
-  const __m512 denom = _mm512_add_ps(_mm512_div_ps(root, c.bias2_sqrt), c.eps);
+  const __m512 denom = _mm512_add_ps(divide_by_constant16(root, c.bias2_sqrt, c.bias2_recip), c.eps);
   const __m512 u = _mm512_div_ps(_mm512_mul_ps(c.step_size, m), denom);
   __m512 p = _mm512_loadu_ps(param + i);
   if (kDecay) p = _mm512_mul_ps(p, c.decay);
@@ -780,13 +802,14 @@ void prefetch_ahead(const OptimArgs& a, const TensorView& t, int64_t lo, int par
   prefetch_ahead<T>(a, t, lo, part, a.n_states);
 }
 
-// Whether adam_block's block runs the fused loops: fp32 parameters, whole groups of 64 and unit-stable maps,
-// and for 8-bit states the VBMI decoder in use (adam_moments_vbmi, adam_encode_step_sums). 4-bit states need
-// no more (adam_moments_u4, adam_encode_step_u4), and their blocks take adam_block only then.
+// Whether adam_block's block runs the fused loops: fp32 parameters, whole groups of 64, unit-stable maps, a
+// bias correction that reciprocal_divides, and for 8-bit states the VBMI decoder in use (adam_moments_vbmi,
+// adam_encode_step_sums). 4-bit states need no more (adam_moments_u4, adam_encode_step_u4), and their blocks
+// take adam_block only then.
 template <typename T>
 bool adam_fused(const TensorView& t, const StateCoders& coders, int cnt) {
   if (!std::is_same_v<T, float> || cnt % 64 != 0 || !coders.index[0]->unit_stable() ||
-      !coders.index[1]->unit_stable()) {
+      !coders.index[1]->unit_stable() || !reciprocal_divides(t.scalars.bias2_sqrt)) {
     return false;
   }
   if (t.bits == 4) return true;
@@ -957,16 +980,24 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
   max_bits[2] = 0;
 }
 
+// divide_by_constant16 on 8 lanes.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 divide_by_constant8(__m256 a, __m256 b, __m256 y) {
+  const __m256 q0 = _mm256_mul_ps(a, y);
+  const __m256 q1 = _mm256_fmadd_ps(_mm256_fnmadd_ps(b, q0, a), y, q0);
+  return _mm256_fmadd_ps(_mm256_fnmadd_ps(b, q1, a), y, q1);
+}
+
 // adam_encode_step_sums and adam_encode_step_u4 on the AVX2 path (cnt a multiple of 32): adam_step16's codes
 // and step 8 lanes at a time, 32 codes of each state packed per store (into 16 bytes at 4 bits). Same codes
 // and parameters.
 template <int kBits, bool kDecay, bool kScaled>
-__attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, const StepScalars& sc,
+__attribute__((target("avx2,fma"))) void adam_encode_step_avx2(const StepHyper& h, const StepScalars& sc,
                                                            float* __restrict param, const float* __restrict s1,
                                                            const float* __restrict s2, int cnt, const int* sums1,
                                                            const int* sums2, float inv1, float inv2,
                                                            uint8_t* __restrict q1, uint8_t* __restrict q2) {
-  const __m256 bias2_sqrt = _mm256_set1_ps(sc.bias2_sqrt), eps = _mm256_set1_ps(h.eps);
+  const __m256 bias2_sqrt = _mm256_set1_ps(sc.bias2_sqrt), bias2_recip = _mm256_set1_ps(1.f / sc.bias2_sqrt);
+  const __m256 eps = _mm256_set1_ps(h.eps);
   const __m256 step_size = _mm256_set1_ps(sc.step_size), update_scale = _mm256_set1_ps(sc.update_scale);
   const __m256 decay = _mm256_set1_ps(h.decay);
   const __m256 scale1 = _mm256_set1_ps(inv1), scale2 = _mm256_set1_ps(inv2);
@@ -977,7 +1008,7 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
       const __m256 m = _mm256_loadu_ps(s1 + i), root = _mm256_loadu_ps(s2 + i);
       c1[k] = sum_codes8(sums1, order_keys8(_mm256_mul_ps(m, scale1)));
       c2[k] = sum_codes8(sums2, nonnegative_keys8(_mm256_mul_ps(root, scale2)));
-      const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, bias2_sqrt), eps);
+      const __m256 denom = _mm256_add_ps(divide_by_constant8(root, bias2_sqrt, bias2_recip), eps);
       const __m256 u = _mm256_div_ps(_mm256_mul_ps(step_size, m), denom);
       __m256 p = _mm256_loadu_ps(param + i);
       if (kDecay) p = _mm256_mul_ps(p, decay);
@@ -1070,7 +1101,7 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
 #ifdef LB_AVX2_CODES
   if constexpr (kRule == Rule::Adam && kStates == 2 && std::is_same_v<T, float>) {
     if (coders.adam_avx2 && (t.bits == 8 || t.bits == 4) && !t.stochastic && t.rank1_slot < 0 && cnt % 32 == 0 &&
-        adam_block_avx2(a, t, block, lo, cnt, coders, param, grad)) {
+        reciprocal_divides(t.scalars.bias2_sqrt) && adam_block_avx2(a, t, block, lo, cnt, coders, param, grad)) {
       return;
     }
   }
