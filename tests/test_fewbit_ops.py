@@ -54,6 +54,29 @@ def test_codes_are_interval_indices():
     assert codes.tolist() == [0, 0, 1, 1, 1, 2, 2, 3, 0, 3, 0]
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("kind", ["repeated", "unsorted", "nan"])
+def test_codes_count_the_boundaries_below_whatever_their_order(bits, kind, cpu_kernels):
+    """The code is the number of boundaries < x (NaN: 0) also for boundaries that repeat, are out of order or
+    hold a NaN: the AVX-512 encoder searches sorted ones (an error there would move codes by whole intervals)
+    and counts the others. Reference: torch's count of the boundaries below each element."""
+    g = torch.Generator().manual_seed(bits)
+    b = torch.sort(torch.randn(2**bits - 1, generator=g)).values
+    if kind == "repeated":
+        b[1:3] = b[1]
+        b[-2:] = b[-1]
+    elif kind == "unsorted":
+        b = b.flip(0)
+    else:
+        b[b.numel() // 2] = float("nan")
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0])
+    for n in (16, 17, 4096 + 37):
+        x = torch.cat([b, special, torch.randn(n, generator=g) * 1.5])
+        got = _ops.unpack_bits(ops.fewbit_encode(x, b, bits), bits, x.numel())
+        want = torch.where(x.isnan(), 0, (x[:, None] > b[None, :]).sum(1))
+        assert torch.equal(got, want)
+
+
 @given(
     n=st.integers(0, 2000),
     bits=st.integers(1, 8),

@@ -2,10 +2,12 @@
 // loops): few-bit codes of 1-4 bits (fewbit.cpp keeps the
 // portable loops and the other cases) and the inverted-activation slope (invact.cpp).
 //
-// Few-bit. Encoding counts the boundaries below 16 inputs at once and merges each 8-code group
-// into one word with per-lane shifts and an in-register OR tree; decoding spreads a group word over
-// 8 lanes with per-lane shifts and looks the levels up with one permute, the 2**bits <= 16 levels
-// sitting in one register. Results equal the portable loops bit for bit (the same compares, the same
+// Few-bit. Encoding finds the number of boundaries below 16 inputs at once: where they are sorted, by a
+// binary search whose compares (against boundaries permuted out of one register) give the codes' bits, which
+// PDEP deposits in place (at 1 bit the compare's mask is the codes); where not, by a compare per boundary,
+// each 8-code group merged into one word with per-lane shifts and an in-register OR tree. Decoding spreads a
+// group word over 8 lanes with per-lane shifts and looks the levels up with one permute, the 2**bits <= 16
+// levels sitting in one register. Results equal the portable loops bit for bit (the same codes, the same
 // IEEE multiply; tests run both paths).
 //
 // Inverted activations: the branch bits of 16 elements are one mask; both branches' coefficient
@@ -29,6 +31,9 @@ namespace lowbit::cpu {
 #define LB_TARGET __attribute__((target("avx512f")))
 
 namespace {
+
+// BMI2's PDEP (every AVX-512 processor has it; a virtual machine may hide it) deposits the search's masks.
+const bool kHasBmi2 = __builtin_cpu_supports("bmi2");
 
 // Lane k of each 8-lane half holds a code's offset kBits * k within its group word.
 template <int kBits>
@@ -55,28 +60,102 @@ LB_TARGET inline void store16(BFloat16* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
-template <int kBits, typename E>
-LB_TARGET void encode_tile(const E* x, int cnt, const float* bounds, uint8_t* out) {
-  static_assert(kBits >= 1 && kBits <= 4, "8 codes must fit one 32-bit lane");
-  constexpr int kBounds = (1 << kBits) - 1;
+// Whether bounds[0..count) (count >= 2) are non-decreasing and free of NaN: then a binary search finds the
+// number of bounds below x.
+inline bool non_decreasing(const float* bounds, int count) {
+  for (int i = 0; i + 1 < count; ++i) {
+    if (!(bounds[i] <= bounds[i + 1])) return false;
+  }
+  return true;
+}
+
+// The 16 codes c (one per lane) as two kBits-bit group words, stored at out.
+template <int kBits>
+LB_TARGET inline void store_groups(__m512i c, __m512i shifts, uint8_t* out) {
   constexpr int kGroupBytes = kBits;  // 8 codes of kBits bits
+  __m512i t = _mm512_sllv_epi32(c, shifts);
+  t = _mm512_or_si512(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
+  t = _mm512_or_si512(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
+  t = _mm512_or_si512(t, _mm512_shuffle_i32x4(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+  const uint64_t w0 = static_cast<uint32_t>(_mm512_cvtsi512_si32(t));
+  const uint64_t w1 = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_extracti32x4_epi32(t, 2)));
+  const uint64_t both = w0 | (w1 << (8 * kGroupBytes));
+  std::memcpy(out, &both, 2 * kGroupBytes);
+}
+
+// Codes of 16 elements, one per lane: the number of bounds below each, a compare per bound (x > b is false
+// for NaN, as in the portable count: NaN gets code 0).
+template <int kBits>
+LB_TARGET inline __m512i count_codes16(__m512 v, const __m512* b) {
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i c = _mm512_setzero_si512();
+  for (int k = 0; k < (1 << kBits) - 1; ++k) {
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(v, b[k], _CMP_GT_OQ), c, one);
+  }
+  return c;
+}
+
+// The bits of 16 codes of kBits bits as packed (code k at bit kBits * k): bit j of every code.
+template <int kBits>
+constexpr uint64_t code_bits(int j) {
+  uint64_t m = 0;
+  for (int k = 0; k < 16; ++k) m |= uint64_t{1} << (kBits * k + j);
+  return m;
+}
+
+// The packed codes of 16 elements for non-decreasing bounds (all: the bounds in one register), found by a
+// binary search whose compare masks are the codes' bits: level j (from the top) compares with the bound that
+// the code's higher bits point to, fetched by one permute, and its mask is bit j of the 16 codes, deposited at
+// their places. x > b is false for NaN at every level: code 0, as the count gives.
+template <int kBits>
+__attribute__((target("avx512f,bmi2"), always_inline)) inline uint64_t search_codes16(__m512 v, __m512 all) {
+  constexpr int kTop = kBits - 1;
+  __mmask16 m = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(_mm512_set1_epi32((1 << kTop) - 1), all), _CMP_GT_OQ);
+  uint64_t word = _pdep_u64(m, code_bits<kBits>(kTop));
+  __m512i c = _mm512_maskz_mov_epi32(m, _mm512_set1_epi32(1 << kTop));  // the code's bits found so far
+  for (int j = kTop - 1; j >= 0; --j) {
+    const __m512 bound = _mm512_permutexvar_ps(_mm512_add_epi32(c, _mm512_set1_epi32((1 << j) - 1)), all);
+    m = _mm512_cmp_ps_mask(v, bound, _CMP_GT_OQ);
+    word |= _pdep_u64(m, code_bits<kBits>(j));
+    if (j > 0) c = _mm512_mask_add_epi32(c, m, c, _mm512_set1_epi32(1 << j));
+  }
+  return word;
+}
+
+template <int kBits, typename E>
+__attribute__((target("avx512f,bmi2"))) void search_loop(const E* x, int cnt, const float* bounds, uint8_t* out) {
+  const __m512 all = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << ((1 << kBits) - 1)) - 1u), bounds);
+  for (int i = 0; i + 16 <= cnt; i += 16) {
+    const uint64_t word = search_codes16<kBits>(load16(x + i), all);
+    std::memcpy(out + i / 8 * kBits, &word, 2 * kBits);
+  }
+}
+
+template <int kBits, typename E>
+LB_TARGET void count_loop(const E* x, int cnt, const float* bounds, uint8_t* out) {
+  constexpr int kBounds = (1 << kBits) - 1;
   __m512 b[kBounds];
   for (int i = 0; i < kBounds; ++i) b[i] = _mm512_set1_ps(bounds[i]);
-  const __m512i one = _mm512_set1_epi32(1);
   const __m512i shifts = group_shifts<kBits>();
   for (int i = 0; i + 16 <= cnt; i += 16) {
-    const __m512 v = load16(x + i);
-    __m512i c = _mm512_setzero_si512();
-    // x > b is false for NaN, as in the portable count: NaN gets code 0.
-    for (int k = 0; k < kBounds; ++k) c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(v, b[k], _CMP_GT_OQ), c, one);
-    __m512i t = _mm512_sllv_epi32(c, shifts);
-    t = _mm512_or_si512(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
-    t = _mm512_or_si512(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));
-    t = _mm512_or_si512(t, _mm512_shuffle_i32x4(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
-    const uint64_t w0 = static_cast<uint32_t>(_mm512_cvtsi512_si32(t));
-    const uint64_t w1 = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_extracti32x4_epi32(t, 2)));
-    const uint64_t both = w0 | (w1 << (8 * kGroupBytes));
-    std::memcpy(out + i / 8 * kGroupBytes, &both, 2 * kGroupBytes);
+    store_groups<kBits>(count_codes16<kBits>(load16(x + i), b), shifts, out + i / 8 * kBits);
+  }
+}
+
+template <int kBits, typename E>
+LB_TARGET void encode_tile(const E* x, int cnt, const float* bounds, uint8_t* out) {
+  static_assert(kBits >= 1 && kBits <= 4, "16 codes must fit one 64-bit word");
+  if constexpr (kBits == 1) {
+    // One bound: lane k's code is bit k of the compare's mask, which is the two groups' bytes.
+    const __m512 b = _mm512_set1_ps(bounds[0]);
+    for (int i = 0; i + 16 <= cnt; i += 16) {
+      const uint16_t mask = _mm512_cmp_ps_mask(load16(x + i), b, _CMP_GT_OQ);
+      std::memcpy(out + i / 8, &mask, 2);
+    }
+  } else if (kHasBmi2 && non_decreasing(bounds, (1 << kBits) - 1)) {
+    search_loop<kBits>(x, cnt, bounds, out);
+  } else {
+    count_loop<kBits>(x, cnt, bounds, out);
   }
 }
 
