@@ -21,8 +21,7 @@ namespace lowbit::cpu {
 namespace {
 
 #ifdef LB_AVX2
-// With FMA, which every AVX2 processor has but a virtual machine may hide: the fused Adam loop divides with it.
-const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
 #else
 const bool kHasAvx2 = false;
 #endif

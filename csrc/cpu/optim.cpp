@@ -424,15 +424,17 @@ void update(const StepHyper& h, const StepScalars& sc, T* param, const T* grad, 
   update_baseline<kRule, kStates, kRoot>(h, sc, param, grad, s1, s2, s3, cnt, max_bits);
 }
 
-// Whether the fused Adam loops may divide by bias2_sqrt as divide_by_constant16 and divide_by_constant8 do, with
-// the division's bits: for finite a >= 0 and b in [2^-60, 1]. With y = 1 / b rounded (relative error below
+// Whether the AVX-512 fused Adam loops may divide by bias2_sqrt as divide_by_constant16 does, with the
+// division's bits: for finite a >= 0 and b in [2^-60, 1]. With y = 1 / b rounded (relative error below
 // 2^-24), q0 = a * y rounded is within 1.5 ulps of z = a / b. The first correction adds (a - b q0)(1 + d) y,
 // |d| <= 2^-24, which leaves q0 + (z - q0)(1 + e), |e| < 2^-22.9, before its rounding: q1 is one of the two
 // floats around z. Markstein's theorem then makes the residual a - b q1 exact and q1 + (a - b q1) * y round to
 // z rounded. The range keeps every step exact: a <= 2^64 (a root of a float) and b >= 2^-60 leave q below
 // 2^124; b <= 1 keeps q >= a, and the residual is a multiple of ulp(b) ulp(q) / 2 >= ulp(a) 2^-25 (b q is
 // about a), which for a nonzero a (at least 2^-74.5) is at least 2^-123: representable. a = +0 gives +0, as
-// the division does. test_adam_bias_correction_quotients_match_reference holds the loops to the division.
+// the division does. test_adam_bias_correction_quotients_match_reference holds the loops to the division. (The
+// AVX2 loop keeps the division: 8 lanes wide the divider is not what limits it, and the FMA steps were no
+// faster, measured.)
 inline bool reciprocal_divides(float b) { return b >= 0x1p-60f && b <= 1.f; }
 
 // How the 8-bit states of a call are encoded and decoded: map indexes, the VBMI decoder's byte planes
@@ -980,24 +982,16 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
   max_bits[2] = 0;
 }
 
-// divide_by_constant16 on 8 lanes.
-__attribute__((target("avx2,fma"), always_inline)) inline __m256 divide_by_constant8(__m256 a, __m256 b, __m256 y) {
-  const __m256 q0 = _mm256_mul_ps(a, y);
-  const __m256 q1 = _mm256_fmadd_ps(_mm256_fnmadd_ps(b, q0, a), y, q0);
-  return _mm256_fmadd_ps(_mm256_fnmadd_ps(b, q1, a), y, q1);
-}
-
 // adam_encode_step_sums and adam_encode_step_u4 on the AVX2 path (cnt a multiple of 32): adam_step16's codes
 // and step 8 lanes at a time, 32 codes of each state packed per store (into 16 bytes at 4 bits). Same codes
 // and parameters.
 template <int kBits, bool kDecay, bool kScaled>
-__attribute__((target("avx2,fma"))) void adam_encode_step_avx2(const StepHyper& h, const StepScalars& sc,
+__attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, const StepScalars& sc,
                                                            float* __restrict param, const float* __restrict s1,
                                                            const float* __restrict s2, int cnt, const int* sums1,
                                                            const int* sums2, float inv1, float inv2,
                                                            uint8_t* __restrict q1, uint8_t* __restrict q2) {
-  const __m256 bias2_sqrt = _mm256_set1_ps(sc.bias2_sqrt), bias2_recip = _mm256_set1_ps(1.f / sc.bias2_sqrt);
-  const __m256 eps = _mm256_set1_ps(h.eps);
+  const __m256 bias2_sqrt = _mm256_set1_ps(sc.bias2_sqrt), eps = _mm256_set1_ps(h.eps);
   const __m256 step_size = _mm256_set1_ps(sc.step_size), update_scale = _mm256_set1_ps(sc.update_scale);
   const __m256 decay = _mm256_set1_ps(h.decay);
   const __m256 scale1 = _mm256_set1_ps(inv1), scale2 = _mm256_set1_ps(inv2);
@@ -1008,7 +1002,7 @@ __attribute__((target("avx2,fma"))) void adam_encode_step_avx2(const StepHyper& 
       const __m256 m = _mm256_loadu_ps(s1 + i), root = _mm256_loadu_ps(s2 + i);
       c1[k] = sum_codes8(sums1, order_keys8(_mm256_mul_ps(m, scale1)));
       c2[k] = sum_codes8(sums2, nonnegative_keys8(_mm256_mul_ps(root, scale2)));
-      const __m256 denom = _mm256_add_ps(divide_by_constant8(root, bias2_sqrt, bias2_recip), eps);
+      const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, bias2_sqrt), eps);
       const __m256 u = _mm256_div_ps(_mm256_mul_ps(step_size, m), denom);
       __m256 p = _mm256_loadu_ps(param + i);
       if (kDecay) p = _mm256_mul_ps(p, decay);
@@ -1101,7 +1095,7 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
 #ifdef LB_AVX2_CODES
   if constexpr (kRule == Rule::Adam && kStates == 2 && std::is_same_v<T, float>) {
     if (coders.adam_avx2 && (t.bits == 8 || t.bits == 4) && !t.stochastic && t.rank1_slot < 0 && cnt % 32 == 0 &&
-        reciprocal_divides(t.scalars.bias2_sqrt) && adam_block_avx2(a, t, block, lo, cnt, coders, param, grad)) {
+        adam_block_avx2(a, t, block, lo, cnt, coders, param, grad)) {
       return;
     }
   }
