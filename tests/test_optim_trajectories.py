@@ -23,7 +23,7 @@ import copy
 import math
 
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -337,6 +337,8 @@ def test_second_moment_below_the_map_floor_stays_within_the_bound():
 
 @settings(max_examples=15)
 @given(seq=sequences)
+# Found by a fresh-seed run (seed 303): an outlier, then gradients of zeros (see the end of the test).
+@example(seq=(37594, 257, 256, ["outlier", "rare_rows", "rare_rows"]))
 def test_lpmm_adamw_trajectory_stays_within_the_quantization_bound(seq):
     # LPMMAdamW with 16-bit parameters and gradients against fp32 torch.optim.AdamW, finite gradients
     # fed through the loss (w * G).sum(): Adam's step bound holds whatever the (16-bit) gradient, and
@@ -355,6 +357,7 @@ def test_lpmm_adamw_trajectory_stays_within_the_quantization_bound(seq):
     ref = Weights()
     model = lpmm.convert(copy.deepcopy(ref), param_bits=16, grad_bits=16, group_size=block, rounding="nearest")
     ref.load_state_dict(lpmm.export_float(model))
+    start = ref.w.detach().clone()  # p0 rounded to the 16-bit parameters, where both runs start
     o = O.LPMMAdamW(model.parameters(), lr=LR, weight_decay=0.1, rounding="nearest")
     r = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
     decay = 1.0 - LR * 0.1
@@ -373,4 +376,9 @@ def test_lpmm_adamw_trajectory_stays_within_the_quantization_bound(seq):
     got = lpmm.export_float(model)["w"].double()
     diff = (got - ref.w.detach().double()).abs()
     assert bool((diff <= allowed).all()), (float((diff - allowed).max()), kinds)
-    _assert_moves_toward(p0, got, ref.w.detach(), kinds)
+    # After an outlier, the block's other elements have 8-bit moments under half the smallest code: they
+    # quantize to 0 and those elements take no Adam step, where AdamW's first step moves every element by about
+    # lr whatever its gradient's size. As for Lion (_assert_moves_toward), only the direction is then held. In
+    # the example above LPMM moved the parameters by 0.0058 (its weight decay) and AdamW by 0.0346, and the
+    # distance between them (0.0349) exceeded AdamW's movement through the decay's cross term.
+    _assert_moves_toward(start, got, ref.w.detach(), kinds, sign_update="outlier" in kinds)
