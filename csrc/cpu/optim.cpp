@@ -451,6 +451,45 @@ struct StateCoders {
   bool adam_avx2 = false;
 };
 
+// Starts reading the 64-byte line that holds p into L2.
+LB_ALWAYS_INLINE inline void prefetch_line_l2(const void* p) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  // prefetcht1 (into L2) as volatile asm: GCC 12 drops a loop of __builtin_prefetch when it inlines it
+  // into step_block (the built module held no prefetch instruction).
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p, 0, 2);
+#endif
+}
+
+// Starts reading bytes [0, bytes) at p into L2.
+inline void prefetch_l2(const char* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) prefetch_line_l2(p + off);
+}
+
+// How far ahead, in elements, the fused Adam loops read their fp32 streams (StreamAhead).
+constexpr int64_t kStreamAhead = 512;
+
+// A fp32 stream that a loop over a block's elements [0, cnt) reads kStreamAhead elements ahead: at element i
+// (every 16th, one 64-byte line each) it starts reading base[i] into L2, for i < count (the elements the
+// tensor has there; none when count is 0). One line per 16 elements, spread through the loop's work: the
+// same lines requested in four bursts per block (prefetch_ahead) waited for fill buffers, which held 11% of
+// the step's samples (perf record, Adam8bit on one 16M tensor).
+struct StreamAhead {
+  const float* base = nullptr;
+  int count = 0;
+
+  LB_ALWAYS_INLINE void at(int i) const {
+    if (i < count) prefetch_line_l2(base + i);
+  }
+};
+
+// The StreamAhead of a block's stream p (its element lo of a tensor of n elements, cnt in the block).
+inline StreamAhead stream_ahead(const float* p, int64_t lo, int cnt, int64_t n) {
+  if (lo + kStreamAhead >= n) return {};
+  return {p + kStreamAhead, static_cast<int>(std::min<int64_t>(cnt, n - lo - kStreamAhead))};
+}
+
 #ifdef LB_AVX512_CODES
 // Adam's block of 8-bit states (and 4-bit ones, adam_fused) where the AVX-512 gather encoder requantizes
 // them, in two passes instead of update() and then store_state(): the new moments of the whole block and
@@ -582,7 +621,8 @@ __attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, cons
                                                         const uint8_t* __restrict p1, const uint8_t* __restrict p2,
                                                         float absmax1, float absmax2, const float* map1,
                                                         const float* map2, float* __restrict s1,
-                                                        float* __restrict s2, int cnt, uint32_t* max_bits) {
+                                                        float* __restrict s2, int cnt, uint32_t* max_bits,
+                                                        StreamAhead grad_ahead) {
   const AdamMomentConstants c = adam_moment_constants<kSmall>(h, sc);
   const __m512 values1 = _mm512_loadu_ps(map1), values2 = _mm512_loadu_ps(map2);
   const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
@@ -592,6 +632,7 @@ __attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, cons
     decode_u4_32(values1, scale1, p1 + j / 2, m);
     decode_u4_32(values2, scale2, p2 + j / 2, root_old);
     for (int k = 0; k < 2; ++k) {
+      grad_ahead.at(j + 16 * k);
       adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m[k], root_old[k], param, grad, j + 16 * k, s1, s2, max1, max2);
     }
   }
@@ -611,7 +652,8 @@ template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
     const StepHyper& h, const StepScalars& sc, const float* __restrict param, const float* __restrict grad,
     const uint8_t* __restrict q1, const uint8_t* __restrict q2, float absmax1, float absmax2, const float* map1,
-    const BytePlanes& planes2, float* __restrict s1, float* __restrict s2, int cnt, uint32_t* max_bits) {
+    const BytePlanes& planes2, float* __restrict s1, float* __restrict s2, int cnt, uint32_t* max_bits,
+    StreamAhead grad_ahead) {
   const PlaneRegisters t2 = plane_registers(planes2);
   const __m512i order = _mm512_load_si512(kPlaneOrder);
   const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
@@ -622,6 +664,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
     vbmi_decode64(t2, order, q2 + j, scale2, root_old);
     for (int k = 0; k < 4; ++k) {
       const int i = j + 16 * k;
+      grad_ahead.at(i);
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + i)));
       const __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(codes, map1, 4), scale1);
       adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m, root_old[k], param, grad, i, s1, s2, max1, max2);
@@ -696,9 +739,11 @@ __attribute__((target("avx512f"))) void adam_encode_step_u4(const StepHyper& h, 
                                                             float* __restrict param, const float* __restrict s1,
                                                             const float* __restrict s2, int cnt, const int* sums1,
                                                             const int* sums2, float inv1, float inv2,
-                                                            uint8_t* __restrict q1, uint8_t* __restrict q2) {
+                                                            uint8_t* __restrict q1, uint8_t* __restrict q2,
+                                                            StreamAhead param_ahead) {
   const AdamStepConstants c = adam_step_constants(h, sc, inv1, inv2);
   for (int i = 0; i < cnt; i += 16) {
+    param_ahead.at(i);
     __m512i c1, c2;
     adam_step16<kDecay, kScaled>(c, param, s1, s2, i, sums1, sums2, c1, c2);
     pack_u4_16(c1, q1 + i / 2);
@@ -716,11 +761,14 @@ __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const Ste
                                                                       const float* __restrict s2, int cnt,
                                                                       const int* sums1, const int* sums2, float inv1,
                                                                       float inv2, uint8_t* __restrict q1,
-                                                                      uint8_t* __restrict q2) {
+                                                                      uint8_t* __restrict q2, StreamAhead param_ahead) {
   const AdamStepConstants c = adam_step_constants(h, sc, inv1, inv2);
   for (int j = 0; j < cnt; j += 64) {
     __m512i c1[4], c2[4];
-    for (int k = 0; k < 4; ++k) adam_step16<kDecay, kScaled>(c, param, s1, s2, j + 16 * k, sums1, sums2, c1[k], c2[k]);
+    for (int k = 0; k < 4; ++k) {
+      param_ahead.at(j + 16 * k);
+      adam_step16<kDecay, kScaled>(c, param, s1, s2, j + 16 * k, sums1, sums2, c1[k], c2[k]);
+    }
     _mm512_storeu_si512(q1 + j, pack_codes64(c1[0], c1[1], c1[2], c1[3]));
     _mm512_storeu_si512(q2 + j, pack_codes64(c2[0], c2[1], c2[2], c2[3]));
   }
@@ -752,20 +800,6 @@ LB_ALWAYS_INLINE inline void with_adam_moment_options(const StepHyper& h, const 
     with_bools(small, l2, sc.grad_scale != 1.f,
                [&](auto kSmall, auto kL2, auto kScaled) LB_ALWAYS_INLINE { fn(flags, kSmall, kL2, kScaled); });
   });
-}
-
-// Starts reading bytes [0, bytes) at p into L2.
-inline void prefetch_l2(const char* p, int64_t bytes) {
-  constexpr int64_t kLine = 64;
-  for (int64_t off = 0; off < bytes; off += kLine) {
-#if defined(__x86_64__) && defined(__GNUC__)
-    // prefetcht1 (into L2) as volatile asm: GCC 12 drops a loop of __builtin_prefetch when it inlines it
-    // into step_block (the built module held no prefetch instruction).
-    asm volatile("prefetcht1 %0" : : "m"(p[off]));
-#else
-    __builtin_prefetch(p + off, 0, 2);
-#endif
-  }
 }
 
 // The prefetch of a block ahead is issued in this many parts, spread over a block's work.
@@ -835,21 +869,27 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo * t.bits / 8;
   uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo * t.bits / 8;
   const bool fused = adam_fused<T>(t, coders, cnt);
-  prefetch_ahead<T>(a, t, lo, 0);
-  prefetch_ahead<T>(a, t, lo, 1);
+  // The fused loops read the gradients and parameters ahead themselves (StreamAhead); the states, a quarter of
+  // the bytes, come in time without (dropping their prefetch changed nothing, scratch harness).
+  if (!fused) {
+    prefetch_ahead<T>(a, t, lo, 0);
+    prefetch_ahead<T>(a, t, lo, 1);
+  }
   if constexpr (std::is_same_v<T, float>) {
     if (fused) {
+      const StreamAhead grad_ahead = stream_ahead(grad, lo, cnt, t.n);
       with_adam_moment_options(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
         constexpr int32_t kF = decltype(flags)::value;
         constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
         const float amax1 = t.absmax[0][block], amax2 = t.absmax[1][block];
         if (t.bits == 4) {
           return adam_moments_u4<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2,
-                                                 state_map(a, 0), state_map(a, 1), s[0], s[1], cnt, max_bits);
+                                                 state_map(a, 0), state_map(a, 1), s[0], s[1], cnt, max_bits,
+                                                 grad_ahead);
         }
 #ifdef LB_VBMI_DECODE
         adam_moments_vbmi<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
-                                          *coders.planes[1], s[0], s[1], cnt, max_bits);
+                                          *coders.planes[1], s[0], s[1], cnt, max_bits, grad_ahead);
 #endif
       });
     }
@@ -859,8 +899,8 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
     with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
       adam_moments_avx512<decltype(flags)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
     });
+    prefetch_ahead<T>(a, t, lo, 2);
   }
-  prefetch_ahead<T>(a, t, lo, 2);
   const bool decay = a.hyper.weight_decay != 0.f && (a.hyper.flags & kDecoupled);
   const NearestBlock b1 = nearest_block(*coders.index[0], absmax_from_bits(max_bits[0]));
   const NearestBlock b2 = nearest_block(*coders.index[1], absmax_from_bits(max_bits[1]));
@@ -868,7 +908,7 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   // A subnormal absmax has no finite inverse (nearest_codes_u8_avx512 leaves such blocks to the scalar loop too).
   const bool subnormal = (b1.absmax > 0.f && b1.inv == 0.f) || (b2.absmax > 0.f && b2.inv == 0.f);
   if (!finite || subnormal) {
-    prefetch_ahead<T>(a, t, lo, 3);
+    if (!fused) prefetch_ahead<T>(a, t, lo, 3);
     if (decay) {
       adam_params_avx512<true>(a.hyper, t.scalars, param, s[0], s[1], cnt);
     } else {
@@ -884,27 +924,22 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
     if (fused) {
       const int* sums1 = reinterpret_cast<const int*>(coders.index[0]->nearest_sums()) - kFirstBucket;
       const int* sums2 = reinterpret_cast<const int*>(coders.index[1]->nearest_sums()) - kFirstBucket;
-      // In two halves (whole groups of 64), the last part of the prefetch between them.
-      const int half = cnt / 128 * 64;
+      const StreamAhead param_ahead = stream_ahead(param, lo, cnt, t.n);
       const bool scaled = t.scalars.update_scale != 1.f;
-      const auto encode = [&](int from, int count) LB_ALWAYS_INLINE {
-        with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
+      with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
           with_bool(scaled, [&](auto kScaled) LB_ALWAYS_INLINE {
             constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
             if (t.bits == 4) {
-              return adam_encode_step_u4<kD, kG>(a.hyper, t.scalars, param + from, s[0] + from, s[1] + from, count,
-                                                 sums1, sums2, b1.inv, b2.inv, q1 + from / 2, q2 + from / 2);
+              return adam_encode_step_u4<kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv,
+                                                 b2.inv, q1, q2, param_ahead);
             }
 #ifdef LB_VBMI_DECODE
-            adam_encode_step_sums<kD, kG>(a.hyper, t.scalars, param + from, s[0] + from, s[1] + from, count, sums1,
-                                          sums2, b1.inv, b2.inv, q1 + from, q2 + from);
+            adam_encode_step_sums<kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv, b2.inv,
+                                          q1, q2, param_ahead);
 #endif
           });
         });
-      };
-      encode(0, half);
-      prefetch_ahead<T>(a, t, lo, 3);
-      return encode(half, cnt - half);
+      return;
     }
   }
   prefetch_ahead<T>(a, t, lo, 3);
@@ -936,7 +971,7 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
                                                        const uint8_t* __restrict q1, const uint8_t* __restrict q2,
                                                        float absmax1, float absmax2, const float* map1,
                                                        const float* map2, float* __restrict s1, float* __restrict s2,
-                                                       int cnt, uint32_t* max_bits) {
+                                                       int cnt, uint32_t* max_bits, StreamAhead grad_ahead) {
   // torch_lerp's two forms (optim_rules.h): m + w (g - m) or g + (w - 1) (g - m).
   const __m256 lerp_weight = _mm256_set1_ps(kSmall ? h.one_minus_beta1 : h.one_minus_beta1 - 1.f);
   const __m256 beta2 = _mm256_set1_ps(h.beta2), one_minus_beta2 = _mm256_set1_ps(h.one_minus_beta2);
@@ -963,6 +998,7 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
     }
     for (int k = 0; k < 4; ++k) {
       const int i = j + 8 * k;
+      if (k % 2 == 0) grad_ahead.at(i);
       __m256 g = _mm256_loadu_ps(grad + i);
       if (kScaled) g = _mm256_mul_ps(g, grad_scale);
       if (kFlags & kMaximize) g = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(g), sign));
@@ -990,7 +1026,8 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
                                                            float* __restrict param, const float* __restrict s1,
                                                            const float* __restrict s2, int cnt, const int* sums1,
                                                            const int* sums2, float inv1, float inv2,
-                                                           uint8_t* __restrict q1, uint8_t* __restrict q2) {
+                                                           uint8_t* __restrict q1, uint8_t* __restrict q2,
+                                                           StreamAhead param_ahead) {
   const __m256 bias2_sqrt = _mm256_set1_ps(sc.bias2_sqrt), eps = _mm256_set1_ps(h.eps);
   const __m256 step_size = _mm256_set1_ps(sc.step_size), update_scale = _mm256_set1_ps(sc.update_scale);
   const __m256 decay = _mm256_set1_ps(h.decay);
@@ -999,6 +1036,7 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
     __m256i c1[4], c2[4];
     for (int k = 0; k < 4; ++k) {
       const int i = j + 8 * k;
+      if (k % 2 == 0) param_ahead.at(i);
       const __m256 m = _mm256_loadu_ps(s1 + i), root = _mm256_loadu_ps(s2 + i);
       c1[k] = sum_codes8(sums1, order_keys8(_mm256_mul_ps(m, scale1)));
       c2[k] = sum_codes8(sums2, nonnegative_keys8(_mm256_mul_ps(root, scale2)));
@@ -1030,20 +1068,19 @@ inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t blo
   uint32_t max_bits[kMaxStates];
   uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo * t.bits / 8;
   uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo * t.bits / 8;
-  prefetch_ahead<float>(a, t, lo, 0);
-  prefetch_ahead<float>(a, t, lo, 1);
+  const StreamAhead grad_ahead = stream_ahead(grad, lo, cnt, t.n), param_ahead = stream_ahead(param, lo, cnt, t.n);
   with_adam_moment_options(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
     constexpr int32_t kF = decltype(flags)::value;
     constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
     const auto moments = [&](auto bits) LB_ALWAYS_INLINE {
       adam_moments_avx2<decltype(bits)::value, kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2,
                                                                t.absmax[0][block], t.absmax[1][block], state_map(a, 0),
-                                                               state_map(a, 1), decoded[0], decoded[1], cnt, max_bits);
+                                                               state_map(a, 1), decoded[0], decoded[1], cnt, max_bits,
+                                                               grad_ahead);
     };
     if (t.bits == 4) return moments(std::integral_constant<int, 4>{});
     moments(std::integral_constant<int, 8>{});
   });
-  prefetch_ahead<float>(a, t, lo, 2);
   const float amax1 = absmax_from_bits(max_bits[0]), amax2 = absmax_from_bits(max_bits[1]);
   const float inv1 = block_inverse(amax1), inv2 = block_inverse(amax2);
   const bool finite = max_bits[0] < kNonFiniteBits && max_bits[1] < kNonFiniteBits;
@@ -1053,25 +1090,17 @@ inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t blo
   const int* sums1 = reinterpret_cast<const int*>(coders.index[0]->nearest_sums()) - kFirstBucket;
   const int* sums2 = reinterpret_cast<const int*>(coders.index[1]->nearest_sums()) - kFirstBucket;
   const bool decay = a.hyper.weight_decay != 0.f && (a.hyper.flags & kDecoupled);
-  // In two halves (whole groups of 32), the last part of the prefetch between them.
-  const int half = cnt / 64 * 32;
-  const auto encode = [&](int from, int count) LB_ALWAYS_INLINE {
-    with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
-      with_bool(t.scalars.update_scale != 1.f, [&](auto kScaled) LB_ALWAYS_INLINE {
-        constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
-        if (t.bits == 4) {
-          return adam_encode_step_avx2<4, kD, kG>(a.hyper, t.scalars, param + from, decoded[0] + from,
-                                                  decoded[1] + from, count, sums1, sums2, inv1, inv2, q1 + from / 2,
-                                                  q2 + from / 2);
-        }
-        adam_encode_step_avx2<8, kD, kG>(a.hyper, t.scalars, param + from, decoded[0] + from, decoded[1] + from,
-                                         count, sums1, sums2, inv1, inv2, q1 + from, q2 + from);
-      });
+  with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
+    with_bool(t.scalars.update_scale != 1.f, [&](auto kScaled) LB_ALWAYS_INLINE {
+      constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
+      if (t.bits == 4) {
+        return adam_encode_step_avx2<4, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2,
+                                                inv1, inv2, q1, q2, param_ahead);
+      }
+      adam_encode_step_avx2<8, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2, inv1,
+                                       inv2, q1, q2, param_ahead);
     });
-  };
-  encode(0, half);
-  prefetch_ahead<float>(a, t, lo, 3);
-  encode(half, cnt - half);
+  });
   return true;
 }
 #endif
