@@ -467,16 +467,17 @@ inline void prefetch_l2(const char* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) prefetch_line_l2(p + off);
 }
 
-// How far ahead, in elements, the fused Adam loops read their fp32 streams (StreamAhead).
+// How far ahead, in elements, the fused Adam loops read their streams (StreamAhead).
 constexpr int64_t kStreamAhead = 512;
 
-// A fp32 stream that a loop over a block's elements [0, cnt) reads kStreamAhead elements ahead: at element i
-// (every 16th, one 64-byte line each) it starts reading base[i] into L2, for i < count (the elements the
-// tensor has there; none when count is 0). One line per 16 elements, spread through the loop's work: the
-// same lines requested in four bursts per block (prefetch_ahead) waited for fill buffers, which held 11% of
-// the step's samples (perf record, Adam8bit on one 16M tensor).
+// A stream of E (fp32 gradients or parameters, or a state's code bytes) that a loop over a block reads
+// kStreamAhead elements ahead: at(i) starts reading base[i] into L2, for i < count (what the tensor has there;
+// nothing when count is 0). The loops call it once per 64 bytes of the stream, so the lines are requested
+// one at a time, spread through the block's work: requested in four bursts per block (prefetch_ahead), they
+// waited for fill buffers, which held 11% of the step's perf samples (Adam8bit, one 16M fp32 tensor).
+template <typename E>
 struct StreamAhead {
-  const float* base = nullptr;
+  const E* base = nullptr;
   int count = 0;
 
   LB_ALWAYS_INLINE void at(int i) const {
@@ -484,10 +485,38 @@ struct StreamAhead {
   }
 };
 
-// The StreamAhead of a block's stream p (its element lo of a tensor of n elements, cnt in the block).
-inline StreamAhead stream_ahead(const float* p, int64_t lo, int cnt, int64_t n) {
+// The StreamAhead of a block's fp32 stream p, at element lo of a tensor of n elements with cnt in the block.
+inline StreamAhead<float> stream_ahead(const float* p, int64_t lo, int cnt, int64_t n) {
   if (lo + kStreamAhead >= n) return {};
   return {p + kStreamAhead, static_cast<int>(std::min<int64_t>(cnt, n - lo - kStreamAhead))};
+}
+
+// The StreamAhead of the block's codes q of a state of `bits` bits per element, indexed by byte.
+inline StreamAhead<uint8_t> codes_ahead(const uint8_t* q, int bits, int64_t lo, int cnt, int64_t n) {
+  if (lo + kStreamAhead >= n) return {};
+  const int64_t elements = std::min<int64_t>(cnt, n - lo - kStreamAhead);
+  return {q + kStreamAhead * bits / 8, static_cast<int>((elements * bits + 7) / 8)};
+}
+
+// The streams of a fused Adam block read ahead: the moments loop reads the gradients and both states' codes
+// (the states at each byte offset b of the block's codes with b % 64 == 0), the encode loop the parameters.
+struct AdamAhead {
+  StreamAhead<float> grad, param;
+  StreamAhead<uint8_t> q1, q2;
+
+  LB_ALWAYS_INLINE void codes_at(int b) const {
+    if (b % 64 == 0) {
+      q1.at(b);
+      q2.at(b);
+    }
+  }
+};
+
+// The AdamAhead of a block of fp32 parameters p and gradients g with codes q1, q2 (element lo, cnt in it).
+inline AdamAhead adam_ahead(const TensorView& t, int64_t lo, int cnt, const float* p, const float* g,
+                            const uint8_t* q1, const uint8_t* q2) {
+  return {stream_ahead(g, lo, cnt, t.n), stream_ahead(p, lo, cnt, t.n), codes_ahead(q1, t.bits, lo, cnt, t.n),
+          codes_ahead(q2, t.bits, lo, cnt, t.n)};
 }
 
 #ifdef LB_AVX512_CODES
@@ -622,7 +651,7 @@ __attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, cons
                                                         float absmax1, float absmax2, const float* map1,
                                                         const float* map2, float* __restrict s1,
                                                         float* __restrict s2, int cnt, uint32_t* max_bits,
-                                                        StreamAhead grad_ahead) {
+                                                        const AdamAhead& ahead) {
   const AdamMomentConstants c = adam_moment_constants<kSmall>(h, sc);
   const __m512 values1 = _mm512_loadu_ps(map1), values2 = _mm512_loadu_ps(map2);
   const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
@@ -631,8 +660,9 @@ __attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, cons
     __m512 m[2], root_old[2];
     decode_u4_32(values1, scale1, p1 + j / 2, m);
     decode_u4_32(values2, scale2, p2 + j / 2, root_old);
+    ahead.codes_at(j / 2);
     for (int k = 0; k < 2; ++k) {
-      grad_ahead.at(j + 16 * k);
+      ahead.grad.at(j + 16 * k);
       adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m[k], root_old[k], param, grad, j + 16 * k, s1, s2, max1, max2);
     }
   }
@@ -653,7 +683,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
     const StepHyper& h, const StepScalars& sc, const float* __restrict param, const float* __restrict grad,
     const uint8_t* __restrict q1, const uint8_t* __restrict q2, float absmax1, float absmax2, const float* map1,
     const BytePlanes& planes2, float* __restrict s1, float* __restrict s2, int cnt, uint32_t* max_bits,
-    StreamAhead grad_ahead) {
+    const AdamAhead& ahead) {
   const PlaneRegisters t2 = plane_registers(planes2);
   const __m512i order = _mm512_load_si512(kPlaneOrder);
   const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
@@ -661,10 +691,11 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
   __m512i max1 = _mm512_setzero_si512(), max2 = _mm512_setzero_si512();
   for (int j = 0; j < cnt; j += 64) {
     __m512 root_old[4];
+    ahead.codes_at(j);
     vbmi_decode64(t2, order, q2 + j, scale2, root_old);
     for (int k = 0; k < 4; ++k) {
       const int i = j + 16 * k;
-      grad_ahead.at(i);
+      ahead.grad.at(i);
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + i)));
       const __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(codes, map1, 4), scale1);
       adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m, root_old[k], param, grad, i, s1, s2, max1, max2);
@@ -740,10 +771,10 @@ __attribute__((target("avx512f"))) void adam_encode_step_u4(const StepHyper& h, 
                                                             const float* __restrict s2, int cnt, const int* sums1,
                                                             const int* sums2, float inv1, float inv2,
                                                             uint8_t* __restrict q1, uint8_t* __restrict q2,
-                                                            StreamAhead param_ahead) {
+                                                            const AdamAhead& ahead) {
   const AdamStepConstants c = adam_step_constants(h, sc, inv1, inv2);
   for (int i = 0; i < cnt; i += 16) {
-    param_ahead.at(i);
+    ahead.param.at(i);
     __m512i c1, c2;
     adam_step16<kDecay, kScaled>(c, param, s1, s2, i, sums1, sums2, c1, c2);
     pack_u4_16(c1, q1 + i / 2);
@@ -761,12 +792,12 @@ __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const Ste
                                                                       const float* __restrict s2, int cnt,
                                                                       const int* sums1, const int* sums2, float inv1,
                                                                       float inv2, uint8_t* __restrict q1,
-                                                                      uint8_t* __restrict q2, StreamAhead param_ahead) {
+                                                                      uint8_t* __restrict q2, const AdamAhead& ahead) {
   const AdamStepConstants c = adam_step_constants(h, sc, inv1, inv2);
   for (int j = 0; j < cnt; j += 64) {
     __m512i c1[4], c2[4];
     for (int k = 0; k < 4; ++k) {
-      param_ahead.at(j + 16 * k);
+      ahead.param.at(j + 16 * k);
       adam_step16<kDecay, kScaled>(c, param, s1, s2, j + 16 * k, sums1, sums2, c1[k], c2[k]);
     }
     _mm512_storeu_si512(q1 + j, pack_codes64(c1[0], c1[1], c1[2], c1[3]));
@@ -869,15 +900,15 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo * t.bits / 8;
   uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo * t.bits / 8;
   const bool fused = adam_fused<T>(t, coders, cnt);
-  // The fused loops read the gradients and parameters ahead themselves (StreamAhead); the states, a quarter of
-  // the bytes, come in time without (dropping their prefetch changed nothing, scratch harness).
+  // The fused loops read their streams ahead themselves (ahead); the others take prefetch_ahead's parts.
+  AdamAhead ahead;
   if (!fused) {
     prefetch_ahead<T>(a, t, lo, 0);
     prefetch_ahead<T>(a, t, lo, 1);
   }
   if constexpr (std::is_same_v<T, float>) {
     if (fused) {
-      const StreamAhead grad_ahead = stream_ahead(grad, lo, cnt, t.n);
+      ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
       with_adam_moment_options(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
         constexpr int32_t kF = decltype(flags)::value;
         constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
@@ -885,11 +916,11 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
         if (t.bits == 4) {
           return adam_moments_u4<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2,
                                                  state_map(a, 0), state_map(a, 1), s[0], s[1], cnt, max_bits,
-                                                 grad_ahead);
+                                                 ahead);
         }
 #ifdef LB_VBMI_DECODE
         adam_moments_vbmi<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
-                                          *coders.planes[1], s[0], s[1], cnt, max_bits, grad_ahead);
+                                          *coders.planes[1], s[0], s[1], cnt, max_bits, ahead);
 #endif
       });
     }
@@ -924,18 +955,17 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
     if (fused) {
       const int* sums1 = reinterpret_cast<const int*>(coders.index[0]->nearest_sums()) - kFirstBucket;
       const int* sums2 = reinterpret_cast<const int*>(coders.index[1]->nearest_sums()) - kFirstBucket;
-      const StreamAhead param_ahead = stream_ahead(param, lo, cnt, t.n);
       const bool scaled = t.scalars.update_scale != 1.f;
       with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
           with_bool(scaled, [&](auto kScaled) LB_ALWAYS_INLINE {
             constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
             if (t.bits == 4) {
               return adam_encode_step_u4<kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv,
-                                                 b2.inv, q1, q2, param_ahead);
+                                                 b2.inv, q1, q2, ahead);
             }
 #ifdef LB_VBMI_DECODE
             adam_encode_step_sums<kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv, b2.inv,
-                                          q1, q2, param_ahead);
+                                          q1, q2, ahead);
 #endif
           });
         });
@@ -971,7 +1001,7 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
                                                        const uint8_t* __restrict q1, const uint8_t* __restrict q2,
                                                        float absmax1, float absmax2, const float* map1,
                                                        const float* map2, float* __restrict s1, float* __restrict s2,
-                                                       int cnt, uint32_t* max_bits, StreamAhead grad_ahead) {
+                                                       int cnt, uint32_t* max_bits, const AdamAhead& ahead) {
   // torch_lerp's two forms (optim_rules.h): m + w (g - m) or g + (w - 1) (g - m).
   const __m256 lerp_weight = _mm256_set1_ps(kSmall ? h.one_minus_beta1 : h.one_minus_beta1 - 1.f);
   const __m256 beta2 = _mm256_set1_ps(h.beta2), one_minus_beta2 = _mm256_set1_ps(h.one_minus_beta2);
@@ -984,6 +1014,7 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
   const __m256 low2 = _mm256_loadu_ps(map2), high2 = _mm256_loadu_ps(map2 + (kBits == 4 ? 8 : 0));
   for (int j = 0; j < cnt; j += 32) {
     __m256 m[4], root_old[4];
+    ahead.codes_at(j * kBits / 8);
     if constexpr (kBits == 4) {
       decode_u4_32x8(low1, high1, scale1, q1 + j / 2, m);
       decode_u4_32x8(low2, high2, scale2, q2 + j / 2, root_old);
@@ -998,7 +1029,7 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
     }
     for (int k = 0; k < 4; ++k) {
       const int i = j + 8 * k;
-      if (k % 2 == 0) grad_ahead.at(i);
+      if (k % 2 == 0) ahead.grad.at(i);
       __m256 g = _mm256_loadu_ps(grad + i);
       if (kScaled) g = _mm256_mul_ps(g, grad_scale);
       if (kFlags & kMaximize) g = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(g), sign));
@@ -1027,7 +1058,7 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
                                                            const float* __restrict s2, int cnt, const int* sums1,
                                                            const int* sums2, float inv1, float inv2,
                                                            uint8_t* __restrict q1, uint8_t* __restrict q2,
-                                                           StreamAhead param_ahead) {
+                                                           const AdamAhead& ahead) {
   const __m256 bias2_sqrt = _mm256_set1_ps(sc.bias2_sqrt), eps = _mm256_set1_ps(h.eps);
   const __m256 step_size = _mm256_set1_ps(sc.step_size), update_scale = _mm256_set1_ps(sc.update_scale);
   const __m256 decay = _mm256_set1_ps(h.decay);
@@ -1036,7 +1067,7 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
     __m256i c1[4], c2[4];
     for (int k = 0; k < 4; ++k) {
       const int i = j + 8 * k;
-      if (k % 2 == 0) param_ahead.at(i);
+      if (k % 2 == 0) ahead.param.at(i);
       const __m256 m = _mm256_loadu_ps(s1 + i), root = _mm256_loadu_ps(s2 + i);
       c1[k] = sum_codes8(sums1, order_keys8(_mm256_mul_ps(m, scale1)));
       c2[k] = sum_codes8(sums2, nonnegative_keys8(_mm256_mul_ps(root, scale2)));
@@ -1068,7 +1099,7 @@ inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t blo
   uint32_t max_bits[kMaxStates];
   uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo * t.bits / 8;
   uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo * t.bits / 8;
-  const StreamAhead grad_ahead = stream_ahead(grad, lo, cnt, t.n), param_ahead = stream_ahead(param, lo, cnt, t.n);
+  const AdamAhead ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
   with_adam_moment_options(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
     constexpr int32_t kF = decltype(flags)::value;
     constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
@@ -1076,7 +1107,7 @@ inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t blo
       adam_moments_avx2<decltype(bits)::value, kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2,
                                                                t.absmax[0][block], t.absmax[1][block], state_map(a, 0),
                                                                state_map(a, 1), decoded[0], decoded[1], cnt, max_bits,
-                                                               grad_ahead);
+                                                               ahead);
     };
     if (t.bits == 4) return moments(std::integral_constant<int, 4>{});
     moments(std::integral_constant<int, 8>{});
@@ -1095,10 +1126,10 @@ inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t blo
       constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
       if (t.bits == 4) {
         return adam_encode_step_avx2<4, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2,
-                                                inv1, inv2, q1, q2, param_ahead);
+                                                inv1, inv2, q1, q2, ahead);
       }
       adam_encode_step_avx2<8, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2, inv1,
-                                       inv2, q1, q2, param_ahead);
+                                       inv2, q1, q2, ahead);
     });
   });
   return true;
