@@ -104,10 +104,6 @@ LB_HD float torch_lerp(float m, float g, float w) {
 // p <- p - update_scale * u, after decoupled decay. Multiplying by an update_scale of 1 is exact,
 // so without a norm mode the arithmetic is torch.optim's.
 
-// Forced inline on the host too: GCC's inliner left these calls out of line in some of csrc/cpu/optim.cpp's
-// many update loops, which then ran scalar (AdamW32bit's step took 3x as long).
-#define LB_HD_ALWAYS LB_HD __attribute__((always_inline))
-
 // torch.optim.Adam / AdamW in two halves: the moments m = exp_avg and v = exp_avg_sq, then the step from
 // m and the root of v. Split so that a loop may compute the new moments of a whole block before any step
 // (csrc/cpu/optim.cpp requantizes them while it updates the parameters); adam_step is both in turn.
