@@ -18,6 +18,7 @@
 #include "lowbit/invact.h"
 
 #include "avx512.h"
+#include "avx512_convert.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -40,24 +41,6 @@ template <int kBits>
 LB_TARGET inline __m512i group_shifts() {
   return _mm512_setr_epi32(0, kBits, 2 * kBits, 3 * kBits, 4 * kBits, 5 * kBits, 6 * kBits, 7 * kBits, 0, kBits,
                            2 * kBits, 3 * kBits, 4 * kBits, 5 * kBits, 6 * kBits, 7 * kBits);
-}
-
-// 16 inputs as fp32 (bf16 widens exactly) and 16 fp32 results stored as the element type (bf16 rounds
-// to nearest even with NaN as 0x7FC0, as from_float does).
-LB_TARGET inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-LB_TARGET inline __m512 load16(const BFloat16* p) {
-  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-LB_TARGET inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-LB_TARGET inline void store16(BFloat16* p, __m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)),
-                                                _mm512_set1_epi32(0x7F800000));
-  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
 // Whether bounds[0..count) (count >= 2) are non-decreasing and free of NaN: then a binary search finds the

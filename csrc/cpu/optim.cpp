@@ -15,6 +15,7 @@
 #include "avx2_codes.h"
 #include "avx512.h"
 #include "avx512_codes.h"
+#include "avx512_convert.h"
 #include "encode.h"
 #include "kernels.h"
 #include "lowbit/blockwise.h"
@@ -470,53 +471,47 @@ inline void prefetch_l2(const char* p, int64_t bytes) {
 // How far ahead, in elements, the fused Adam loops read their streams (StreamAhead).
 constexpr int64_t kStreamAhead = 512;
 
-// A stream of E (fp32 gradients or parameters, or a state's code bytes) that a loop over a block reads
-// kStreamAhead elements ahead: at(i) starts reading base[i] into L2, for i < count (what the tensor has there;
-// nothing when count is 0). The loops call it once per 64 bytes of the stream, so the lines are requested
-// one at a time, spread through the block's work: requested in four bursts per block (prefetch_ahead), they
-// waited for fill buffers, which held 11% of the step's perf samples (Adam8bit, one 16M fp32 tensor).
-template <typename E>
+// A stream (gradients, parameters or a state's codes) that a loop over a block reads kStreamAhead elements
+// ahead: at(b), for the block's byte offset b, starts reading the line at base + b into L2 when b is a multiple
+// of 64 below `bytes` (what the tensor has there; nothing when bytes is 0). The loops call it for each 16 or
+// 64 bytes of the stream, so the lines are requested one at a time, spread through the block's work:
+// requested in four bursts per block (prefetch_ahead), they waited for fill buffers, which held 11% of the
+// step's perf samples (Adam8bit, one 16M fp32 tensor).
 struct StreamAhead {
-  const E* base = nullptr;
-  int count = 0;
+  const char* base = nullptr;
+  int bytes = 0;
 
-  LB_ALWAYS_INLINE void at(int i) const {
-    if (i < count) prefetch_line_l2(base + i);
+  LB_ALWAYS_INLINE void at(int b) const {
+    if (b % 64 == 0 && b < bytes) prefetch_line_l2(base + b);
   }
 };
 
-// The StreamAhead of a block's fp32 stream p, at element lo of a tensor of n elements with cnt in the block.
-inline StreamAhead<float> stream_ahead(const float* p, int64_t lo, int cnt, int64_t n) {
-  if (lo + kStreamAhead >= n) return {};
-  return {p + kStreamAhead, static_cast<int>(std::min<int64_t>(cnt, n - lo - kStreamAhead))};
-}
-
-// The StreamAhead of the block's codes q of a state of `bits` bits per element, indexed by byte.
-inline StreamAhead<uint8_t> codes_ahead(const uint8_t* q, int bits, int64_t lo, int cnt, int64_t n) {
+// The StreamAhead of a block's stream p of `bits` bits per element, at element lo of a tensor of n elements
+// with cnt in the block.
+inline StreamAhead stream_ahead(const void* p, int bits, int64_t lo, int cnt, int64_t n) {
   if (lo + kStreamAhead >= n) return {};
   const int64_t elements = std::min<int64_t>(cnt, n - lo - kStreamAhead);
-  return {q + kStreamAhead * bits / 8, static_cast<int>((elements * bits + 7) / 8)};
+  return {static_cast<const char*>(p) + kStreamAhead * bits / 8, static_cast<int>((elements * bits + 7) / 8)};
 }
 
-// The streams of a fused Adam block read ahead: the moments loop reads the gradients and both states' codes
-// (the states at each byte offset b of the block's codes with b % 64 == 0), the encode loop the parameters.
+// The streams of a fused Adam block read ahead: the moments loop reads the gradients and both states' codes,
+// the encode loop the parameters.
 struct AdamAhead {
-  StreamAhead<float> grad, param;
-  StreamAhead<uint8_t> q1, q2;
+  StreamAhead grad, param, q1, q2;
 
   LB_ALWAYS_INLINE void codes_at(int b) const {
-    if (b % 64 == 0) {
-      q1.at(b);
-      q2.at(b);
-    }
+    q1.at(b);
+    q2.at(b);
   }
 };
 
-// The AdamAhead of a block of fp32 parameters p and gradients g with codes q1, q2 (element lo, cnt in it).
-inline AdamAhead adam_ahead(const TensorView& t, int64_t lo, int cnt, const float* p, const float* g,
-                            const uint8_t* q1, const uint8_t* q2) {
-  return {stream_ahead(g, lo, cnt, t.n), stream_ahead(p, lo, cnt, t.n), codes_ahead(q1, t.bits, lo, cnt, t.n),
-          codes_ahead(q2, t.bits, lo, cnt, t.n)};
+// The AdamAhead of a block of parameters p and gradients g of type T with codes q1, q2 (element lo, cnt in it).
+template <typename T>
+AdamAhead adam_ahead(const TensorView& t, int64_t lo, int cnt, const T* p, const T* g, const uint8_t* q1,
+                     const uint8_t* q2) {
+  constexpr int kBits = 8 * sizeof(T);
+  return {stream_ahead(g, kBits, lo, cnt, t.n), stream_ahead(p, kBits, lo, cnt, t.n),
+          stream_ahead(q1, t.bits, lo, cnt, t.n), stream_ahead(q2, t.bits, lo, cnt, t.n)};
 }
 
 #ifdef LB_AVX512_CODES
@@ -615,21 +610,21 @@ __attribute__((target("avx512f"), always_inline)) inline AdamMomentConstants ada
           _mm512_set1_ps(h.one_minus_beta2), _mm512_set1_ps(sc.grad_scale), _mm512_set1_ps(h.weight_decay)};
 }
 
-// Adam's moments of 16 fp32 elements at i from their decoded m and root of v: effective_grad, adam_moments'
+// Adam's moments of 16 elements at i from their decoded m and root of v: effective_grad, adam_moments'
 // L2 term and torch_lerp, and stored_form (optim_rules.h), operation for operation. The new m and root of v
 // go to s1 + i and s2 + i, their magnitudes' bit patterns raise max1 and max2. kL2: weight decay added to
 // the gradient; kScaled: a gradient scale other than 1 (g * 1 is g: every use of g below is arithmetic,
 // which quiets a signaling NaN as the product would, so leaving the product out changes no bit). Template
 // arguments like kFlags, because as run-time values GCC tested them in every iteration.
-template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
+template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
 __attribute__((target("avx512f"), always_inline)) inline void adam_moments16(
-    const AdamMomentConstants& c, __m512 m, __m512 root_old, const float* __restrict param,
-    const float* __restrict grad, int i, float* __restrict s1, float* __restrict s2, __m512i& max1, __m512i& max2) {
+    const AdamMomentConstants& c, __m512 m, __m512 root_old, const T* __restrict param, const T* __restrict grad,
+    int i, float* __restrict s1, float* __restrict s2, __m512i& max1, __m512i& max2) {
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
-  __m512 g = _mm512_loadu_ps(grad + i);
+  __m512 g = load16(grad + i);
   if (kScaled) g = _mm512_mul_ps(g, c.grad_scale);
   if (kFlags & kMaximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
-  if (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(c.weight_decay, _mm512_loadu_ps(param + i)));
+  if (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(c.weight_decay, load16(param + i)));
   const __m512 m_new = _mm512_add_ps(kSmall ? m : g, _mm512_mul_ps(c.lerp_weight, _mm512_sub_ps(g, m)));
   const __m512 v = _mm512_mul_ps(root_old, root_old);
   const __m512 v_new = _mm512_add_ps(_mm512_mul_ps(v, c.beta2), _mm512_mul_ps(_mm512_mul_ps(c.one_minus_beta2, g), g));
@@ -640,13 +635,13 @@ __attribute__((target("avx512f"), always_inline)) inline void adam_moments16(
   max2 = _mm512_max_epu32(max2, _mm512_and_si512(_mm512_castps_si512(root), magnitude));
 }
 
-// adam_moments_avx512 on fp32 parameters and 4-bit states with their decode in the same loop, 32 elements
-// at a time (cnt a multiple of 32): each map's 16 values sit in one register, so a code's value is one
+// adam_moments_avx512 on fp32 or bf16 parameters and 4-bit states with their decode in the same loop, 32
+// elements at a time (cnt a multiple of 32): each map's 16 values sit in one register, so a code's value is one
 // permute. Same values as load_state and adam_moments_avx512, so the same results; s1 and s2 receive the
 // new m and root of v. p1, p2: the block's packed codes.
-template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
+template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
 __attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, const StepScalars& sc,
-                                                        const float* __restrict param, const float* __restrict grad,
+                                                        const T* __restrict param, const T* __restrict grad,
                                                         const uint8_t* __restrict p1, const uint8_t* __restrict p2,
                                                         float absmax1, float absmax2, const float* map1,
                                                         const float* map2, float* __restrict s1,
@@ -662,7 +657,7 @@ __attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, cons
     decode_u4_32(values2, scale2, p2 + j / 2, root_old);
     ahead.codes_at(j / 2);
     for (int k = 0; k < 2; ++k) {
-      ahead.grad.at(j + 16 * k);
+      ahead.grad.at(static_cast<int>((j + 16 * k) * sizeof(T)));
       adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m[k], root_old[k], param, grad, j + 16 * k, s1, s2, max1, max2);
     }
   }
@@ -672,15 +667,15 @@ __attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, cons
 }
 
 #ifdef LB_VBMI_DECODE
-// adam_moments_avx512 on fp32 parameters with the states' decode in the same loop, 64 elements at a time
-// (cnt a multiple of 64): the first moment by gathers from its map (the load ports, idle in this pass), the
+// adam_moments_avx512 on fp32 or bf16 parameters with the states' decode in the same loop, 64 elements at a
+// time (cnt a multiple of 64): the first moment by gathers from its map (the load ports, idle in this pass), the
 // second by the VBMI byte-plane permutes (port 5), while the square roots keep the divider busy. Where the
 // decode was a pass of its own, each of the three waited on one unit. The same operations on the same
 // values as block_states and adam_moments_avx512 (the decoded values are map[code] * absmax either way), so
 // the same results; s1 and s2 receive the new m and root of v.
-template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
+template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
-    const StepHyper& h, const StepScalars& sc, const float* __restrict param, const float* __restrict grad,
+    const StepHyper& h, const StepScalars& sc, const T* __restrict param, const T* __restrict grad,
     const uint8_t* __restrict q1, const uint8_t* __restrict q2, float absmax1, float absmax2, const float* map1,
     const BytePlanes& planes2, float* __restrict s1, float* __restrict s2, int cnt, uint32_t* max_bits,
     const AdamAhead& ahead) {
@@ -695,7 +690,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
     vbmi_decode64(t2, order, q2 + j, scale2, root_old);
     for (int k = 0; k < 4; ++k) {
       const int i = j + 16 * k;
-      ahead.grad.at(i);
+      ahead.grad.at(static_cast<int>(i * sizeof(T)));
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + i)));
       const __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(codes, map1, 4), scale1);
       adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m, root_old[k], param, grad, i, s1, s2, max1, max2);
@@ -737,7 +732,7 @@ __attribute__((target("avx512f"), always_inline)) inline AdamStepConstants adam_
           _mm512_set1_ps(inv1),            _mm512_set1_ps(inv2)};
 }
 
-// adam_encode_step_avx512's work on 16 fp32 elements at i of a block with unit-stable maps: the nearest codes
+// adam_encode_step_avx512's work on 16 elements at i of a block with unit-stable maps: the nearest codes
 // of the new m (s1) and root of v (s2) by the indexes' nearest_sums (sums1, sums2: the tables less
 // kFirstBucket), the root keyed as non-negative (it is +0 or positive: v is a sum of products of like-signed
 // factors, its root is finite here), into c1 and c2; and the parameters' step, adam_update and stepped
@@ -745,9 +740,9 @@ __attribute__((target("avx512f"), always_inline)) inline AdamStepConstants adam_
 // which is normalise()'s 0 for such blocks (nearest_codes16's normalisation for unit-stable maps).
 // kScaled: an update scale other than 1 (u * 1 is u, and the subtraction quiets a signaling NaN as the
 // product would).
-template <bool kDecay, bool kScaled>
+template <bool kDecay, bool kScaled, typename T>
 __attribute__((target("avx512f"), always_inline)) inline void adam_step16(const AdamStepConstants& c,
-                                                                         float* __restrict param,
+                                                                         T* __restrict param,
                                                                          const float* __restrict s1,
                                                                          const float* __restrict s2, int i,
                                                                          const int* sums1, const int* sums2,
@@ -757,24 +752,24 @@ __attribute__((target("avx512f"), always_inline)) inline void adam_step16(const 
   c2 = sum_codes16(sums2, nonnegative_keys(_mm512_mul_ps(root, c.inv2)));
   const __m512 denom = _mm512_add_ps(divide_by_constant16(root, c.bias2_sqrt, c.bias2_recip), c.eps);
   const __m512 u = _mm512_div_ps(_mm512_mul_ps(c.step_size, m), denom);
-  __m512 p = _mm512_loadu_ps(param + i);
+  __m512 p = load16(param + i);
   if (kDecay) p = _mm512_mul_ps(p, c.decay);
-  _mm512_storeu_ps(param + i, _mm512_sub_ps(p, kScaled ? _mm512_mul_ps(c.update_scale, u) : u));
+  store16(param + i, _mm512_sub_ps(p, kScaled ? _mm512_mul_ps(c.update_scale, u) : u));
 }
 
-// adam_encode_step_avx512 for fp32 parameters and 4-bit states, unit-stable maps and cnt a multiple of 16:
-// adam_step16, and each 16 codes of a state packed to 8 bytes at q1, q2 (the block's packed codes). Same
+// adam_encode_step_avx512 for fp32 or bf16 parameters and 4-bit states, unit-stable maps and cnt a multiple of
+// 16: adam_step16, and each 16 codes of a state packed to 8 bytes at q1, q2 (the block's packed codes). Same
 // codes as store_state's 4-bit encoder, same parameters as adam_params.
-template <bool kDecay, bool kScaled>
+template <bool kDecay, bool kScaled, typename T>
 __attribute__((target("avx512f"))) void adam_encode_step_u4(const StepHyper& h, const StepScalars& sc,
-                                                            float* __restrict param, const float* __restrict s1,
+                                                            T* __restrict param, const float* __restrict s1,
                                                             const float* __restrict s2, int cnt, const int* sums1,
                                                             const int* sums2, float inv1, float inv2,
                                                             uint8_t* __restrict q1, uint8_t* __restrict q2,
                                                             const AdamAhead& ahead) {
   const AdamStepConstants c = adam_step_constants(h, sc, inv1, inv2);
   for (int i = 0; i < cnt; i += 16) {
-    ahead.param.at(i);
+    ahead.param.at(static_cast<int>(i * sizeof(T)));
     __m512i c1, c2;
     adam_step16<kDecay, kScaled>(c, param, s1, s2, i, sums1, sums2, c1, c2);
     pack_u4_16(c1, q1 + i / 2);
@@ -783,12 +778,12 @@ __attribute__((target("avx512f"))) void adam_encode_step_u4(const StepHyper& h, 
 }
 
 #ifdef LB_VBMI_DECODE
-// adam_encode_step_avx512 for fp32 parameters, 8-bit states, unit-stable maps and cnt a multiple of 64:
+// adam_encode_step_avx512 for fp32 or bf16 parameters, 8-bit states, unit-stable maps and cnt a multiple of 64:
 // adam_step16, 64 codes of each state packed per store, the step's constants held in registers (GCC had
 // reloaded and broadcast them in each iteration). Same codes and parameters as adam_encode_step_avx512.
-template <bool kDecay, bool kScaled>
+template <bool kDecay, bool kScaled, typename T>
 __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const StepHyper& h, const StepScalars& sc,
-                                                                      float* __restrict param, const float* __restrict s1,
+                                                                      T* __restrict param, const float* __restrict s1,
                                                                       const float* __restrict s2, int cnt,
                                                                       const int* sums1, const int* sums2, float inv1,
                                                                       float inv2, uint8_t* __restrict q1,
@@ -797,7 +792,7 @@ __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const Ste
   for (int j = 0; j < cnt; j += 64) {
     __m512i c1[4], c2[4];
     for (int k = 0; k < 4; ++k) {
-      ahead.param.at(j + 16 * k);
+      ahead.param.at(static_cast<int>((j + 16 * k) * sizeof(T)));
       adam_step16<kDecay, kScaled>(c, param, s1, s2, j + 16 * k, sums1, sums2, c1[k], c2[k]);
     }
     _mm512_storeu_si512(q1 + j, pack_codes64(c1[0], c1[1], c1[2], c1[3]));
@@ -869,13 +864,17 @@ void prefetch_ahead(const OptimArgs& a, const TensorView& t, int64_t lo, int par
   prefetch_ahead<T>(a, t, lo, part, a.n_states);
 }
 
-// Whether adam_block's block runs the fused loops: fp32 parameters, whole groups of 64, unit-stable maps, a
-// bias correction that reciprocal_divides, and for 8-bit states the VBMI decoder in use (adam_moments_vbmi,
-// adam_encode_step_sums). 4-bit states need no more (adam_moments_u4, adam_encode_step_u4), and their blocks
-// take adam_block only then.
+// The parameter types of the fused Adam loops: fp32 and bf16 (load16, store16).
+template <typename T>
+constexpr bool kFusedAdamParams = std::is_same_v<T, float> || std::is_same_v<T, BFloat16>;
+
+// Whether adam_block's block runs the fused loops: fp32 or bf16 parameters, whole groups of 64, unit-stable
+// maps, a bias correction that reciprocal_divides, and for 8-bit states the VBMI decoder in use
+// (adam_moments_vbmi, adam_encode_step_sums). 4-bit states need no more (adam_moments_u4,
+// adam_encode_step_u4), and their blocks take adam_block only then.
 template <typename T>
 bool adam_fused(const TensorView& t, const StateCoders& coders, int cnt) {
-  if (!std::is_same_v<T, float> || cnt % 64 != 0 || !coders.index[0]->unit_stable() ||
+  if (!kFusedAdamParams<T> || cnt % 64 != 0 || !coders.index[0]->unit_stable() ||
       !coders.index[1]->unit_stable() || !reciprocal_divides(t.scalars.bias2_sqrt)) {
     return false;
   }
@@ -906,7 +905,7 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
     prefetch_ahead<T>(a, t, lo, 0);
     prefetch_ahead<T>(a, t, lo, 1);
   }
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (kFusedAdamParams<T>) {
     if (fused) {
       ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
       with_adam_moment_options(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
@@ -951,7 +950,7 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   }
   t.absmax[0][block] = b1.absmax;
   t.absmax[1][block] = b2.absmax;
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (kFusedAdamParams<T>) {
     if (fused) {
       const int* sums1 = reinterpret_cast<const int*>(coders.index[0]->nearest_sums()) - kFirstBucket;
       const int* sums2 = reinterpret_cast<const int*>(coders.index[1]->nearest_sums()) - kFirstBucket;
@@ -1029,7 +1028,7 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
     }
     for (int k = 0; k < 4; ++k) {
       const int i = j + 8 * k;
-      if (k % 2 == 0) ahead.grad.at(i);
+      ahead.grad.at(static_cast<int>(i * sizeof(float)));
       __m256 g = _mm256_loadu_ps(grad + i);
       if (kScaled) g = _mm256_mul_ps(g, grad_scale);
       if (kFlags & kMaximize) g = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(g), sign));
@@ -1067,7 +1066,7 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
     __m256i c1[4], c2[4];
     for (int k = 0; k < 4; ++k) {
       const int i = j + 8 * k;
-      if (k % 2 == 0) ahead.param.at(i);
+      ahead.param.at(static_cast<int>(i * sizeof(float)));
       const __m256 m = _mm256_loadu_ps(s1 + i), root = _mm256_loadu_ps(s2 + i);
       c1[k] = sum_codes8(sums1, order_keys8(_mm256_mul_ps(m, scale1)));
       c2[k] = sum_codes8(sums2, nonnegative_keys8(_mm256_mul_ps(root, scale2)));

@@ -1,0 +1,36 @@
+// 16 lanes of fp32 or bf16 storage as fp32, and back: the vector forms of to_float and from_float
+// (lowbit/dispatch.h) that the AVX-512 loops of the activation layers and of the optimizer step share.
+#pragma once
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#include "lowbit/dispatch.h"
+
+#define LB_AVX512_CONVERT 1
+
+namespace lowbit::cpu {
+
+// 16 inputs as fp32 (bf16 widens exactly).
+__attribute__((target("avx512f"), always_inline)) inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"), always_inline)) inline __m512 load16(const BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// 16 fp32 results stored as the element type: bf16 rounds to nearest even with NaN as 0x7FC0, as from_float
+// does (vcvtneps2bf16 would flush subnormal inputs to zero and keep NaN payloads).
+__attribute__((target("avx512f"), always_inline)) inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+__attribute__((target("avx512f"), always_inline)) inline void store16(BFloat16* p, __m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+}  // namespace lowbit::cpu
+
+#endif
