@@ -7,8 +7,6 @@
 
 #include "lowbit/dispatch.h"
 
-#define LB_AVX512_CONVERT 1
-
 namespace lowbit::cpu {
 
 // 16 inputs as fp32 (bf16 widens exactly).
