@@ -16,6 +16,11 @@ from lowbit.optim import ademamix, optimizer, optimizers
 def test_reference_copies_equal_the_native_constants():
     assert reference_quantize._SEED_SALT == _C.SEED_SALT
     assert (reference_factored._LANES, reference_factored._ROW_BLOCK) == (_C.FACTORED_LANES, _C.FACTORED_ROW_BLOCK)
+    assert (reference_optim._SQUARE_LANES, reference_optim._BLOCK_SUM_LANES) == (
+        _C.NORM_SQUARE_LANES,
+        _C.NORM_BLOCK_SUM_LANES,
+    )
+    assert reference_optim._NORM_GRAD == _C.NORM_GRAD
     rules = (
         reference_optim._RULE_ADAM,
         reference_optim._RULE_SGD,

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 import lowbit._reference as R
 import lowbit.optim as O
+from lowbit import _C
 from lowbit.optim.state_storage import optimizer_state_map
 
 
@@ -69,13 +70,13 @@ def test_twin_sums_are_torchs_sums_to_rounding():
     of seven decades in the lanes' order differs from the plain running sum (so the order is not a no-op)."""
     torch.manual_seed(7)
     x = torch.rand(67, 131) + 0.01
-    assert torch.allclose(R.lane_sum(x).double(), x.double().sum(-1), rtol=130 * 2**-24, atol=0)
+    assert torch.allclose(R.lane_sum(x, _C.FACTORED_LANES).double(), x.double().sum(-1), rtol=130 * 2**-24, atol=0)
     assert torch.allclose(R.column_sum(x).double(), x.double().sum(-2), rtol=66 * 2**-24, atol=0)
     wide = 10.0 ** torch.linspace(-3, 4, 64)
     running = torch.zeros(())
     for value in wide:
         running = running + value
-    assert not torch.equal(R.lane_sum(wide), running)
+    assert not torch.equal(R.lane_sum(wide, _C.FACTORED_LANES), running)
 
 
 def test_one_native_call_steps_a_group_with_factored_and_block_wise_parameters(monkeypatch):

@@ -26,6 +26,8 @@ RULES = {
     "rmsprop": (3, 2, 0, [1e-3, 0.9, 0.99, 0.0, 0.01, 1e-8, 1e-2, 1.0, 0.0, 0.0, 0.0]),
     "adagrad": (4, 1, 0, [1e-2, 0.0, 0.0, 0.0, 0.0, 1e-10, 0.0, 1.0, 0.0, 0.0, 0.0]),
     "lamb": (5, 2, 0, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-6, 0.01, 1.0, 0.0, 0.0, 0.0]),
+    # torch_lerp's second form (1 - beta1 >= 0.5) and maximize.
+    "lamb-max": (5, 2, 4, [1e-3, 0.3, 0.99, 0.7, 0.01, 1e-6, 0.05, 1.0, 0.0, 0.0, 0.0]),
     "adam-amsgrad": (6, 3, 0, [1e-3, 0.9, 0.999, 0.1, 0.001, 1e-8, 0.1, 1 - 1e-4, 0.0, 0.0, 0.0]),
     "adamw-amsgrad-max": (6, 3, 5, [1e-3, 0.8, 0.99, 0.2, 0.01, 1e-6, 0.1, 1 - 1e-4, 0.0, 0.0, 0.0]),
     "rmsprop-centered": (7, 2, 0, [1e-3, 0.0, 0.99, 0.0, 0.01, 1e-8, 1e-2, 1.0, 0.0, 0.0, 0.0]),
@@ -82,8 +84,12 @@ def _tensors(rule: int, n_states: int, dtype: torch.dtype, seed: int, bits: int 
     return [params, grads, *states, *absmax, scalars, map1, map2, map3]
 
 
-# LAMB always uses its trust ratio: it is checked with the norm modes below.
-@pytest.mark.parametrize("name", sorted(n for n in RULES if n != "lamb"))
+# LAMB's step is checked with given update scales (its trust ratios; one of 1, which the native loops skip), its
+# pre-pass by test_norm_sums_are_bit_identical_to_reference.
+LAMB_SCALES = [0.75, 2.0, 1.0, 0.3]
+
+
+@pytest.mark.parametrize("name", sorted(RULES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("grad_scale", [False, True])
 @pytest.mark.parametrize("bits", [8, 4])
@@ -93,9 +99,10 @@ def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, bits,
     tensors = _tensors(rule, n_states, dtype, seed=len(name), bits=bits)
     params, grads, s1, s2, s3, a1, a2, a3, scalars, map1, map2, map3 = tensors
     scales = torch.tensor([0.5, 1.0, 2.0, 0.25]) if grad_scale else None
+    update_scales = torch.tensor(LAMB_SCALES) if rule == 5 else None
     ours = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
     ref = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
-    args = (scalars, scales, map1, map2, map3, rule, hyper, flags, 0, n_states, BLOCK[bits], None, bits)
+    args = (scalars, scales, map1, map2, map3, rule, hyper, flags, 0, n_states, BLOCK[bits], update_scales, bits)
     if stochastic:
         args = (*args, None, None, None, ROUNDING)
     _ops.optimizer_step_(ours[0], grads, *ours[1:], *args)
@@ -103,6 +110,31 @@ def test_fused_step_is_bit_identical_to_reference(name, dtype, grad_scale, bits,
     for got, want in zip(ours, ref, strict=True):
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "norm_mode"), [("lamb", 1), ("lamb-max", 1), ("adam", 2), ("ademamix", 2), ("sgd-nesterov", 3)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_scale", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_norm_sums_are_bit_identical_to_reference(name, norm_mode, dtype, grad_scale, bits, cpu_kernels):
+    # The norm pre-pass alone (optimizer_norms): per tensor, the double sums of p^2 and u^2 (of g^2 for norm_mode
+    # 3) in norm_order.h's order, bit for bit with the twin's (the twin's u and its fixed-order sums). The values
+    # span seven decades, so that another order of the additions gives other bits.
+    rule, n_states, flags, hyper = RULES[name]
+    params, grads, s1, s2, s3, a1, a2, a3, scalars, map1, map2, map3 = _tensors(
+        rule, n_states, dtype, seed=5, bits=bits
+    )
+    gen = torch.Generator().manual_seed(6)
+    params = [(p.float() * 10.0 ** torch.randint(-3, 4, p.shape, generator=gen)).to(dtype) for p in params]
+    scales = torch.tensor([0.5, 1.0, 2.0, 0.25]) if grad_scale else None
+    args = (params, grads, s1, s2, s3, a1, a2, a3, scalars, scales, map1, map2, map3, rule, hyper, flags, norm_mode)
+    args = (*args, n_states, BLOCK[bits], None, bits)
+    got = _ops.optimizer_norms(*args)
+    want = R.optimizer_norms(*args)
+    assert torch.equal(got, want), (got, want)
+    assert bool((want > 0).all())
 
 
 @pytest.mark.parametrize(

@@ -444,7 +444,7 @@ struct StateCoders {
   const MapIndex* index[kMaxStates] = {nullptr, nullptr, nullptr};
   const BytePlanes* planes[kMaxStates] = {nullptr, nullptr, nullptr};
   bool gather = false;
-  // Adam's 8-bit blocks, and the 4-bit ones adam_fused takes, take adam_block (below): the AVX-512 gather
+  // Adam's and LAMB's 8-bit blocks, and the 4-bit ones adam_fused takes, take adam_block (below): the AVX-512 gather
   // encoder is in use for both states.
   bool adam_split = false;
   // Adam's 8-bit and 4-bit blocks of fp32 parameters take adam_block_avx2 (below): the AVX2 gather encoder is
@@ -515,13 +515,14 @@ AdamAhead adam_ahead(const TensorView& t, int64_t lo, int cnt, const T* p, const
 }
 
 #ifdef LB_AVX512_CODES
-// Adam's block of 8-bit states (and 4-bit ones, adam_fused) where the AVX-512 gather encoder requantizes
-// them, in two passes instead of update() and then store_state(): the new moments of the whole block and
-// their maxima (adam_moments, and the root of v, its stored form), then one loop that encodes both moments
-// and steps the parameters (adam_update), 16 elements at a time. The step's two divisions and the encoder's
-// gathers then keep different units busy at once, where the update loop and the encoder loops used them one
-// after the other. The same operations on the same values as update_body, so the same results.
-template <int32_t kFlags, typename T>
+// Adam's and LAMB's (kLamb) blocks of 8-bit states (and 4-bit ones, adam_fused) where the AVX-512 gather
+// encoder requantizes them, in two passes instead of update() and then store_state(): the new moments of the
+// whole block and their maxima (adam_moments or ema_moments, and the root of v, its stored form), then one
+// loop that encodes both moments and steps the parameters (adam_update or lamb_update), 16 elements at a
+// time. The step's two divisions and the encoder's gathers then keep different units busy at once, where the
+// update loop and the encoder loops used them one after the other. The same operations on the same values as
+// update_body, so the same results.
+template <bool kLamb, int32_t kFlags, typename T>
 __attribute__((target("avx512f"))) void adam_moments_avx512(const StepHyper& hyper, const StepScalars& sc,
                                                             const T* __restrict param, const T* __restrict grad,
                                                             float* __restrict s1, float* __restrict s2, int cnt,
@@ -533,7 +534,12 @@ __attribute__((target("avx512f"))) void adam_moments_avx512(const StepHyper& hyp
   for (int i = 0; i < cnt; ++i) {
     float m = s1[i];
     float v = state_value(s2[i], true);
-    adam_moments(h, to_float(param[i]), effective_grad(h, sc, to_float(grad[i])), m, v);
+    const float g = effective_grad(h, sc, to_float(grad[i]));
+    if constexpr (kLamb) {
+      ema_moments(h, g, m, v);
+    } else {
+      adam_moments(h, to_float(param[i]), g, m, v);
+    }
     const float root = stored_form(v, true);
     s1[i] = m;
     s2[i] = root;
@@ -545,9 +551,9 @@ __attribute__((target("avx512f"))) void adam_moments_avx512(const StepHyper& hyp
   max_bits[2] = 0;
 }
 
-// The parameters' step over elements [lo, hi) from the new moments m = s1 and root of v = s2; kDecay:
-// decoupled weight decay applies.
-template <bool kDecay, typename T>
+// The parameters' step over elements [lo, hi) from the new moments m = s1 and root of v = s2 (kLamb: LAMB's);
+// kDecay: decoupled weight decay applies.
+template <bool kLamb, bool kDecay, typename T>
 __attribute__((target("avx512f"), always_inline)) inline void adam_params(const StepHyper& hyper,
                                                                         const StepScalars& scalars,
                                                                         T* __restrict param, const float* __restrict s1,
@@ -560,19 +566,21 @@ __attribute__((target("avx512f"), always_inline)) inline void adam_params(const 
   // it scalar (the encoder's gathers end its straight-line vectorisation); kept a loop, it is one vector.
 #pragma GCC unroll 1
   for (int i = lo; i < hi; ++i) {
-    param[i] = from_float<T>(stepped(h, sc, to_float(param[i]), adam_update(sc, h.eps, s1[i], s2[i])));
+    const float p = to_float(param[i]);
+    const float u = kLamb ? lamb_update(h, sc, p, s1[i], s2[i]) : adam_update(sc, h.eps, s1[i], s2[i]);
+    param[i] = from_float<T>(stepped(h, sc, p, u));
   }
 }
 
-template <bool kDecay, typename T>
+template <bool kLamb, bool kDecay, typename T>
 __attribute__((target("avx512f"))) void adam_params_avx512(const StepHyper& h, const StepScalars& sc, T* param,
                                                            const float* s1, const float* s2, int cnt) {
-  adam_params<kDecay>(h, sc, param, s1, s2, 0, cnt);
+  adam_params<kLamb, kDecay>(h, sc, param, s1, s2, 0, cnt);
 }
 
 // The second pass: codes of both moments into q1, q2 and the parameters' step, 16 elements at a time; the
 // last cnt % 16 by the scalar-table encoder.
-template <bool kExact1, bool kExact2, bool kDecay, typename T>
+template <bool kLamb, bool kExact1, bool kExact2, bool kDecay, typename T>
 __attribute__((target("avx512f"))) void adam_encode_step_avx512(const StepHyper& h, const StepScalars& sc,
                                                                T* __restrict param, const float* __restrict s1,
                                                                const float* __restrict s2, int cnt,
@@ -583,12 +591,12 @@ __attribute__((target("avx512f"))) void adam_encode_step_avx512(const StepHyper&
   for (; j + 16 <= cnt; j += 16) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q1 + j), nearest_codes16<kExact1>(b1, s1 + j));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + j), nearest_codes16<kExact2>(b2, s2 + j));
-    adam_params<kDecay>(h, sc, param, s1, s2, j, j + 16);
+    adam_params<kLamb, kDecay>(h, sc, param, s1, s2, j, j + 16);
   }
   if (j < cnt) {
     nearest_codes_u8(*index[0], s1 + j, cnt - j, b1.absmax, q1 + j);
     nearest_codes_u8(*index[1], s2 + j, cnt - j, b2.absmax, q2 + j);
-    adam_params<kDecay>(h, sc, param, s1, s2, j, cnt);
+    adam_params<kLamb, kDecay>(h, sc, param, s1, s2, j, cnt);
   }
 }
 
@@ -610,35 +618,67 @@ __attribute__((target("avx512f"), always_inline)) inline AdamMomentConstants ada
           _mm512_set1_ps(h.one_minus_beta2), _mm512_set1_ps(sc.grad_scale), _mm512_set1_ps(h.weight_decay)};
 }
 
-// Adam's moments of 16 elements at i from their decoded m and root of v: effective_grad, adam_moments'
-// L2 term and torch_lerp, and stored_form (optim_rules.h), operation for operation. The new m and root of v
-// go to s1 + i and s2 + i, their magnitudes' bit patterns raise max1 and max2. kL2: weight decay added to
-// the gradient; kScaled: a gradient scale other than 1 (g * 1 is g: every use of g below is arithmetic,
+// Adam's (and LAMB's) moments of 16 elements at i from their decoded m and root of v: effective_grad,
+// adam_moments' L2 term and torch_lerp, and stored_form (optim_rules.h), operation for operation, into m_new
+// and root. kL2: weight decay added to the gradient (never for LAMB, whose decay is in its step); kScaled: a gradient scale other than 1 (g * 1 is g: every use of g below is arithmetic,
 // which quiets a signaling NaN as the product would, so leaving the product out changes no bit). Template
 // arguments like kFlags, because as run-time values GCC tested them in every iteration.
 template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
-__attribute__((target("avx512f"), always_inline)) inline void adam_moments16(
-    const AdamMomentConstants& c, __m512 m, __m512 root_old, const T* __restrict param, const T* __restrict grad,
-    int i, float* __restrict s1, float* __restrict s2, __m512i& max1, __m512i& max2) {
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+__attribute__((target("avx512f"), always_inline)) inline void moments16(const AdamMomentConstants& c, __m512 m,
+                                                                       __m512 root_old, const T* __restrict param,
+                                                                       const T* __restrict grad, int i,
+                                                                       __m512& m_new, __m512& root) {
+  const __m512i sign = _mm512_set1_epi32(static_cast<int>(0x80000000u));
   __m512 g = load16(grad + i);
   if (kScaled) g = _mm512_mul_ps(g, c.grad_scale);
   if (kFlags & kMaximize) g = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
   if (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(c.weight_decay, load16(param + i)));
-  const __m512 m_new = _mm512_add_ps(kSmall ? m : g, _mm512_mul_ps(c.lerp_weight, _mm512_sub_ps(g, m)));
+  m_new = _mm512_add_ps(kSmall ? m : g, _mm512_mul_ps(c.lerp_weight, _mm512_sub_ps(g, m)));
   const __m512 v = _mm512_mul_ps(root_old, root_old);
   const __m512 v_new = _mm512_add_ps(_mm512_mul_ps(v, c.beta2), _mm512_mul_ps(_mm512_mul_ps(c.one_minus_beta2, g), g));
-  const __m512 root = _mm512_sqrt_ps(v_new);
+  root = _mm512_sqrt_ps(v_new);
+}
+
+// moments16, the new m and root of v stored to s1 + i and s2 + i, their magnitudes' bit patterns raising max1
+// and max2.
+template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
+__attribute__((target("avx512f"), always_inline)) inline void adam_moments16(
+    const AdamMomentConstants& c, __m512 m, __m512 root_old, const T* __restrict param, const T* __restrict grad,
+    int i, float* __restrict s1, float* __restrict s2, __m512i& max1, __m512i& max2) {
+  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+  __m512 m_new, root;
+  moments16<kFlags, kSmall, kL2, kScaled>(c, m, root_old, param, grad, i, m_new, root);
   _mm512_storeu_ps(s1 + i, m_new);
   _mm512_storeu_ps(s2 + i, root);
   max1 = _mm512_max_epu32(max1, _mm512_and_si512(_mm512_castps_si512(m_new), magnitude));
   max2 = _mm512_max_epu32(max2, _mm512_and_si512(_mm512_castps_si512(root), magnitude));
 }
 
-// adam_moments_avx512 on fp32 or bf16 parameters and 4-bit states with their decode in the same loop, 32
-// elements at a time (cnt a multiple of 32): each map's 16 values sit in one register, so a code's value is one
-// permute. Same values as load_state and adam_moments_avx512, so the same results; s1 and s2 receive the
-// new m and root of v. p1, p2: the block's packed codes.
+// The decode of a block's two 4-bit moments for the fused loops, 32 elements at a time (cnt a multiple of 32):
+// each map's 16 values sit in one register, so a code's value is one permute. Calls body(i, m, root_old) for
+// each 16 elements at i, with their decoded first moment and root of the second (load_state's values), after
+// asking for the gradients ahead. p1, p2: the block's packed codes; T: the gradients' type.
+template <typename T, typename Body>
+__attribute__((target("avx512f"), always_inline)) inline void decode_moments_u4(
+    const uint8_t* __restrict p1, const uint8_t* __restrict p2, float absmax1, float absmax2, const float* map1,
+    const float* map2, int cnt, const AdamAhead& ahead, Body&& body) {
+  const __m512 values1 = _mm512_loadu_ps(map1), values2 = _mm512_loadu_ps(map2);
+  const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
+  for (int j = 0; j < cnt; j += 32) {
+    __m512 m[2], root_old[2];
+    decode_u4_32(values1, scale1, p1 + j / 2, m);
+    decode_u4_32(values2, scale2, p2 + j / 2, root_old);
+    ahead.codes_at(j / 2);
+    for (int k = 0; k < 2; ++k) {
+      ahead.grad.at(static_cast<int>((j + 16 * k) * sizeof(T)));
+      body(j + 16 * k, m[k], root_old[k]);
+    }
+  }
+}
+
+// adam_moments_avx512 on fp32 or bf16 parameters and 4-bit states with their decode in the same loop
+// (decode_moments_u4). Same values as load_state and adam_moments_avx512, so the same results; s1 and s2
+// receive the new m and root of v.
 template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
 __attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, const StepScalars& sc,
                                                         const T* __restrict param, const T* __restrict grad,
@@ -648,42 +688,30 @@ __attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, cons
                                                         float* __restrict s2, int cnt, uint32_t* max_bits,
                                                         const AdamAhead& ahead) {
   const AdamMomentConstants c = adam_moment_constants<kSmall>(h, sc);
-  const __m512 values1 = _mm512_loadu_ps(map1), values2 = _mm512_loadu_ps(map2);
-  const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
   __m512i max1 = _mm512_setzero_si512(), max2 = _mm512_setzero_si512();
-  for (int j = 0; j < cnt; j += 32) {
-    __m512 m[2], root_old[2];
-    decode_u4_32(values1, scale1, p1 + j / 2, m);
-    decode_u4_32(values2, scale2, p2 + j / 2, root_old);
-    ahead.codes_at(j / 2);
-    for (int k = 0; k < 2; ++k) {
-      ahead.grad.at(static_cast<int>((j + 16 * k) * sizeof(T)));
-      adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m[k], root_old[k], param, grad, j + 16 * k, s1, s2, max1, max2);
-    }
-  }
+  decode_moments_u4<T>(p1, p2, absmax1, absmax2, map1, map2, cnt, ahead,
+                       [&](int i, __m512 m, __m512 root_old) __attribute__((target("avx512f"), always_inline)) {
+                         adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m, root_old, param, grad, i, s1, s2, max1,
+                                                                      max2);
+                       });
   max_bits[0] = _mm512_reduce_max_epu32(max1);
   max_bits[1] = _mm512_reduce_max_epu32(max2);
   max_bits[2] = 0;
 }
 
 #ifdef LB_VBMI_DECODE
-// adam_moments_avx512 on fp32 or bf16 parameters with the states' decode in the same loop, 64 elements at a
-// time (cnt a multiple of 64): the first moment by gathers from its map (the load ports, idle in this pass), the
-// second by the VBMI byte-plane permutes (port 5), while the square roots keep the divider busy. Where the
-// decode was a pass of its own, each of the three waited on one unit. The same operations on the same
-// values as block_states and adam_moments_avx512 (the decoded values are map[code] * absmax either way), so
-// the same results; s1 and s2 receive the new m and root of v.
-template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
-__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
-    const StepHyper& h, const StepScalars& sc, const T* __restrict param, const T* __restrict grad,
+// The decode of a block's two 8-bit moments for the fused loops, 64 elements at a time (cnt a multiple of 64):
+// the first moment by gathers from its map (the load ports, idle in the moments' arithmetic), the second by the
+// VBMI byte-plane permutes (port 5), while the square roots keep the divider busy. Where the decode was a pass
+// of its own, each of the three waited on one unit. Calls body(i, m, root_old) as decode_moments_u4 does, with
+// the values of block_states (map[code] * absmax either way).
+template <typename T, typename Body>
+__attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) inline void decode_moments_vbmi(
     const uint8_t* __restrict q1, const uint8_t* __restrict q2, float absmax1, float absmax2, const float* map1,
-    const BytePlanes& planes2, float* __restrict s1, float* __restrict s2, int cnt, uint32_t* max_bits,
-    const AdamAhead& ahead) {
+    const BytePlanes& planes2, int cnt, const AdamAhead& ahead, Body&& body) {
   const PlaneRegisters t2 = plane_registers(planes2);
   const __m512i order = _mm512_load_si512(kPlaneOrder);
   const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
-  const AdamMomentConstants c = adam_moment_constants<kSmall>(h, sc);
-  __m512i max1 = _mm512_setzero_si512(), max2 = _mm512_setzero_si512();
   for (int j = 0; j < cnt; j += 64) {
     __m512 root_old[4];
     ahead.codes_at(j);
@@ -692,10 +720,27 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
       const int i = j + 16 * k;
       ahead.grad.at(static_cast<int>(i * sizeof(T)));
       const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + i)));
-      const __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(codes, map1, 4), scale1);
-      adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m, root_old[k], param, grad, i, s1, s2, max1, max2);
+      body(i, _mm512_mul_ps(_mm512_i32gather_ps(codes, map1, 4), scale1), root_old[k]);
     }
   }
+}
+
+// adam_moments_avx512 on fp32 or bf16 parameters with the states' decode in the same loop
+// (decode_moments_vbmi). The same operations on the same values as block_states and adam_moments_avx512, so
+// the same results; s1 and s2 receive the new m and root of v.
+template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
+    const StepHyper& h, const StepScalars& sc, const T* __restrict param, const T* __restrict grad,
+    const uint8_t* __restrict q1, const uint8_t* __restrict q2, float absmax1, float absmax2, const float* map1,
+    const BytePlanes& planes2, float* __restrict s1, float* __restrict s2, int cnt, uint32_t* max_bits,
+    const AdamAhead& ahead) {
+  const AdamMomentConstants c = adam_moment_constants<kSmall>(h, sc);
+  __m512i max1 = _mm512_setzero_si512(), max2 = _mm512_setzero_si512();
+  decode_moments_vbmi<T>(q1, q2, absmax1, absmax2, map1, planes2, cnt, ahead,
+                         [&](int i, __m512 m, __m512 root_old) __attribute__((target("avx512f"), always_inline)) {
+                           adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m, root_old, param, grad, i, s1, s2,
+                                                                        max1, max2);
+                         });
   max_bits[0] = _mm512_reduce_max_epu32(max1);
   max_bits[1] = _mm512_reduce_max_epu32(max2);
   max_bits[2] = 0;
@@ -711,8 +756,8 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 divide_by_consta
   return _mm512_fmadd_ps(_mm512_fnmadd_ps(b, q1, a), y, q1);
 }
 
-// The constants of Adam's step and of the encoders' normalisation in registers (adam_step16). bias2_recip:
-// 1 / bias2_sqrt rounded, for divide_by_constant16.
+// The constants of Adam's and LAMB's step and of the encoders' normalisation in registers (adam_step16).
+// bias2_recip: 1 / bias2_sqrt rounded, for divide_by_constant16.
 struct AdamStepConstants {
   __m512 bias2_sqrt;
   __m512 bias2_recip;
@@ -720,6 +765,8 @@ struct AdamStepConstants {
   __m512 step_size;
   __m512 update_scale;
   __m512 decay;
+  __m512 lr;
+  __m512 weight_decay;
   __m512 inv1;
   __m512 inv2;
 };
@@ -727,20 +774,36 @@ struct AdamStepConstants {
 __attribute__((target("avx512f"), always_inline)) inline AdamStepConstants adam_step_constants(const StepHyper& h,
                                                                                               const StepScalars& sc,
                                                                                               float inv1, float inv2) {
-  return {_mm512_set1_ps(sc.bias2_sqrt),   _mm512_set1_ps(1.f / sc.bias2_sqrt), _mm512_set1_ps(h.eps),
-          _mm512_set1_ps(sc.step_size),    _mm512_set1_ps(sc.update_scale),     _mm512_set1_ps(h.decay),
-          _mm512_set1_ps(inv1),            _mm512_set1_ps(inv2)};
+  return {_mm512_set1_ps(sc.bias2_sqrt), _mm512_set1_ps(1.f / sc.bias2_sqrt), _mm512_set1_ps(h.eps),
+          _mm512_set1_ps(sc.step_size),  _mm512_set1_ps(sc.update_scale),     _mm512_set1_ps(h.decay),
+          _mm512_set1_ps(h.lr),          _mm512_set1_ps(h.weight_decay),      _mm512_set1_ps(inv1),
+          _mm512_set1_ps(inv2)};
+}
+
+// The step u of 16 elements from their new m and root of v: adam_update, or (kLamb) lamb_update with the
+// parameters p before the step (optim_rules.h), operation for operation; the division by bias2_sqrt by
+// divide_by_constant16 (the same bits where reciprocal_divides).
+template <bool kLamb>
+__attribute__((target("avx512f"), always_inline)) inline __m512 step16(const AdamStepConstants& c, __m512 m,
+                                                                      __m512 root, __m512 p) {
+  const __m512 denom = _mm512_add_ps(divide_by_constant16(root, c.bias2_sqrt, c.bias2_recip), c.eps);
+  if constexpr (kLamb) {
+    const __m512 r =
+        _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(m, c.step_size), denom), _mm512_mul_ps(c.weight_decay, p));
+    return _mm512_mul_ps(c.lr, r);
+  }
+  return _mm512_div_ps(_mm512_mul_ps(c.step_size, m), denom);
 }
 
 // adam_encode_step_avx512's work on 16 elements at i of a block with unit-stable maps: the nearest codes
 // of the new m (s1) and root of v (s2) by the indexes' nearest_sums (sums1, sums2: the tables less
 // kFirstBucket), the root keyed as non-negative (it is +0 or positive: v is a sum of products of like-signed
-// factors, its root is finite here), into c1 and c2; and the parameters' step, adam_update and stepped
+// factors, its root is finite here), into c1 and c2; and the parameters' step, step16 and stepped
 // (optim_rules.h) operation for operation. An inverse of 0 (absmax <= 0) gives x * 0 = +-0, keyed as +0,
 // which is normalise()'s 0 for such blocks (nearest_codes16's normalisation for unit-stable maps).
 // kScaled: an update scale other than 1 (u * 1 is u, and the subtraction quiets a signaling NaN as the
 // product would).
-template <bool kDecay, bool kScaled, typename T>
+template <bool kLamb, bool kDecay, bool kScaled, typename T>
 __attribute__((target("avx512f"), always_inline)) inline void adam_step16(const AdamStepConstants& c,
                                                                          T* __restrict param,
                                                                          const float* __restrict s1,
@@ -750,9 +813,8 @@ __attribute__((target("avx512f"), always_inline)) inline void adam_step16(const 
   const __m512 m = _mm512_loadu_ps(s1 + i), root = _mm512_loadu_ps(s2 + i);
   c1 = sum_codes16(sums1, order_keys(_mm512_mul_ps(m, c.inv1)));
   c2 = sum_codes16(sums2, nonnegative_keys(_mm512_mul_ps(root, c.inv2)));
-  const __m512 denom = _mm512_add_ps(divide_by_constant16(root, c.bias2_sqrt, c.bias2_recip), c.eps);
-  const __m512 u = _mm512_div_ps(_mm512_mul_ps(c.step_size, m), denom);
   __m512 p = load16(param + i);
+  const __m512 u = step16<kLamb>(c, m, root, p);
   if (kDecay) p = _mm512_mul_ps(p, c.decay);
   store16(param + i, _mm512_sub_ps(p, kScaled ? _mm512_mul_ps(c.update_scale, u) : u));
 }
@@ -760,7 +822,7 @@ __attribute__((target("avx512f"), always_inline)) inline void adam_step16(const 
 // adam_encode_step_avx512 for fp32 or bf16 parameters and 4-bit states, unit-stable maps and cnt a multiple of
 // 16: adam_step16, and each 16 codes of a state packed to 8 bytes at q1, q2 (the block's packed codes). Same
 // codes as store_state's 4-bit encoder, same parameters as adam_params.
-template <bool kDecay, bool kScaled, typename T>
+template <bool kLamb, bool kDecay, bool kScaled, typename T>
 __attribute__((target("avx512f"))) void adam_encode_step_u4(const StepHyper& h, const StepScalars& sc,
                                                             T* __restrict param, const float* __restrict s1,
                                                             const float* __restrict s2, int cnt, const int* sums1,
@@ -771,7 +833,7 @@ __attribute__((target("avx512f"))) void adam_encode_step_u4(const StepHyper& h, 
   for (int i = 0; i < cnt; i += 16) {
     ahead.param.at(static_cast<int>(i * sizeof(T)));
     __m512i c1, c2;
-    adam_step16<kDecay, kScaled>(c, param, s1, s2, i, sums1, sums2, c1, c2);
+    adam_step16<kLamb, kDecay, kScaled>(c, param, s1, s2, i, sums1, sums2, c1, c2);
     pack_u4_16(c1, q1 + i / 2);
     pack_u4_16(c2, q2 + i / 2);
   }
@@ -781,7 +843,7 @@ __attribute__((target("avx512f"))) void adam_encode_step_u4(const StepHyper& h, 
 // adam_encode_step_avx512 for fp32 or bf16 parameters, 8-bit states, unit-stable maps and cnt a multiple of 64:
 // adam_step16, 64 codes of each state packed per store, the step's constants held in registers (GCC had
 // reloaded and broadcast them in each iteration). Same codes and parameters as adam_encode_step_avx512.
-template <bool kDecay, bool kScaled, typename T>
+template <bool kLamb, bool kDecay, bool kScaled, typename T>
 __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const StepHyper& h, const StepScalars& sc,
                                                                       T* __restrict param, const float* __restrict s1,
                                                                       const float* __restrict s2, int cnt,
@@ -793,7 +855,7 @@ __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const Ste
     __m512i c1[4], c2[4];
     for (int k = 0; k < 4; ++k) {
       ahead.param.at(static_cast<int>((j + 16 * k) * sizeof(T)));
-      adam_step16<kDecay, kScaled>(c, param, s1, s2, j + 16 * k, sums1, sums2, c1[k], c2[k]);
+      adam_step16<kLamb, kDecay, kScaled>(c, param, s1, s2, j + 16 * k, sums1, sums2, c1[k], c2[k]);
     }
     _mm512_storeu_si512(q1 + j, pack_codes64(c1[0], c1[1], c1[2], c1[3]));
     _mm512_storeu_si512(q2 + j, pack_codes64(c2[0], c2[1], c2[2], c2[3]));
@@ -817,11 +879,11 @@ LB_ALWAYS_INLINE inline void with_bools(bool a, bool b, bool c, Fn&& fn) {
 
 // Calls fn(flags, small, l2, scaled), the template arguments of the Adam moment loops (adam_moments16) as
 // constants: the element flags (with_element_flags), torch_lerp's first form (|1 - beta1| < 0.5), weight
-// decay added to the gradient, and a gradient scale other than 1.
-template <typename Fn>
+// decay added to the gradient (Adam's L2 term; never for LAMB, kLamb), and a gradient scale other than 1.
+template <bool kLamb, typename Fn>
 LB_ALWAYS_INLINE inline void with_adam_moment_options(const StepHyper& h, const StepScalars& sc, Fn&& fn) {
   const bool small = fabsf(h.one_minus_beta1) < 0.5f;
-  const bool l2 = h.weight_decay != 0.f && !(h.flags & kDecoupled);
+  const bool l2 = !kLamb && h.weight_decay != 0.f && !(h.flags & kDecoupled);
   with_element_flags(h.flags, [&](auto flags) LB_ALWAYS_INLINE {
     with_bools(small, l2, sc.grad_scale != 1.f,
                [&](auto kSmall, auto kL2, auto kScaled) LB_ALWAYS_INLINE { fn(flags, kSmall, kL2, kScaled); });
@@ -887,11 +949,11 @@ bool adam_fused(const TensorView& t, const StateCoders& coders, int cnt) {
 #endif
 }
 
-// step_block's Adam path when coders.adam_split, for a block of 8-bit states or one of 4-bit states that
-// adam_fused takes: the states decoded and the new moments computed, then both encoded while the parameters
-// step. A block with a non-finite moment, or whose absmax has no finite inverse, steps its parameters first
-// and then takes the non-finite restart and store_state, as step_block does.
-template <typename T>
+// step_block's Adam (and, kLamb, LAMB) path when coders.adam_split, for a block of 8-bit states or one of 4-bit
+// states that adam_fused takes: the states decoded and the new moments computed, then both encoded while the
+// parameters step. A block with a non-finite moment, or whose absmax has no finite inverse, steps its
+// parameters first and then takes the non-finite restart and store_state, as step_block does.
+template <bool kLamb, typename T>
 void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
                 const StateCoders& coders, T* param, const T* grad) {
   float decoded[kMaxStates][kMaxBlock];
@@ -909,7 +971,7 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   if constexpr (kFusedAdamParams<T>) {
     if (fused) {
       ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
-      with_adam_moment_options(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
+      with_adam_moment_options<kLamb>(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
         constexpr int32_t kF = decltype(flags)::value;
         constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
         const float amax1 = t.absmax[0][block], amax2 = t.absmax[1][block];
@@ -928,7 +990,7 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   if (!fused) {
     block_states<2>(a, t, block, lo, cnt, coders.planes, decoded, s);
     with_element_flags(a.hyper.flags, [&](auto flags) LB_ALWAYS_INLINE {
-      adam_moments_avx512<decltype(flags)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
+      adam_moments_avx512<kLamb, decltype(flags)::value>(a.hyper, t.scalars, param, grad, s[0], s[1], cnt, max_bits);
     });
     prefetch_ahead<T>(a, t, lo, 2);
   }
@@ -941,9 +1003,9 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   if (!finite || subnormal) {
     if (!fused) prefetch_ahead<T>(a, t, lo, 3);
     if (decay) {
-      adam_params_avx512<true>(a.hyper, t.scalars, param, s[0], s[1], cnt);
+      adam_params_avx512<kLamb, true>(a.hyper, t.scalars, param, s[0], s[1], cnt);
     } else {
-      adam_params_avx512<false>(a.hyper, t.scalars, param, s[0], s[1], cnt);
+      adam_params_avx512<kLamb, false>(a.hyper, t.scalars, param, s[0], s[1], cnt);
     }
     if (!finite) restart_nonfinite3(s, 2, cnt, max_bits);
     for (int k = 0; k < 2; ++k) store_state(t, k, block, lo, cnt, max_bits[k], coders.index[k], coders.gather, s[k]);
@@ -960,11 +1022,11 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
         with_bool(scaled, [&](auto kScaled) LB_ALWAYS_INLINE {
           constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
           if (t.bits == 4) {
-            return adam_encode_step_u4<kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv,
+            return adam_encode_step_u4<kLamb, kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv,
                                                b2.inv, q1, q2, ahead);
           }
 #ifdef LB_VBMI_DECODE
-          adam_encode_step_sums<kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv, b2.inv, q1,
+          adam_encode_step_sums<kLamb, kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv, b2.inv, q1,
                                         q2, ahead);
 #endif
         });
@@ -974,9 +1036,114 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   }
   prefetch_ahead<T>(a, t, lo, 3);
   with_bools(!coders.index[0]->unit_stable(), !coders.index[1]->unit_stable(), decay, [&](auto e1, auto e2, auto d) {
-    adam_encode_step_avx512<decltype(e1)::value, decltype(e2)::value, decltype(d)::value>(
+    adam_encode_step_avx512<kLamb, decltype(e1)::value, decltype(e2)::value, decltype(d)::value>(
         a.hyper, t.scalars, param, s[0], s[1], cnt, coders.index, b1, b2, q1, q2);
   });
+}
+
+// Adds the squares of 16 floats, widened to double (exact), into the 8 lanes of acc in norm_order.h's order:
+// the first 8 into lanes 0 to 7, then the last 8 (square_sums' order for a block that starts at these 16).
+__attribute__((target("avx512f"), always_inline)) inline void add_squares16(__m512 x, __m512d& acc) {
+  const __m512d low = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+  const __m512d high = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+  acc = _mm512_add_pd(acc, _mm512_mul_pd(low, low));
+  acc = _mm512_add_pd(acc, _mm512_mul_pd(high, high));
+}
+
+// The lanes of acc added in lane order (add_lanes).
+__attribute__((target("avx512f"))) inline double lane_total(__m512d acc) {
+  alignas(64) double lanes[kSquareLanes];
+  _mm512_store_pd(lanes, acc);
+  return add_lanes(lanes, kSquareLanes);
+}
+
+// LAMB's norm terms of 16 elements at i from their decoded m and root of v: moments16 and step16 (the values of
+// norm_terms_body's lamb_step), p^2 and u^2 added into pp and uu by add_squares16. Nothing is stored.
+template <int32_t kFlags, bool kSmall, bool kScaled, typename T>
+__attribute__((target("avx512f"), always_inline)) inline void lamb_norms16(const AdamMomentConstants& mc,
+                                                                          const AdamStepConstants& c, __m512 m,
+                                                                          __m512 root_old, const T* __restrict param,
+                                                                          const T* __restrict grad, int i,
+                                                                          const AdamAhead& ahead, __m512d& pp,
+                                                                          __m512d& uu) {
+  __m512 m_new, root;
+  moments16<kFlags, kSmall, false, kScaled>(mc, m, root_old, param, grad, i, m_new, root);
+  ahead.param.at(static_cast<int>(i * sizeof(T)));
+  const __m512 p = load16(param + i);
+  add_squares16(p, pp);
+  add_squares16(step16<true>(c, m_new, root, p), uu);
+}
+
+// LAMB's norm pre-pass over a block of 4-bit states that adam_fused takes: sums[0] = the sum of p^2 and sums[1]
+// that of u^2 in norm_order.h's lanes, from decode_moments_u4 and lamb_norms16 in one loop. The same values in
+// the same order as norm_block's loops (block_states, norm_terms_body, square_sums), so the same sums.
+template <int32_t kFlags, bool kSmall, bool kScaled, typename T>
+__attribute__((target("avx512f"))) void lamb_norms_u4(const StepHyper& h, const StepScalars& sc,
+                                                      const T* __restrict param, const T* __restrict grad,
+                                                      const uint8_t* p1, const uint8_t* p2, float absmax1,
+                                                      float absmax2, const float* map1, const float* map2, int cnt,
+                                                      const AdamAhead& ahead, double* sums) {
+  const AdamMomentConstants mc = adam_moment_constants<kSmall>(h, sc);
+  const AdamStepConstants c = adam_step_constants(h, sc, 0.f, 0.f);
+  __m512d pp = _mm512_setzero_pd(), uu = _mm512_setzero_pd();
+  decode_moments_u4<T>(p1, p2, absmax1, absmax2, map1, map2, cnt, ahead,
+                       [&](int i, __m512 m, __m512 root_old) __attribute__((target("avx512f"), always_inline)) {
+                         lamb_norms16<kFlags, kSmall, kScaled>(mc, c, m, root_old, param, grad, i, ahead, pp, uu);
+                       });
+  sums[0] = lane_total(pp);
+  sums[1] = lane_total(uu);
+}
+
+#ifdef LB_VBMI_DECODE
+// lamb_norms_u4 for 8-bit states, by decode_moments_vbmi.
+template <int32_t kFlags, bool kSmall, bool kScaled, typename T>
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) void lamb_norms_vbmi(
+    const StepHyper& h, const StepScalars& sc, const T* __restrict param, const T* __restrict grad,
+    const uint8_t* q1, const uint8_t* q2, float absmax1, float absmax2, const float* map1, const BytePlanes& planes2,
+    int cnt, const AdamAhead& ahead, double* sums) {
+  const AdamMomentConstants mc = adam_moment_constants<kSmall>(h, sc);
+  const AdamStepConstants c = adam_step_constants(h, sc, 0.f, 0.f);
+  __m512d pp = _mm512_setzero_pd(), uu = _mm512_setzero_pd();
+  decode_moments_vbmi<T>(q1, q2, absmax1, absmax2, map1, planes2, cnt, ahead,
+                         [&](int i, __m512 m, __m512 root_old) __attribute__((target("avx512f"), always_inline)) {
+                           lamb_norms16<kFlags, kSmall, kScaled>(mc, c, m, root_old, param, grad, i, ahead, pp, uu);
+                         });
+  sums[0] = lane_total(pp);
+  sums[1] = lane_total(uu);
+}
+#endif
+
+// norm_block's LAMB block where adam_block's fused loops take its step (coders.adam_split, quantized block-wise
+// states, adam_fused): the sums by lamb_norms_u4 or lamb_norms_vbmi, reading ahead as adam_block does.
+// Returns false, computing nothing, for other blocks.
+template <typename T>
+bool lamb_norms_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
+                      const StateCoders& coders, const T* param, const T* grad, double* sums) {
+  if constexpr (!kFusedAdamParams<T>) {
+    return false;
+  } else {
+    if (!coders.adam_split || !t.quantized || t.rank1_slot >= 0 || (t.bits != 8 && t.bits != 4) ||
+        !adam_fused<T>(t, coders, cnt)) {
+      return false;
+    }
+    const uint8_t* q1 = static_cast<const uint8_t*>(t.state[0]) + lo * t.bits / 8;
+    const uint8_t* q2 = static_cast<const uint8_t*>(t.state[1]) + lo * t.bits / 8;
+    const AdamAhead ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
+    const float amax1 = t.absmax[0][block], amax2 = t.absmax[1][block];
+    with_adam_moment_options<true>(a.hyper, t.scalars, [&](auto flags, auto small, auto, auto scaled) LB_ALWAYS_INLINE {
+      constexpr int32_t kF = decltype(flags)::value;
+      constexpr bool kS = decltype(small)::value, kG = decltype(scaled)::value;
+      if (t.bits == 4) {
+        return lamb_norms_u4<kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
+                                         state_map(a, 1), cnt, ahead, sums);
+      }
+#ifdef LB_VBMI_DECODE
+      lamb_norms_vbmi<kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
+                                  *coders.planes[1], cnt, ahead, sums);
+#endif
+    });
+    return true;
+  }
 }
 #endif
 
@@ -1100,7 +1267,7 @@ inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t blo
   uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo * t.bits / 8;
   uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo * t.bits / 8;
   const AdamAhead ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
-  with_adam_moment_options(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
+  with_adam_moment_options<false>(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
     constexpr int32_t kF = decltype(flags)::value;
     constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
     const auto moments = [&](auto bits) LB_ALWAYS_INLINE {
@@ -1161,10 +1328,10 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   }
 #endif
 #ifdef LB_AVX512_CODES
-  if constexpr (kRule == Rule::Adam && kStates == 2) {
+  if constexpr ((kRule == Rule::Adam || kRule == Rule::Lamb) && kStates == 2) {
     if (coders.adam_split && !t.stochastic && t.rank1_slot < 0 &&
         (t.bits == 8 || (t.bits == 4 && adam_fused<T>(t, coders, cnt)))) {
-      return adam_block(a, t, block, lo, cnt, coders, param, grad);
+      return adam_block<kRule == Rule::Lamb>(a, t, block, lo, cnt, coders, param, grad);
     }
   }
 #endif
@@ -1360,6 +1527,11 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
     for (int part = 0; part < kPrefetchParts; ++part) prefetch_ahead<T>(a, t, lo, part, 0);
     return square_sums(param, grad, cnt, sums);
   }
+#ifdef LB_AVX512_CODES
+  if constexpr (kRule == Rule::Lamb && kStates == 2) {
+    if (lamb_norms_block<T>(a, t, block, lo, cnt, coders, param, grad, sums)) return;
+  }
+#endif
   float p_val[kMaxBlock];
   float u_val[kMaxBlock];
   float decoded[kMaxStates][kMaxBlock];
@@ -1652,7 +1824,7 @@ void step_all(const OptimArgs& a, int threads) {
       coders.planes[k] = planes[k].get();
     }
   }
-  coders.adam_split = kRule == Rule::Adam && a.n_states == 2 && coders.gather &&
+  coders.adam_split = (kRule == Rule::Adam || kRule == Rule::Lamb) && a.n_states == 2 && coders.gather &&
                       avx512_active() && coders.index[0]->nearest_direct() && coders.index[1]->nearest_direct();
   coders.adam_avx2 = kRule == Rule::Adam && a.n_states == 2 && coders.gather &&
                      !avx512_active() && avx2_active() && coders.index[0]->nearest_direct() &&

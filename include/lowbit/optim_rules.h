@@ -107,10 +107,15 @@ LB_HD float torch_lerp(float m, float g, float w) {
 // torch.optim.Adam / AdamW in two halves: the moments m = exp_avg and v = exp_avg_sq, then the step from
 // m and the root of v. Split so that a loop may compute the new moments of a whole block before any step
 // (csrc/cpu/optim.cpp requantizes them while it updates the parameters); adam_step is both in turn.
-LB_HD_ALWAYS void adam_moments(const StepHyper& h, float p, float g, float& m, float& v) {
-  if (h.weight_decay != 0.f && !(h.flags & kDecoupled)) g = g + h.weight_decay * p;
+// The moments' EMAs of gradient g (Adam's after its L2 term; LAMB's as they are).
+LB_HD_ALWAYS void ema_moments(const StepHyper& h, float g, float& m, float& v) {
   m = torch_lerp(m, g, h.one_minus_beta1);
   v = v * h.beta2 + h.one_minus_beta2 * g * g;
+}
+
+LB_HD_ALWAYS void adam_moments(const StepHyper& h, float p, float g, float& m, float& v) {
+  if (h.weight_decay != 0.f && !(h.flags & kDecoupled)) g = g + h.weight_decay * p;
+  ema_moments(h, g, m, v);
 }
 
 LB_HD_ALWAYS float adam_update(const StepScalars& s, float eps, float m, float root_v) {
@@ -144,12 +149,17 @@ LB_HD float ademamix_step(const StepHyper& h, const StepScalars& s, float g, flo
   return (s.step_size * m1 + h.slow_step_size * m2) / denom;
 }
 
-// LAMB (You et al. 2020): the Adam direction plus weight decay, scaled by the trust ratio.
-LB_HD float lamb_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v) {
-  m = torch_lerp(m, g, h.one_minus_beta1);
-  v = v * h.beta2 + h.one_minus_beta2 * g * g;
-  const float r = (m * s.step_size) / (sqrtf(v) / s.bias2_sqrt + h.eps) + h.weight_decay * p;
+// LAMB (You et al. 2020): the Adam direction plus weight decay, scaled by the trust ratio. In two halves like
+// Adam's, for the same loops: the moments (ema_moments: LAMB's decay is in r, not in g), then the step from m,
+// the root of v and the parameter p before the step.
+LB_HD_ALWAYS float lamb_update(const StepHyper& h, const StepScalars& s, float p, float m, float root_v) {
+  const float r = (m * s.step_size) / (root_v / s.bias2_sqrt + h.eps) + h.weight_decay * p;
   return h.lr * r;
+}
+
+LB_HD float lamb_step(const StepHyper& h, const StepScalars& s, float p, float g, float& m, float& v) {
+  ema_moments(h, g, m, v);
+  return lamb_update(h, s, p, m, sqrtf(v));
 }
 
 // torch.optim.SGD with momentum > 0, the first-step and Nesterov options as template arguments (the

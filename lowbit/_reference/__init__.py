@@ -4,7 +4,8 @@ Each function computes, with ordinary torch operations, the same fp32 arithmetic
 as the native kernels, so results agree bit for bit (codes, absmax and dequantized values),
 including the counter-based random stream of stochastic rounding. They are written for clarity, not
 speed. One file per family, as in :mod:`lowbit._ops`: :mod:`.quantize`, :mod:`.activations`,
-:mod:`.optim`, :mod:`.muon`, :mod:`.factored` (the factored 4-bit Adam step, lowbit/optim/factored.py).
+:mod:`.optim`, :mod:`.muon`, :mod:`.factored` (the factored 4-bit Adam step, lowbit/optim/factored.py), and
+:mod:`.lanes` (the native loops' fixed-order sums).
 :mod:`.ademamix` is not a twin but the formula oracle of AdEMAMix, a plain torch.optim optimizer (torch
 has none).
 """
@@ -18,9 +19,10 @@ from lowbit._reference.activations import (
     fewbit_grad,
     invact_grad,
 )
-from lowbit._reference.factored import column_sum, factored_adam_step_, factored_v_hat, lane_sum
+from lowbit._reference.factored import column_sum, factored_adam_step_, factored_v_hat
+from lowbit._reference.lanes import lane_sum
 from lowbit._reference.muon import muon_momentum_
-from lowbit._reference.optim import lpmm_accumulate_, lpmm_step_, optimizer_step_, rank1_statistics_
+from lowbit._reference.optim import lpmm_accumulate_, lpmm_step_, optimizer_norms, optimizer_step_, rank1_statistics_
 from lowbit._reference.quantize import (
     block_absmax,
     dequantize_blockwise,
@@ -52,6 +54,7 @@ __all__ = [
     "lpmm_step_",
     "muon_momentum_",
     "nearest_oracle",
+    "optimizer_norms",
     "optimizer_step_",
     "pack_bits",
     "quantize_blockwise",

@@ -11,28 +11,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lowbit._reference.lanes import lane_sum
 from lowbit._reference.optim import _torch_lerp
 from lowbit._reference.quantize import _sqrt32, dequantize_blockwise, quantize_blockwise
 
-__all__ = ["column_sum", "factored_adam_step_", "factored_v_hat", "lane_sum"]
+__all__ = ["column_sum", "factored_adam_step_", "factored_v_hat"]
 
 # include/lowbit/factored.h: kFactoredLanes and kFactoredRowBlock (tests/test_native_constants.py checks the copies).
 _LANES = 32
 _ROW_BLOCK = 64
-
-
-def lane_sum(x: Tensor) -> Tensor:
-    """The sum of ``x`` over its last axis in factored.h's row order: value i added into lane i % 32, in index
-    order from 0, then the 32 lanes added in lane order from 0."""
-    n = x.shape[-1]
-    lanes = torch.zeros(*x.shape[:-1], _LANES, dtype=x.dtype, device=x.device)
-    for start in range(0, n, _LANES):
-        chunk = x[..., start : start + _LANES]
-        lanes[..., : chunk.shape[-1]] = lanes[..., : chunk.shape[-1]] + chunk
-    total = torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device)
-    for lane in range(_LANES):
-        total = total + lanes[..., lane]
-    return total
 
 
 def column_sum(x: Tensor) -> Tensor:
@@ -56,7 +43,7 @@ def _div(x: Tensor, d: float) -> Tensor:
 
 def factored_v_hat(row: Tensor, col: Tensor) -> Tensor:
     """``(row / mean(row over its last axis)) (outer) col``, 0 where that mean is 0."""
-    mean = _div(lane_sum(row), row.shape[-1]).unsqueeze(-1)
+    mean = _div(lane_sum(row, _LANES), row.shape[-1]).unsqueeze(-1)
     safe = torch.where(mean == 0, torch.ones_like(mean), mean)
     return torch.where(mean == 0, torch.zeros_like(row), row / safe).unsqueeze(-1) * col.unsqueeze(-2)
 
@@ -88,7 +75,7 @@ def factored_adam_step_(
     m = dequantize_blockwise(state["state1"], state["absmax1"], m_map, 4, block_size, n, torch.float32)
     m = _torch_lerp(m.view(param.shape), g, 1.0 - beta1)
     square = g * g
-    row = state["row2"] * beta2 + _div(lane_sum(square), square.shape[-1]) * (1.0 - beta2)
+    row = state["row2"] * beta2 + _div(lane_sum(square, _LANES), square.shape[-1]) * (1.0 - beta2)
     col = state["col2"] * beta2 + _div(column_sum(square), square.shape[-2]) * (1.0 - beta2)
     bias2_sqrt = (1.0 - beta2**step) ** 0.5
     denom = _div(_sqrt32(factored_v_hat(row, col)), bias2_sqrt) + eps  # sqrtf's rounding, which torch's can miss

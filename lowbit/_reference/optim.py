@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lowbit._ops.lpmm import LpmmStepArgs, counter_offsets
 from lowbit._ops.optim import StepArgs, StepHyper, rank1_layouts
+from lowbit._reference.lanes import lane_sum
 from lowbit._reference.quantize import (
     _load,
     _mix64_int,
@@ -31,6 +32,9 @@ from lowbit._reference.quantize import (
 _RULE_ADAM, _RULE_SGD, _RULE_LION, _RULE_RMSPROP, _RULE_ADAGRAD, _RULE_LAMB, _RULE_AMSGRAD, _RULE_CENTERED = range(8)
 _RULE_ADEMAMIX = 8
 _DECOUPLED, _NESTEROV, _MAXIMIZE = 1, 2, 4
+_NORM_GRAD = 3
+# include/lowbit/norm_order.h: kSquareLanes and kBlockSumLanes (tests/test_native_constants.py checks the copies).
+_SQUARE_LANES, _BLOCK_SUM_LANES = 8, 32
 
 
 def _torch_lerp(m: Tensor, g: Tensor, w: float) -> Tensor:
@@ -188,8 +192,30 @@ def _rank1_maxima(w: Tensor, offset: int, dims: list[int]) -> Tensor:
 
 def optimizer_step_(*args: Any, **kwargs: Any) -> None:
     """Twin of ``lowbit::optimizer_step_`` (same arguments, :class:`~lowbit._ops.optim.StepArgs`; same
-    in-place updates). The norm modes' scales are its own: it takes no ``update_scales``."""
+    in-place updates). Without ``update_scales``, the norm modes' scales are its own, from norms of whole
+    tensors in float64 (not norm_order.h's order: they may differ from the op's in the last bit)."""
     _step(StepArgs(*args, **kwargs), stats_only=False)
+
+
+def optimizer_norms(*args: Any, **kwargs: Any) -> Tensor:
+    """Twin of ``lowbit::optimizer_norms``: per tensor, the sums of p^2 and of u^2 (with ``norm_mode`` 3, of the
+    gradient as given) in include/lowbit/norm_order.h's order, as a float64 tensor of shape (count, 2)."""
+    a = StepArgs(*args, **kwargs)
+    norms = torch.zeros(len(a.params), 2, dtype=torch.float64)
+    _step(a, stats_only=False, norms=norms)
+    return norms
+
+
+def _norm_order_sum(x: Tensor, block_size: int) -> float:
+    """norm_order.h: the sum of the squares of fp32 ``x`` in double (each square exact: 48 significant bits), in
+    _SQUARE_LANES lanes within each block of ``block_size`` elements, the blocks' sums in _BLOCK_SUM_LANES lanes.
+    The last block is padded with zeros, which change no lane (each starts at +0, squares are +0 or more)."""
+    squares = x.double().square()
+    blocks = -(-squares.numel() // block_size)
+    padded = torch.zeros(blocks * block_size, dtype=torch.float64)
+    padded[: squares.numel()] = squares
+    block_sums = lane_sum(padded.view(blocks, block_size), _SQUARE_LANES)
+    return float(lane_sum(block_sums, _BLOCK_SUM_LANES))
 
 
 def rank1_statistics_(*args: Any, **kwargs: Any) -> None:
@@ -198,14 +224,14 @@ def rank1_statistics_(*args: Any, **kwargs: Any) -> None:
     _step(StepArgs(*args, **kwargs), stats_only=True)
 
 
-def _step(a: StepArgs, stats_only: bool) -> None:
-    if a.update_scales is not None:
-        raise NotImplementedError("the reference step computes the norm modes' scales itself")
+def _step(a: StepArgs, stats_only: bool, norms: Tensor | None = None) -> None:
+    """The twins' loop over the tensors: the step, or its rank-1 statistics (``stats_only``), or its norm
+    pre-pass alone (the sums into ``norms``, nothing updated)."""
     params, grads, scalars, grad_scales = a.params, a.grads, a.scalars, a.grad_scales
     rule, flags, norm_mode, n_states, block_size = a.rule, a.flags, a.norm_mode, a.n_states, a.block_size
     hyper = StepHyper(*map(float, a.hyper))
     states, absmaxes, maps = [a.state1, a.state2, a.state3], [a.absmax1, a.absmax2, a.absmax3], [a.map1, a.map2, a.map3]
-    f32 = torch.float32
+    f32, f64 = torch.float32, torch.float64
     rank1, slot = rank1_layouts(a), _second_moment_slot(rule)
     # Each rank-1 tensor's statistics within the flat axis_max / new_axis_max, in tensor order.
     where, base = {}, 0
@@ -238,9 +264,18 @@ def _step(a: StepArgs, stats_only: bool) -> None:
             g = g * grad_scales[i].to(f32)
         if flags & _MAXIMIZE:
             g = -g
+        if norms is not None and norm_mode == _NORM_GRAD:
+            raw = grads[i].reshape(-1).float()
+            norms[i] = torch.tensor([_norm_order_sum(pf, block_size), _norm_order_sum(raw, block_size)], dtype=f64)
+            continue
         u, *updated = _rule_step(rule, hyper, flags, sc, pf, g, *values)
+        if norms is not None:
+            norms[i] = torch.tensor([_norm_order_sum(pf, block_size), _norm_order_sum(u, block_size)], dtype=f64)
+            continue
         scale = 1.0
-        if norm_mode != 0:
+        if a.update_scales is not None:
+            scale = float(a.update_scales[i])
+        elif norm_mode != 0:
             p_norm, u_norm = float(pf.double().norm()), float(u.double().norm())
             lr, max_unorm = hyper.lr, hyper.max_unorm
             if math.isnan(p_norm) or math.isnan(u_norm):
