@@ -140,6 +140,38 @@ def test_step_matches_reference(cpu_kernels, rule, n_states, bits, group):
         assert all(float(a.abs().sum()) == 0 for a in args[3])
 
 
+@pytest.mark.parametrize("cpu_kernels", ["avx512-gather-vbmi", "portable"], indirect=True)
+@pytest.mark.parametrize(("param_bits", "grad_bits"), [(12, 8), (8, 12)])
+@pytest.mark.parametrize("where", ["params", "grads"])
+def test_step_decodes_every_linear_code_exactly(cpu_kernels, param_bits, grad_bits, where):
+    # lpmm_step_ decodes parameters and gradients by linear_decode, ((code - qmax) / qmax) * absmax, whose AVX-512
+    # loop divides by one FMA correction (lpmm_avx512.cpp: linear_quotient16). Every code of the width, each alone
+    # in its group of 64 (the rest the code of 0) with absmax 1, so that a group's new parameter absmax is its
+    # decoded value's magnitude: SGD without momentum at lr 1 (p - 1 * g), with the codes in the parameters and
+    # zero gradients, or in the gradients and zero parameters. The reference is torch's fp32 division.
+    group = 64
+    bits = param_bits if where == "params" else grad_bits
+    qmax = 2 ** (bits - 1) - 1
+    codes = torch.arange(2 * qmax + 1)
+    n = codes.numel() * group
+    tensors = {}
+    for name, b in (("params", param_bits), ("grads", grad_bits)):
+        q = 2 ** (b - 1) - 1
+        full = torch.full((codes.numel(), group), q, dtype=torch.int64)
+        if name == where:
+            full[:, 0] = codes
+        tensors[name] = (_reference.pack_bits(full, b), torch.ones(codes.numel()))
+    hyper = [1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    maps = [create_dynamic_map(signed=True, total_bits=8), create_dynamic_map(signed=False, total_bits=8)]
+    args = [[tensors["params"][0]], [tensors["params"][1]], [tensors["grads"][0]], [tensors["grads"][1]]]
+    args += [[], [], [], [], [n], [1.0, 1.0, 0.0], *maps, SGD, hyper, 0, 0, group, param_bits, grad_bits, 8]
+    args += [False, False, 0, None]
+    _ops.lpmm_step_(*args)
+    want = ((codes - qmax).float() / qmax).abs()
+    assert torch.equal(args[1][0], want)
+    assert bool((want[:qmax] > 0).all()) and float(want[qmax]) == 0.0  # every code but qmax's moves its group
+
+
 # Sizes around the 16-element chunks of the AVX-512 loops (lpmm_avx512.h) and the 512-element tiles of
 # the portable ones: empty, partial and whole chunks at group ends, and groups that end in a short tail.
 _TAIL_SIZES = [1, 7, 15, 16, 17, 31, 33, 520, 2047, 2049, 4111]

@@ -1,7 +1,7 @@
 // AVX-512 loops of LPMM's linear codes: the scalar formulas of lowbit/blockwise.h and
 // lowbit/rounding.h, lane for lane (no FMA: -ffp-contract=off and separate multiply and add
-// intrinsics; IEEE division where the scalar code divides), so the codes and values are bit-identical
-// to the portable loops and to the CUDA kernels. 12-bit codes are 16 to 24 bytes: one VBMI byte
+// intrinsics; IEEE division where the scalar code divides, except linear_quotient16's exact one), so the
+// codes and values are bit-identical to the portable loops and to the CUDA kernels. 12-bit codes are 16 to 24 bytes: one VBMI byte
 // permute spreads the two bytes of each code into its 32-bit lane (unpack) or gathers the three bytes
 // of each pair back (pack).
 #include "lpmm_avx512.h"
@@ -114,6 +114,18 @@ LB_TARGET inline __m512 linear_scaled16(__m512 v, __m512 absmax, __m512 inv, boo
   return select_lt(y, neg_qmax, neg_qmax, select_lt(y, qmax, y, qmax));
 }
 
+// (code - qmax) / qmax of linear_decode (lowbit/blockwise.h) for the centred codes x, integers with |x| <= qmax:
+// q0 = x * y with y = 1 / qmax rounded, then one correction q0 + (x - qmax q0) y, each by one FMA, which gives
+// the division's bits without the divider (two divisions per element, parameters and gradients: the decode
+// loops held 15% of the LPMM-SGDM step's `perf` samples, mostly after the division). The divisor is a constant
+// and x one of 2 qmax + 1 integers, so the claim is finite: test_lpmm_ops.py's
+// test_step_decodes_every_linear_code_exactly checks every code of both widths the loops take (8 and 12 bits)
+// against the division.
+LB_TARGET inline __m512 linear_quotient16(__m512 x, __m512 qmax, __m512 y) {
+  const __m512 q0 = _mm512_mul_ps(x, y);
+  return _mm512_fmadd_ps(_mm512_fnmadd_ps(qmax, q0, x), y, q0);
+}
+
 // round_even by the magic number, as on the host (lowbit/blockwise.h).
 LB_TARGET inline __m512 round_even16(__m512 y) {
   const __m512 magic = _mm512_set1_ps(12582912.f);
@@ -128,11 +140,12 @@ LB_TARGET int linear_values_avx512(const uint8_t* packed, int cnt, int bits, flo
   const int done = cnt - cnt % 16;
   const __m512i index12 = unpack12_index();
   const __m512 q = _mm512_set1_ps(qmax);
+  const __m512 y = _mm512_set1_ps(1.f / qmax);
   const __m512 a = _mm512_set1_ps(absmax);
   for (int j = 0; j < done; j += 16) {
     const __m512i codes = load_codes16(packed + (j / 8) * bits, bits, index12);
     const __m512 centred = _mm512_sub_ps(_mm512_cvtepi32_ps(codes), q);
-    _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_div_ps(centred, q), a));
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(linear_quotient16(centred, q, y), a));
   }
   return done;
 }
