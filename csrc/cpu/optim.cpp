@@ -495,7 +495,7 @@ inline StreamAhead stream_ahead(const void* p, int bits, int64_t lo, int cnt, in
 }
 
 // The streams of a fused Adam block read ahead: the moments loop reads the gradients and both states' codes,
-// the encode loop the parameters.
+// the encode loop the parameters (LAMB's norm pass all four; LARS's the first two).
 struct AdamAhead {
   StreamAhead grad, param, q1, q2;
 
@@ -901,7 +901,8 @@ constexpr int kPrefetchParts = 4;
 // lines, read first thing in a block, wait on memory as well, and are prefetched too. Issued all at once,
 // the 40 lines of an Adam8bit block queue behind each other; a part at a time between the block's loops,
 // the block loop over one 16M fp32 tensor took 12-15% less time (1 thread) than all at the start. The fused
-// Adam loops, whose loops can take one line at a time, read ahead by StreamAhead instead.
+// Adam and LAMB loops and LARS's norm pass, whose loops can take one line at a time, read ahead by StreamAhead
+// instead.
 template <typename T>
 void prefetch_ahead(const OptimArgs& a, const TensorView& t, int64_t lo, int part, int n_states) {
   constexpr int64_t kAhead = 2;
@@ -1462,13 +1463,16 @@ __attribute__((always_inline)) inline void widen8(const T* v, Doubles8& out) {
   out = __builtin_convertvector(f, Doubles8);
 }
 
+// ahead: the two streams read ahead (StreamAhead; empty ones for buffers already in cache).
 template <typename T>
 __attribute__((always_inline)) inline void square_sums_body(const T* __restrict p, const T* __restrict g, int cnt,
-                                                            double* sums) {
+                                                            double* sums, const AdamAhead& ahead) {
   Doubles8 vp = {};
   Doubles8 vg = {};
   int i = 0;
   for (; i + kSquareLanes <= cnt; i += kSquareLanes) {
+    ahead.param.at(static_cast<int>(i * sizeof(T)));
+    ahead.grad.at(static_cast<int>(i * sizeof(T)));
     Doubles8 x;
     Doubles8 y;
     widen8(p + i, x);
@@ -1489,29 +1493,31 @@ __attribute__((always_inline)) inline void square_sums_body(const T* __restrict 
 }
 
 template <typename T>
-void square_sums_baseline(const T* p, const T* g, int cnt, double* sums) {
-  square_sums_body(p, g, cnt, sums);
+void square_sums_baseline(const T* p, const T* g, int cnt, double* sums, const AdamAhead& ahead) {
+  square_sums_body(p, g, cnt, sums, ahead);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 template <typename T>
-__attribute__((target("avx2"))) void square_sums_avx2(const T* p, const T* g, int cnt, double* sums) {
-  square_sums_body(p, g, cnt, sums);
+__attribute__((target("avx2"))) void square_sums_avx2(const T* p, const T* g, int cnt, double* sums,
+                                                      const AdamAhead& ahead) {
+  square_sums_body(p, g, cnt, sums, ahead);
 }
 
 template <typename T>
-__attribute__((target("avx512f"))) void square_sums_avx512(const T* p, const T* g, int cnt, double* sums) {
-  square_sums_body(p, g, cnt, sums);
+__attribute__((target("avx512f"))) void square_sums_avx512(const T* p, const T* g, int cnt, double* sums,
+                                                           const AdamAhead& ahead) {
+  square_sums_body(p, g, cnt, sums, ahead);
 }
 #endif
 
 template <typename T>
-void square_sums(const T* p, const T* g, int cnt, double* sums) {
+void square_sums(const T* p, const T* g, int cnt, double* sums, const AdamAhead& ahead = {}) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (avx512_active()) return square_sums_avx512(p, g, cnt, sums);
-  if (avx2_active()) return square_sums_avx2(p, g, cnt, sums);
+  if (avx512_active()) return square_sums_avx512(p, g, cnt, sums, ahead);
+  if (avx2_active()) return square_sums_avx2(p, g, cnt, sums, ahead);
 #endif
-  square_sums_baseline(p, g, cnt, sums);
+  square_sums_baseline(p, g, cnt, sums, ahead);
 }
 
 // Pre-pass of the norm modes: sums of p^2 (before the step) and u^2 over one block.
@@ -1522,10 +1528,12 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   const T* param = static_cast<const T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
   if (a.hyper.norm_mode == kNormGrad) {  // LARS: no states
-    // Its own two streams only, all parts at once (the loop has no stages to spread them over): LARS8bit's
-    // step on one 16M fp32 tensor went from 14.5 to 13.4-13.7 ms (2 threads, its norm pass from 7.3 to 6.3 ms).
-    for (int part = 0; part < kPrefetchParts; ++part) prefetch_ahead<T>(a, t, lo, part, 0);
-    return square_sums(param, grad, cnt, sums);
+    // Its own two streams only, read ahead a line at a time as the fused Adam loops read theirs (StreamAhead):
+    // LARS8bit's step on one 16M fp32 tensor went from 12.2-13.8 to 11.7-12.4 ms (2 threads, alternated runs),
+    // where prefetch_ahead's bursts had brought it from 14.5 to 13.4-13.7 ms.
+    constexpr int kBits = 8 * sizeof(T);
+    const AdamAhead ahead{stream_ahead(grad, kBits, lo, cnt, t.n), stream_ahead(param, kBits, lo, cnt, t.n), {}, {}};
+    return square_sums(param, grad, cnt, sums, ahead);
   }
 #ifdef LB_AVX512_CODES
   if constexpr (kRule == Rule::Lamb && kStates == 2) {
