@@ -447,8 +447,8 @@ struct StateCoders {
   // Adam's and LAMB's 8-bit blocks, and the 4-bit ones adam_fused takes, take adam_block (below): the AVX-512 gather
   // encoder is in use for both states.
   bool adam_split = false;
-  // Adam's 8-bit and 4-bit blocks of fp32 parameters take adam_block_avx2 (below): the AVX2 gather encoder is
-  // in use (AVX-512 is not), and both maps are unit-stable.
+  // Adam's and LAMB's 8-bit and 4-bit blocks of fp32 parameters take adam_block_avx2 (below): the AVX2 gather
+  // encoder is in use (AVX-512 is not), and both maps are unit-stable.
   bool adam_avx2 = false;
 };
 
@@ -1114,38 +1114,6 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void lamb_norms_vbmi(
 }
 #endif
 
-// norm_block's LAMB block where adam_block's fused loops take its step (coders.adam_split, quantized block-wise
-// states, adam_fused): the sums by lamb_norms_u4 or lamb_norms_vbmi, reading ahead as adam_block does.
-// Returns false, computing nothing, for other blocks.
-template <typename T>
-bool lamb_norms_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
-                      const StateCoders& coders, const T* param, const T* grad, double* sums) {
-  if constexpr (!kFusedAdamParams<T>) {
-    return false;
-  } else {
-    if (!coders.adam_split || !t.quantized || t.rank1_slot >= 0 || (t.bits != 8 && t.bits != 4) ||
-        !adam_fused<T>(t, coders, cnt)) {
-      return false;
-    }
-    const uint8_t* q1 = static_cast<const uint8_t*>(t.state[0]) + lo * t.bits / 8;
-    const uint8_t* q2 = static_cast<const uint8_t*>(t.state[1]) + lo * t.bits / 8;
-    const AdamAhead ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
-    const float amax1 = t.absmax[0][block], amax2 = t.absmax[1][block];
-    with_adam_moment_options<true>(a.hyper, t.scalars, [&](auto flags, auto small, auto, auto scaled) LB_ALWAYS_INLINE {
-      constexpr int32_t kF = decltype(flags)::value;
-      constexpr bool kS = decltype(small)::value, kG = decltype(scaled)::value;
-      if (t.bits == 4) {
-        return lamb_norms_u4<kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
-                                         state_map(a, 1), cnt, ahead, sums);
-      }
-#ifdef LB_VBMI_DECODE
-      lamb_norms_vbmi<kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
-                                  *coders.planes[1], cnt, ahead, sums);
-#endif
-    });
-    return true;
-  }
-}
 #endif
 
 #ifdef LB_AVX2_CODES
@@ -1158,25 +1126,15 @@ __attribute__((target("avx2"))) inline uint32_t max_lane8(__m256i v) {
   return m;
 }
 
-// adam_moments_vbmi's and adam_moments_u4's work on the AVX2 path, 8 lanes at a time (cnt a multiple of 32):
-// both states decoded inside the moments loop (8-bit codes by gathers from their maps, 4-bit ones by register
-// lookups), then effective_grad, adam_moments' L2 term and torch_lerp, and stored_form (optim_rules.h),
-// operation for operation. Same values as block_states and update_avx2, so the same results; s1 and s2
-// receive the new m and root of v. q1, q2: the block's codes. Template arguments as adam_moments16's.
-template <int kBits, int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
-__attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const StepScalars& sc,
-                                                       const float* __restrict param, const float* __restrict grad,
-                                                       const uint8_t* __restrict q1, const uint8_t* __restrict q2,
-                                                       float absmax1, float absmax2, const float* map1,
-                                                       const float* map2, float* __restrict s1, float* __restrict s2,
-                                                       int cnt, uint32_t* max_bits, const AdamAhead& ahead) {
-  // torch_lerp's two forms (optim_rules.h): m + w (g - m) or g + (w - 1) (g - m).
-  const __m256 lerp_weight = _mm256_set1_ps(kSmall ? h.one_minus_beta1 : h.one_minus_beta1 - 1.f);
-  const __m256 beta2 = _mm256_set1_ps(h.beta2), one_minus_beta2 = _mm256_set1_ps(h.one_minus_beta2);
-  const __m256 grad_scale = _mm256_set1_ps(sc.grad_scale), weight_decay = _mm256_set1_ps(h.weight_decay);
+// The decode of a block's two moments on the AVX2 path, 32 elements at a time (cnt a multiple of 32): 8-bit codes
+// by gathers from their maps, 4-bit ones by register lookups. Calls body(i, m, root_old) for each 8 elements at
+// i, with their decoded first moment and root of the second (block_states' values), after asking for the
+// gradients ahead. q1, q2: the block's codes.
+template <int kBits, typename Body>
+__attribute__((target("avx2"), always_inline)) inline void decode_moments_avx2(
+    const uint8_t* __restrict q1, const uint8_t* __restrict q2, float absmax1, float absmax2, const float* map1,
+    const float* map2, int cnt, const AdamAhead& ahead, Body&& body) {
   const __m256 scale1 = _mm256_set1_ps(absmax1), scale2 = _mm256_set1_ps(absmax2);
-  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF), sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  __m256i max1 = _mm256_setzero_si256(), max2 = _mm256_setzero_si256();
   // At 4 bits, each map's halves in registers (lookup16); unused at 8.
   const __m256 low1 = _mm256_loadu_ps(map1), high1 = _mm256_loadu_ps(map1 + (kBits == 4 ? 8 : 0));
   const __m256 low2 = _mm256_loadu_ps(map2), high2 = _mm256_loadu_ps(map2 + (kBits == 4 ? 8 : 0));
@@ -1196,40 +1154,113 @@ __attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const
       }
     }
     for (int k = 0; k < 4; ++k) {
-      const int i = j + 8 * k;
-      ahead.grad.at(static_cast<int>(i * sizeof(float)));
-      __m256 g = _mm256_loadu_ps(grad + i);
-      if (kScaled) g = _mm256_mul_ps(g, grad_scale);
-      if (kFlags & kMaximize) g = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(g), sign));
-      if (kL2) g = _mm256_add_ps(g, _mm256_mul_ps(weight_decay, _mm256_loadu_ps(param + i)));
-      const __m256 m_new = _mm256_add_ps(kSmall ? m[k] : g, _mm256_mul_ps(lerp_weight, _mm256_sub_ps(g, m[k])));
-      const __m256 v = _mm256_mul_ps(root_old[k], root_old[k]);
-      const __m256 v_new = _mm256_add_ps(_mm256_mul_ps(v, beta2), _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, g), g));
-      const __m256 root = _mm256_sqrt_ps(v_new);
-      _mm256_storeu_ps(s1 + i, m_new);
-      _mm256_storeu_ps(s2 + i, root);
-      max1 = _mm256_max_epu32(max1, _mm256_and_si256(_mm256_castps_si256(m_new), magnitude));
-      max2 = _mm256_max_epu32(max2, _mm256_and_si256(_mm256_castps_si256(root), magnitude));
+      ahead.grad.at(static_cast<int>((j + 8 * k) * sizeof(float)));
+      body(j + 8 * k, m[k], root_old[k]);
     }
   }
+}
+
+// The constants of moments8 and step8 in registers, computed once per block (as AdamMomentConstants and
+// AdamStepConstants: through the references, GCC reloaded and broadcast them in each iteration).
+struct Avx2Constants {
+  __m256 lerp_weight;
+  __m256 beta2;
+  __m256 one_minus_beta2;
+  __m256 grad_scale;
+  __m256 weight_decay;
+  __m256 bias2_sqrt;
+  __m256 eps;
+  __m256 step_size;
+  __m256 lr;
+};
+
+// kSmall: torch_lerp's first form (|1 - beta1| < 0.5).
+template <bool kSmall>
+__attribute__((target("avx2"), always_inline)) inline Avx2Constants avx2_constants(const StepHyper& h,
+                                                                                  const StepScalars& sc) {
+  // torch_lerp's two forms (optim_rules.h): m + w (g - m) or g + (w - 1) (g - m).
+  return {_mm256_set1_ps(kSmall ? h.one_minus_beta1 : h.one_minus_beta1 - 1.f),
+          _mm256_set1_ps(h.beta2),
+          _mm256_set1_ps(h.one_minus_beta2),
+          _mm256_set1_ps(sc.grad_scale),
+          _mm256_set1_ps(h.weight_decay),
+          _mm256_set1_ps(sc.bias2_sqrt),
+          _mm256_set1_ps(h.eps),
+          _mm256_set1_ps(sc.step_size),
+          _mm256_set1_ps(h.lr)};
+}
+
+// moments16 on the AVX2 path: the new m and root of v of 8 elements at i from their decoded m and root of v.
+template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
+__attribute__((target("avx2"), always_inline)) inline void moments8(const Avx2Constants& c, __m256 m,
+                                                                   __m256 root_old, const float* __restrict param,
+                                                                   const float* __restrict grad, int i,
+                                                                   __m256& m_new, __m256& root) {
+  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  __m256 g = _mm256_loadu_ps(grad + i);
+  if (kScaled) g = _mm256_mul_ps(g, c.grad_scale);
+  if (kFlags & kMaximize) g = _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(g), sign));
+  if (kL2) g = _mm256_add_ps(g, _mm256_mul_ps(c.weight_decay, _mm256_loadu_ps(param + i)));
+  m_new = _mm256_add_ps(kSmall ? m : g, _mm256_mul_ps(c.lerp_weight, _mm256_sub_ps(g, m)));
+  const __m256 v = _mm256_mul_ps(root_old, root_old);
+  const __m256 v_new = _mm256_add_ps(_mm256_mul_ps(v, c.beta2), _mm256_mul_ps(_mm256_mul_ps(c.one_minus_beta2, g), g));
+  root = _mm256_sqrt_ps(v_new);
+}
+
+// adam_moments_vbmi's and adam_moments_u4's work on the AVX2 path (cnt a multiple of 32): decode_moments_avx2,
+// then moments8, that is effective_grad, adam_moments' L2 term and torch_lerp, and stored_form (optim_rules.h),
+// operation for operation. Same values as block_states and update_avx2, so the same results; s1 and s2 receive
+// the new m and root of v. Template arguments as adam_moments16's.
+template <int kBits, int32_t kFlags, bool kSmall, bool kL2, bool kScaled>
+__attribute__((target("avx2"))) void adam_moments_avx2(const StepHyper& h, const StepScalars& sc,
+                                                       const float* __restrict param, const float* __restrict grad,
+                                                       const uint8_t* __restrict q1, const uint8_t* __restrict q2,
+                                                       float absmax1, float absmax2, const float* map1,
+                                                       const float* map2, float* __restrict s1, float* __restrict s2,
+                                                       int cnt, uint32_t* max_bits, const AdamAhead& ahead) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  const Avx2Constants c = avx2_constants<kSmall>(h, sc);
+  __m256i max1 = _mm256_setzero_si256(), max2 = _mm256_setzero_si256();
+  decode_moments_avx2<kBits>(q1, q2, absmax1, absmax2, map1, map2, cnt, ahead,
+                             [&](int i, __m256 m, __m256 root_old) __attribute__((target("avx2"), always_inline)) {
+                               __m256 m_new, root;
+                               moments8<kFlags, kSmall, kL2, kScaled>(c, m, root_old, param, grad, i, m_new, root);
+                               _mm256_storeu_ps(s1 + i, m_new);
+                               _mm256_storeu_ps(s2 + i, root);
+                               max1 = _mm256_max_epu32(max1, _mm256_and_si256(_mm256_castps_si256(m_new), magnitude));
+                               max2 = _mm256_max_epu32(max2, _mm256_and_si256(_mm256_castps_si256(root), magnitude));
+                             });
   max_bits[0] = max_lane8(max1);
   max_bits[1] = max_lane8(max2);
   max_bits[2] = 0;
 }
 
+// step16 on the AVX2 path: the step u of 8 elements from their new m and root of v, adam_update or (kLamb)
+// lamb_update with the parameters p before the step, operation for operation (the division by bias2_sqrt too:
+// 8 lanes wide the divider is not what limits the loops, measured).
+template <bool kLamb>
+__attribute__((target("avx2"), always_inline)) inline __m256 step8(const Avx2Constants& c, __m256 m, __m256 root,
+                                                                  __m256 p) {
+  const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, c.bias2_sqrt), c.eps);
+  if constexpr (kLamb) {
+    const __m256 r = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(m, c.step_size), denom), _mm256_mul_ps(c.weight_decay, p));
+    return _mm256_mul_ps(c.lr, r);
+  }
+  return _mm256_div_ps(_mm256_mul_ps(c.step_size, m), denom);
+}
+
 // adam_encode_step_sums and adam_encode_step_u4 on the AVX2 path (cnt a multiple of 32): adam_step16's codes
-// and step 8 lanes at a time, 32 codes of each state packed per store (into 16 bytes at 4 bits). Same codes
-// and parameters.
-template <int kBits, bool kDecay, bool kScaled>
+// and step (step8) 8 lanes at a time, 32 codes of each state packed per store (into 16 bytes at 4 bits). Same
+// codes and parameters.
+template <int kBits, bool kLamb, bool kDecay, bool kScaled>
 __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, const StepScalars& sc,
                                                            float* __restrict param, const float* __restrict s1,
                                                            const float* __restrict s2, int cnt, const int* sums1,
                                                            const int* sums2, float inv1, float inv2,
                                                            uint8_t* __restrict q1, uint8_t* __restrict q2,
                                                            const AdamAhead& ahead) {
-  const __m256 bias2_sqrt = _mm256_set1_ps(sc.bias2_sqrt), eps = _mm256_set1_ps(h.eps);
-  const __m256 step_size = _mm256_set1_ps(sc.step_size), update_scale = _mm256_set1_ps(sc.update_scale);
-  const __m256 decay = _mm256_set1_ps(h.decay);
+  const Avx2Constants c = avx2_constants<true>(h, sc);
+  const __m256 update_scale = _mm256_set1_ps(sc.update_scale), decay = _mm256_set1_ps(h.decay);
   const __m256 scale1 = _mm256_set1_ps(inv1), scale2 = _mm256_set1_ps(inv2);
   for (int j = 0; j < cnt; j += 32) {
     __m256i c1[4], c2[4];
@@ -1239,9 +1270,8 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
       const __m256 m = _mm256_loadu_ps(s1 + i), root = _mm256_loadu_ps(s2 + i);
       c1[k] = sum_codes8(sums1, order_keys8(_mm256_mul_ps(m, scale1)));
       c2[k] = sum_codes8(sums2, nonnegative_keys8(_mm256_mul_ps(root, scale2)));
-      const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, bias2_sqrt), eps);
-      const __m256 u = _mm256_div_ps(_mm256_mul_ps(step_size, m), denom);
       __m256 p = _mm256_loadu_ps(param + i);
+      const __m256 u = step8<kLamb>(c, m, root, p);
       if (kDecay) p = _mm256_mul_ps(p, decay);
       _mm256_storeu_ps(param + i, _mm256_sub_ps(p, kScaled ? _mm256_mul_ps(update_scale, u) : u));
     }
@@ -1257,18 +1287,19 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
   }
 }
 
-// Adam's block of 8-bit or 4-bit states on the AVX2 path when coders.adam_avx2 (fp32 parameters, cnt a
-// multiple of 32): adam_block's two fused loops, 8 lanes wide. A block with a non-finite moment, or whose
-// absmax has no finite inverse, returns false before anything is written, and step_block's loops take it from
-// the start.
-inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
+// Adam's (kLamb: LAMB's) block of 8-bit or 4-bit states on the AVX2 path when coders.adam_avx2 (fp32
+// parameters, cnt a multiple of 32): adam_block's two fused loops, 8 lanes wide. A block with a non-finite
+// moment, or whose absmax has no finite inverse, returns false before anything is written, and step_block's
+// loops take it from the start.
+template <bool kLamb>
+bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
                             const StateCoders& coders, float* param, const float* grad) {
   float decoded[2][kMaxBlock];
   uint32_t max_bits[kMaxStates];
   uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo * t.bits / 8;
   uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo * t.bits / 8;
   const AdamAhead ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
-  with_adam_moment_options<false>(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
+  with_adam_moment_options<kLamb>(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
     constexpr int32_t kF = decltype(flags)::value;
     constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
     const auto moments = [&](auto bits) LB_ALWAYS_INLINE {
@@ -1293,14 +1324,55 @@ inline bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t blo
     with_bool(t.scalars.update_scale != 1.f, [&](auto kScaled) LB_ALWAYS_INLINE {
       constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
       if (t.bits == 4) {
-        return adam_encode_step_avx2<4, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2,
+        return adam_encode_step_avx2<4, kLamb, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2,
                                                 inv1, inv2, q1, q2, ahead);
       }
-      adam_encode_step_avx2<8, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2, inv1,
+      adam_encode_step_avx2<8, kLamb, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2, inv1,
                                        inv2, q1, q2, ahead);
     });
   });
   return true;
+}
+
+// add_squares16 on the AVX2 path: the squares of 8 floats, widened to double, into lanes 0 to 3 (low) and 4 to 7
+// (high) of norm_order.h's 8.
+__attribute__((target("avx2"), always_inline)) inline void add_squares8(__m256 x, __m256d& low, __m256d& high) {
+  const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+  const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+  low = _mm256_add_pd(low, _mm256_mul_pd(a, a));
+  high = _mm256_add_pd(high, _mm256_mul_pd(b, b));
+}
+
+// The 8 lanes of low and high added in lane order (add_lanes).
+__attribute__((target("avx2"))) inline double lane_total8(__m256d low, __m256d high) {
+  alignas(32) double lanes[kSquareLanes];
+  _mm256_store_pd(lanes, low);
+  _mm256_store_pd(lanes + 4, high);
+  return add_lanes(lanes, kSquareLanes);
+}
+
+// lamb_norms_u4 and lamb_norms_vbmi on the AVX2 path (cnt a multiple of 32): decode_moments_avx2, moments8 and
+// step8, p^2 and u^2 added by add_squares8. The same sums as norm_block's loops.
+template <int kBits, int32_t kFlags, bool kSmall, bool kScaled>
+__attribute__((target("avx2"))) void lamb_norms_avx2(const StepHyper& h, const StepScalars& sc,
+                                                     const float* __restrict param, const float* __restrict grad,
+                                                     const uint8_t* q1, const uint8_t* q2, float absmax1,
+                                                     float absmax2, const float* map1, const float* map2, int cnt,
+                                                     const AdamAhead& ahead, double* sums) {
+  const Avx2Constants c = avx2_constants<kSmall>(h, sc);
+  __m256d p_low = _mm256_setzero_pd(), p_high = _mm256_setzero_pd();
+  __m256d u_low = _mm256_setzero_pd(), u_high = _mm256_setzero_pd();
+  decode_moments_avx2<kBits>(q1, q2, absmax1, absmax2, map1, map2, cnt, ahead,
+                             [&](int i, __m256 m, __m256 root_old) __attribute__((target("avx2"), always_inline)) {
+                               __m256 m_new, root;
+                               moments8<kFlags, kSmall, false, kScaled>(c, m, root_old, param, grad, i, m_new, root);
+                               ahead.param.at(static_cast<int>(i * sizeof(float)));
+                               const __m256 p = _mm256_loadu_ps(param + i);
+                               add_squares8(p, p_low, p_high);
+                               add_squares8(step8<true>(c, m_new, root, p), u_low, u_high);
+                             });
+  sums[0] = lane_total8(p_low, p_high);
+  sums[1] = lane_total8(u_low, u_high);
 }
 #endif
 
@@ -1321,9 +1393,9 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
   T* param = static_cast<T*>(t.param) + lo;
   const T* grad = static_cast<const T*>(t.grad) + lo;
 #ifdef LB_AVX2_CODES
-  if constexpr (kRule == Rule::Adam && kStates == 2 && std::is_same_v<T, float>) {
+  if constexpr ((kRule == Rule::Adam || kRule == Rule::Lamb) && kStates == 2 && std::is_same_v<T, float>) {
     if (coders.adam_avx2 && (t.bits == 8 || t.bits == 4) && !t.stochastic && t.rank1_slot < 0 && cnt % 32 == 0 &&
-        adam_block_avx2(a, t, block, lo, cnt, coders, param, grad)) {
+        adam_block_avx2<kRule == Rule::Lamb>(a, t, block, lo, cnt, coders, param, grad)) {
       return;
     }
   }
@@ -1520,6 +1592,58 @@ void square_sums(const T* p, const T* g, int cnt, double* sums, const AdamAhead&
   square_sums_baseline(p, g, cnt, sums, ahead);
 }
 
+// norm_block's LAMB block where the fused loops take its step (adam_block: coders.adam_split and adam_fused;
+// adam_block_avx2: coders.adam_avx2, fp32 parameters, whole groups of 32), block-wise quantized states: the sums by
+// lamb_norms_u4, lamb_norms_vbmi or lamb_norms_avx2, reading ahead as those blocks do. Returns false, computing
+// nothing, for other blocks.
+template <typename T>
+bool lamb_norms_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t lo, int cnt,
+                      const StateCoders& coders, const T* param, const T* grad, double* sums) {
+  if (!t.quantized || t.rank1_slot >= 0 || (t.bits != 8 && t.bits != 4)) return false;
+  const uint8_t* q1 = static_cast<const uint8_t*>(t.state[0]) + lo * t.bits / 8;
+  const uint8_t* q2 = static_cast<const uint8_t*>(t.state[1]) + lo * t.bits / 8;
+  const float amax1 = t.absmax[0][block], amax2 = t.absmax[1][block];
+#ifdef LB_AVX512_CODES
+  if constexpr (kFusedAdamParams<T>) {
+    if (coders.adam_split && adam_fused<T>(t, coders, cnt)) {
+      const AdamAhead ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
+      with_adam_moment_options<true>(a.hyper, t.scalars, [&](auto flags, auto small, auto, auto scaled) LB_ALWAYS_INLINE {
+        constexpr int32_t kF = decltype(flags)::value;
+        constexpr bool kS = decltype(small)::value, kG = decltype(scaled)::value;
+        if (t.bits == 4) {
+          return lamb_norms_u4<kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
+                                           state_map(a, 1), cnt, ahead, sums);
+        }
+#ifdef LB_VBMI_DECODE
+        lamb_norms_vbmi<kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
+                                    *coders.planes[1], cnt, ahead, sums);
+#endif
+      });
+      return true;
+    }
+  }
+#endif
+#ifdef LB_AVX2_CODES
+  if constexpr (std::is_same_v<T, float>) {
+    if (coders.adam_avx2 && cnt % 32 == 0) {
+      const AdamAhead ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
+      with_adam_moment_options<true>(a.hyper, t.scalars, [&](auto flags, auto small, auto, auto scaled) LB_ALWAYS_INLINE {
+        constexpr int32_t kF = decltype(flags)::value;
+        constexpr bool kS = decltype(small)::value, kG = decltype(scaled)::value;
+        const auto norms = [&](auto bits) LB_ALWAYS_INLINE {
+          lamb_norms_avx2<decltype(bits)::value, kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2,
+                                                             state_map(a, 0), state_map(a, 1), cnt, ahead, sums);
+        };
+        if (t.bits == 4) return norms(std::integral_constant<int, 4>{});
+        norms(std::integral_constant<int, 8>{});
+      });
+      return true;
+    }
+  }
+#endif
+  return false;
+}
+
 // Pre-pass of the norm modes: sums of p^2 (before the step) and u^2 over one block.
 template <Rule kRule, int kStates, typename T>
 void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const StateCoders& coders, double* sums) {
@@ -1535,11 +1659,9 @@ void norm_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
     const AdamAhead ahead{stream_ahead(grad, kBits, lo, cnt, t.n), stream_ahead(param, kBits, lo, cnt, t.n), {}, {}};
     return square_sums(param, grad, cnt, sums, ahead);
   }
-#ifdef LB_AVX512_CODES
   if constexpr (kRule == Rule::Lamb && kStates == 2) {
     if (lamb_norms_block<T>(a, t, block, lo, cnt, coders, param, grad, sums)) return;
   }
-#endif
   float p_val[kMaxBlock];
   float u_val[kMaxBlock];
   float decoded[kMaxStates][kMaxBlock];
@@ -1834,7 +1956,7 @@ void step_all(const OptimArgs& a, int threads) {
   }
   coders.adam_split = (kRule == Rule::Adam || kRule == Rule::Lamb) && a.n_states == 2 && coders.gather &&
                       avx512_active() && coders.index[0]->nearest_direct() && coders.index[1]->nearest_direct();
-  coders.adam_avx2 = kRule == Rule::Adam && a.n_states == 2 && coders.gather &&
+  coders.adam_avx2 = (kRule == Rule::Adam || kRule == Rule::Lamb) && a.n_states == 2 && coders.gather &&
                      !avx512_active() && avx2_active() && coders.index[0]->nearest_direct() &&
                      coders.index[1]->nearest_direct() && coders.index[0]->unit_stable() &&
                      coders.index[1]->unit_stable();
