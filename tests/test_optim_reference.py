@@ -137,6 +137,35 @@ def test_norm_sums_are_bit_identical_to_reference(name, norm_mode, dtype, grad_s
     assert bool((want > 0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_lamb_with_an_overflowing_second_moment_matches_reference(dtype, bits, cpu_kernels):
+    # An element whose g^2 overflows (v = +inf, its root +inf) steps by lr * weight_decay * p alone (m / inf = 0),
+    # so the norms stay finite, as the twin's; the element's states restart (state_form.h). The fused norm pass
+    # once divided that root by bias2_sqrt with divide_by_constant16, whose residual inf - inf is NaN: NaN norms,
+    # and LAMB8bit's whole tensor NaN where LAMB32bit stayed finite. The element sits in each tensor's first block
+    # (a fused one where the states are quantized).
+    rule, n_states, flags, hyper = RULES["lamb"]
+    tensors = _tensors(rule, n_states, dtype, seed=8, bits=bits)
+    params, grads, s1, s2, s3, a1, a2, a3, scalars, map1, map2, map3 = tensors
+    for g in grads:
+        g[5] = 1e21
+    args = (params, grads, s1, s2, s3, a1, a2, a3, scalars, None, map1, map2, map3, rule, hyper, flags, 1, n_states)
+    args = (*args, BLOCK[bits], None, bits)
+    want = R.optimizer_norms(*args)
+    assert bool(want.isfinite().all())
+    assert torch.equal(_ops.optimizer_norms(*args), want)
+    ours = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
+    ref = copy.deepcopy((params, s1, s2, s3, a1, a2, a3))
+    step = (scalars, None, map1, map2, map3, rule, hyper, flags, 0, n_states, BLOCK[bits], torch.tensor(LAMB_SCALES))
+    _ops.optimizer_step_(ours[0], grads, *ours[1:], *step, bits)
+    R.optimizer_step_(ref[0], grads, *ref[1:], *step, bits)
+    for got, expected in zip(ours, ref, strict=True):
+        for g, w in zip(got, expected, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+    assert all(bool(p.float().isfinite().all()) for p in ours[0])
+
+
 @pytest.mark.parametrize(
     ("name", "norm_mode"),
     [

@@ -1,9 +1,9 @@
 // AVX-512 loops of LPMM's linear codes: the scalar formulas of lowbit/blockwise.h and
 // lowbit/rounding.h, lane for lane (no FMA: -ffp-contract=off and separate multiply and add
 // intrinsics; IEEE division where the scalar code divides, except linear_quotient16's exact one), so the
-// codes and values are bit-identical to the portable loops and to the CUDA kernels. 12-bit codes are 16 to 24 bytes: one VBMI byte
-// permute spreads the two bytes of each code into its 32-bit lane (unpack) or gathers the three bytes
-// of each pair back (pack).
+// codes and values are bit-identical to the portable loops and to the CUDA kernels. 12-bit codes are 16 to
+// 24 bytes: one VBMI byte permute spreads the two bytes of each code into its 32-bit lane (unpack) or gathers
+// the three bytes of each pair back (pack).
 #include "lpmm_avx512.h"
 
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <omp.h>
 #include <type_traits>
@@ -444,8 +445,8 @@ struct StateCoders {
   const MapIndex* index[kMaxStates] = {nullptr, nullptr, nullptr};
   const BytePlanes* planes[kMaxStates] = {nullptr, nullptr, nullptr};
   bool gather = false;
-  // Adam's and LAMB's 8-bit blocks, and the 4-bit ones adam_fused takes, take adam_block (below): the AVX-512 gather
-  // encoder is in use for both states.
+  // Adam's and LAMB's 8-bit blocks, and the 4-bit ones adam_fused takes, take adam_block (below): the AVX-512
+  // gather encoder is in use for both states.
   bool adam_split = false;
   // Adam's and LAMB's 8-bit and 4-bit blocks of fp32 parameters take adam_block_avx2 (below): the AVX2 gather
   // encoder is in use (AVX-512 is not), and both maps are unit-stable.
@@ -620,9 +621,10 @@ __attribute__((target("avx512f"), always_inline)) inline AdamMomentConstants ada
 
 // Adam's (and LAMB's) moments of 16 elements at i from their decoded m and root of v: effective_grad,
 // adam_moments' L2 term and torch_lerp, and stored_form (optim_rules.h), operation for operation, into m_new
-// and root. kL2: weight decay added to the gradient (never for LAMB, whose decay is in its step); kScaled: a gradient scale other than 1 (g * 1 is g: every use of g below is arithmetic,
-// which quiets a signaling NaN as the product would, so leaving the product out changes no bit). Template
-// arguments like kFlags, because as run-time values GCC tested them in every iteration.
+// and root. kL2: weight decay added to the gradient (never for LAMB, whose decay is in its step); kScaled: a
+// gradient scale other than 1 (g * 1 is g: every use of g below is arithmetic, which quiets a signaling NaN as
+// the product would, so leaving the product out changes no bit). Template arguments like kFlags, because as
+// run-time values GCC tested them in every iteration.
 template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
 __attribute__((target("avx512f"), always_inline)) inline void moments16(const AdamMomentConstants& c, __m512 m,
                                                                        __m512 root_old, const T* __restrict param,
@@ -782,11 +784,18 @@ __attribute__((target("avx512f"), always_inline)) inline AdamStepConstants adam_
 
 // The step u of 16 elements from their new m and root of v: adam_update, or (kLamb) lamb_update with the
 // parameters p before the step (optim_rules.h), operation for operation; the division by bias2_sqrt by
-// divide_by_constant16 (the same bits where reciprocal_divides).
-template <bool kLamb>
+// divide_by_constant16 (the same bits where reciprocal_divides), whose root is finite in the step's loops.
+// kInfinite: a root may be +inf (LAMB's norm pass, which takes every block: an overflowing v), where
+// divide_by_constant16 gives NaN (inf - inf in its residual) and the division +inf.
+template <bool kLamb, bool kInfinite = false>
 __attribute__((target("avx512f"), always_inline)) inline __m512 step16(const AdamStepConstants& c, __m512 m,
                                                                       __m512 root, __m512 p) {
-  const __m512 denom = _mm512_add_ps(divide_by_constant16(root, c.bias2_sqrt, c.bias2_recip), c.eps);
+  __m512 scaled = divide_by_constant16(root, c.bias2_sqrt, c.bias2_recip);
+  if constexpr (kInfinite) {
+    const __m512 inf = _mm512_set1_ps(std::numeric_limits<float>::infinity());
+    scaled = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(root, inf, _CMP_EQ_OQ), scaled, inf);
+  }
+  const __m512 denom = _mm512_add_ps(scaled, c.eps);
   if constexpr (kLamb) {
     const __m512 r =
         _mm512_add_ps(_mm512_div_ps(_mm512_mul_ps(m, c.step_size), denom), _mm512_mul_ps(c.weight_decay, p));
@@ -972,7 +981,7 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
   if constexpr (kFusedAdamParams<T>) {
     if (fused) {
       ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
-      with_adam_moment_options<kLamb>(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
+      const auto options = [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
         constexpr int32_t kF = decltype(flags)::value;
         constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
         const float amax1 = t.absmax[0][block], amax2 = t.absmax[1][block];
@@ -985,7 +994,8 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
         adam_moments_vbmi<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
                                           *coders.planes[1], s[0], s[1], cnt, max_bits, ahead);
 #endif
-      });
+      };
+      with_adam_moment_options<kLamb>(a.hyper, t.scalars, options);
     }
   }
   if (!fused) {
@@ -1027,8 +1037,8 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
                                                b2.inv, q1, q2, ahead);
           }
 #ifdef LB_VBMI_DECODE
-          adam_encode_step_sums<kLamb, kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv, b2.inv, q1,
-                                        q2, ahead);
+          adam_encode_step_sums<kLamb, kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv,
+                                               b2.inv, q1, q2, ahead);
 #endif
         });
       });
@@ -1072,7 +1082,7 @@ __attribute__((target("avx512f"), always_inline)) inline void lamb_norms16(const
   ahead.param.at(static_cast<int>(i * sizeof(T)));
   const __m512 p = load16(param + i);
   add_squares16(p, pp);
-  add_squares16(step16<true>(c, m_new, root, p), uu);
+  add_squares16(step16<true, true>(c, m_new, root, p), uu);
 }
 
 // LAMB's norm pre-pass over a block of 4-bit states that adam_fused takes: sums[0] = the sum of p^2 and sums[1]
@@ -1243,7 +1253,8 @@ __attribute__((target("avx2"), always_inline)) inline __m256 step8(const Avx2Con
                                                                   __m256 p) {
   const __m256 denom = _mm256_add_ps(_mm256_div_ps(root, c.bias2_sqrt), c.eps);
   if constexpr (kLamb) {
-    const __m256 r = _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(m, c.step_size), denom), _mm256_mul_ps(c.weight_decay, p));
+    const __m256 r =
+        _mm256_add_ps(_mm256_div_ps(_mm256_mul_ps(m, c.step_size), denom), _mm256_mul_ps(c.weight_decay, p));
     return _mm256_mul_ps(c.lr, r);
   }
   return _mm256_div_ps(_mm256_mul_ps(c.step_size, m), denom);
@@ -1259,7 +1270,7 @@ __attribute__((target("avx2"))) void adam_encode_step_avx2(const StepHyper& h, c
                                                            const int* sums2, float inv1, float inv2,
                                                            uint8_t* __restrict q1, uint8_t* __restrict q2,
                                                            const AdamAhead& ahead) {
-  const Avx2Constants c = avx2_constants<true>(h, sc);
+  const Avx2Constants c = avx2_constants<true>(h, sc);  // the moments' lerp weight, unused here, either form
   const __m256 update_scale = _mm256_set1_ps(sc.update_scale), decay = _mm256_set1_ps(h.decay);
   const __m256 scale1 = _mm256_set1_ps(inv1), scale2 = _mm256_set1_ps(inv2);
   for (int j = 0; j < cnt; j += 32) {
@@ -1299,7 +1310,7 @@ bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t block, int
   uint8_t* q1 = static_cast<uint8_t*>(t.state[0]) + lo * t.bits / 8;
   uint8_t* q2 = static_cast<uint8_t*>(t.state[1]) + lo * t.bits / 8;
   const AdamAhead ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
-  with_adam_moment_options<kLamb>(a.hyper, t.scalars, [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
+  const auto options = [&](auto flags, auto small, auto l2, auto scaled) LB_ALWAYS_INLINE {
     constexpr int32_t kF = decltype(flags)::value;
     constexpr bool kS = decltype(small)::value, kL = decltype(l2)::value, kG = decltype(scaled)::value;
     const auto moments = [&](auto bits) LB_ALWAYS_INLINE {
@@ -1310,7 +1321,8 @@ bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t block, int
     };
     if (t.bits == 4) return moments(std::integral_constant<int, 4>{});
     moments(std::integral_constant<int, 8>{});
-  });
+  };
+  with_adam_moment_options<kLamb>(a.hyper, t.scalars, options);
   const float amax1 = absmax_from_bits(max_bits[0]), amax2 = absmax_from_bits(max_bits[1]);
   const float inv1 = block_inverse(amax1), inv2 = block_inverse(amax2);
   const bool finite = max_bits[0] < kNonFiniteBits && max_bits[1] < kNonFiniteBits;
@@ -1324,11 +1336,11 @@ bool adam_block_avx2(const OptimArgs& a, const TensorView& t, int64_t block, int
     with_bool(t.scalars.update_scale != 1.f, [&](auto kScaled) LB_ALWAYS_INLINE {
       constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
       if (t.bits == 4) {
-        return adam_encode_step_avx2<4, kLamb, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2,
-                                                inv1, inv2, q1, q2, ahead);
+        return adam_encode_step_avx2<4, kLamb, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1,
+                                                       sums2, inv1, inv2, q1, q2, ahead);
       }
-      adam_encode_step_avx2<8, kLamb, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2, inv1,
-                                       inv2, q1, q2, ahead);
+      adam_encode_step_avx2<8, kLamb, kD, kG>(a.hyper, t.scalars, param, decoded[0], decoded[1], cnt, sums1, sums2,
+                                              inv1, inv2, q1, q2, ahead);
     });
   });
   return true;
@@ -1607,7 +1619,7 @@ bool lamb_norms_block(const OptimArgs& a, const TensorView& t, int64_t block, in
   if constexpr (kFusedAdamParams<T>) {
     if (coders.adam_split && adam_fused<T>(t, coders, cnt)) {
       const AdamAhead ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
-      with_adam_moment_options<true>(a.hyper, t.scalars, [&](auto flags, auto small, auto, auto scaled) LB_ALWAYS_INLINE {
+      const auto norms = [&](auto flags, auto small, auto, auto scaled) LB_ALWAYS_INLINE {
         constexpr int32_t kF = decltype(flags)::value;
         constexpr bool kS = decltype(small)::value, kG = decltype(scaled)::value;
         if (t.bits == 4) {
@@ -1618,7 +1630,8 @@ bool lamb_norms_block(const OptimArgs& a, const TensorView& t, int64_t block, in
         lamb_norms_vbmi<kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
                                     *coders.planes[1], cnt, ahead, sums);
 #endif
-      });
+      };
+      with_adam_moment_options<true>(a.hyper, t.scalars, norms);
       return true;
     }
   }
@@ -1627,16 +1640,17 @@ bool lamb_norms_block(const OptimArgs& a, const TensorView& t, int64_t block, in
   if constexpr (std::is_same_v<T, float>) {
     if (coders.adam_avx2 && cnt % 32 == 0) {
       const AdamAhead ahead = adam_ahead(t, lo, cnt, param, grad, q1, q2);
-      with_adam_moment_options<true>(a.hyper, t.scalars, [&](auto flags, auto small, auto, auto scaled) LB_ALWAYS_INLINE {
+      const auto norms = [&](auto flags, auto small, auto, auto scaled) LB_ALWAYS_INLINE {
         constexpr int32_t kF = decltype(flags)::value;
         constexpr bool kS = decltype(small)::value, kG = decltype(scaled)::value;
-        const auto norms = [&](auto bits) LB_ALWAYS_INLINE {
+        const auto width = [&](auto bits) LB_ALWAYS_INLINE {
           lamb_norms_avx2<decltype(bits)::value, kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2,
                                                              state_map(a, 0), state_map(a, 1), cnt, ahead, sums);
         };
-        if (t.bits == 4) return norms(std::integral_constant<int, 4>{});
-        norms(std::integral_constant<int, 8>{});
-      });
+        if (t.bits == 4) return width(std::integral_constant<int, 4>{});
+        width(std::integral_constant<int, 8>{});
+      };
+      with_adam_moment_options<true>(a.hyper, t.scalars, norms);
       return true;
     }
   }
