@@ -107,7 +107,7 @@ LB_HD float torch_lerp(float m, float g, float w) {
 // torch.optim.Adam / AdamW in two halves: the moments m = exp_avg and v = exp_avg_sq, then the step from
 // m and the root of v. Split so that a loop may compute the new moments of a whole block before any step
 // (csrc/cpu/optim.cpp requantizes them while it updates the parameters); adam_step is both in turn.
-// The moments' EMAs of gradient g (Adam's after its L2 term; LAMB's as they are).
+// The moments' EMAs of gradient g (Adam's after its L2 term; LAMB's and AdEMAMix's as they are).
 LB_HD_ALWAYS void ema_moments(const StepHyper& h, float g, float& m, float& v) {
   m = torch_lerp(m, g, h.one_minus_beta1);
   v = v * h.beta2 + h.one_minus_beta2 * g * g;
@@ -142,8 +142,7 @@ LB_HD float adam_amsgrad_step(const StepHyper& h, const StepScalars& s, float p,
 // through step_size = lr / (1 - beta1^t)), s2 = nu (Adam's second moment), s3 = the slow EMA m2 (not
 // bias-corrected, weighted by slow_step_size = lr * alpha). Weight decay is decoupled (apply_rule).
 LB_HD float ademamix_step(const StepHyper& h, const StepScalars& s, float g, float& m1, float& nu, float& m2) {
-  m1 = torch_lerp(m1, g, h.one_minus_beta1);
-  nu = nu * h.beta2 + h.one_minus_beta2 * g * g;
+  ema_moments(h, g, m1, nu);
   m2 = torch_lerp(m2, g, h.one_minus_beta3);
   const float denom = sqrtf(nu) / s.bias2_sqrt + h.eps;
   return (s.step_size * m1 + h.slow_step_size * m2) / denom;
