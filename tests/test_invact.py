@@ -67,6 +67,61 @@ def test_grad_matches_reference(device, name, dtype, cpu_kernels):
         assert torch.equal(got.cpu().nan_to_num(), want.nan_to_num())
 
 
+def _every_16bit_output(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every bit pattern of a 16-bit y (NaNs, infinities, subnormals, both zeros) on the left branch, then
+    all of them again on the right, with gradients of both signs over many binades."""
+    y = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(dtype).repeat(2)
+    bits = _ops.pack_bits(torch.cat([torch.zeros(2**16), torch.ones(2**16)]).to(torch.uint8), 1)
+    g = torch.Generator().manual_seed(5)
+    grad = (torch.randn(2**17, generator=g) * torch.exp2(torch.randint(-20, 20, (2**17,), generator=g))).to(dtype)
+    return grad, y, bits
+
+
+@pytest.mark.parametrize("name", invact.ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_16bit_output_matches_reference(name, dtype, cpu_kernels):
+    """bf16 and fp16 read their slopes from a table of every y (invact.cpp): each entry, on both branches, is
+    the twin's slope, and the product with grad is rounded as the twin rounds it."""
+    tab = invact.table(name)
+    grad, y, bits = _every_16bit_output(dtype)
+    got = ops.invact_grad(grad, y, bits, tab.coeffs, tab.params)
+    want = R.invact_grad(grad, y, bits, tab.coeffs, tab.params)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    # NaN is stored as from_float stores it (the twin's torch conversion may keep a payload): bf16 0x7FC0,
+    # fp16 0x7E00 with the sign.
+    nan_bits = got[got.isnan()].view(torch.int16).int() & 0xFFFF
+    assert nan_bits.numel() > 0
+    if dtype == torch.bfloat16:
+        assert torch.all(nan_bits == 0x7FC0)
+    else:
+        assert torch.all((nan_bits & 0x7FFF) == 0x7E00)
+
+
+def test_slope_tables_follow_the_coefficients():
+    """The cached tables are keyed by every coefficient and parameter and by dtype: ten coefficient sets
+    (more than the cache keeps; every other one differs in params only), each used twice and interleaved with
+    the other dtype, each matching the twin on its own coefficients and differing from its neighbour."""
+    tab = invact.table("silu")
+    sets = []
+    for k in range(10):
+        coeffs, params = tab.coeffs.clone(), tab.params.clone()
+        if k % 2:
+            params[2] *= 1 + 0.01 * k  # the right branch's pieces per unit t
+        else:
+            coeffs *= 1 + 0.01 * k
+        sets.append((coeffs, params))
+    inputs = {dtype: _every_16bit_output(dtype) for dtype in (torch.bfloat16, torch.float16)}
+    last: dict[torch.dtype, torch.Tensor] = {}
+    for _ in range(2):
+        for coeffs, params in sets:
+            for dtype, (grad, y, bits) in inputs.items():
+                got = ops.invact_grad(grad, y, bits, coeffs, params).nan_to_num()
+                assert torch.equal(got, R.invact_grad(grad, y, bits, coeffs, params).nan_to_num())
+                assert dtype not in last or not torch.equal(got, last[dtype])
+                last[dtype] = got
+
+
 def test_special_outputs():
     """NaN gives NaN; y = +inf on the right branch and y = 0 on the left take the limits 1 and 0."""
     tab = invact.table("gelu")

@@ -1,6 +1,6 @@
-// AVX-512 kernels of the activation layers for fp32 and bf16 (fp16 and other cases keep the portable
-// loops): few-bit codes of 1-4 bits (fewbit.cpp keeps the
-// portable loops and the other cases) and the inverted-activation slope (invact.cpp).
+// AVX-512 kernels of the activation layers: few-bit codes of 1-4 bits for fp32 and bf16 (fewbit.cpp keeps
+// the portable loops and the other cases) and the inverted-activation slope for fp32, bf16 and fp16
+// (invact.cpp).
 //
 // Few-bit. Encoding finds the number of boundaries below 16 inputs at once: where they are sorted, by a
 // binary search whose compares (against boundaries permuted out of one register) give the codes' bits, which
@@ -12,7 +12,9 @@
 //
 // Inverted activations: the branch bits of 16 elements are one mask; both branches' coefficient
 // tables (16 pieces each) sit in registers and one two-table permute per power picks the piece of the
-// element's branch; the operations are invact_slope's, one for one.
+// element's branch; the operations are invact_slope's, one for one. bf16 and fp16 read their slopes
+// from a table of every 16-bit y (invact.cpp), filled by the same fp32 code: one gather per 16 elements
+// instead of the square root and the polynomial.
 #include <cstring>
 
 #include "lowbit/invact.h"
@@ -172,47 +174,73 @@ LB_TARGET void grad_tile(const E* grad, const uint8_t* in, const float* levels, 
   }
 }
 
-template <typename E>
-LB_TARGET void invact_tile(const E* grad, const E* y, const uint8_t* bits, const float* coeffs, const float* params,
-                           int cnt, E* out) {
-  constexpr int kPowers = kInvactDegree + 1;
-  static_assert(kInvactPieces == 16, "one register per branch and power");
-  __m512 left[kPowers], right[kPowers];
-  for (int k = 0; k < kPowers; ++k) {
-    left[k] = _mm512_loadu_ps(coeffs + k * kInvactPieces);
-    right[k] = _mm512_loadu_ps(coeffs + (kPowers + k) * kInvactPieces);
+// invact_slope (lowbit/invact.h) of 16 lanes: both branches' coefficient tables in registers, one two-table
+// permute per power picking the piece of each lane's branch (r: the lanes on the right branch).
+class InvactSlope16 {
+ public:
+  LB_TARGET InvactSlope16(const float* coeffs, const float* params) {
+    for (int k = 0; k < kPowers; ++k) {
+      left_[k] = _mm512_loadu_ps(coeffs + k * kInvactPieces);
+      right_[k] = _mm512_loadu_ps(coeffs + (kPowers + k) * kInvactPieces);
+    }
+    y0_ = _mm512_set1_ps(params[0]);
+    scale_l_ = _mm512_set1_ps(params[1]);
+    scale_r_ = _mm512_set1_ps(params[2]);
+    tail_l_ = _mm512_set1_ps(params[3]);
+    tail_r_ = _mm512_set1_ps(params[4]);
   }
-  const __m512 y0 = _mm512_set1_ps(params[0]);
-  const __m512 scale_l = _mm512_set1_ps(params[1]), scale_r = _mm512_set1_ps(params[2]);
-  const __m512 tail_l = _mm512_set1_ps(params[3]), tail_r = _mm512_set1_ps(params[4]);
-  const __m512 pieces = _mm512_set1_ps(static_cast<float>(kInvactPieces));
-  const __m512i low4 = _mm512_set1_epi32(15), branch_bit = _mm512_set1_epi32(16);
-  for (int i = 0; i + 16 <= cnt; i += 16) {
-    uint16_t m16 = 0;
-    std::memcpy(&m16, bits + i / 8, 2);
-    const __mmask16 r = m16;
+
+  LB_TARGET inline __m512 operator()(__m512 y, __mmask16 r) const {
+    const __m512 pieces = _mm512_set1_ps(static_cast<float>(kInvactPieces));
     // max(0, d) returns d when d is NaN, as 0 > d ? 0 : d does.
-    const __m512 d = _mm512_max_ps(_mm512_setzero_ps(), _mm512_sub_ps(load16(y + i), y0));
-    const __m512 u = _mm512_mul_ps(_mm512_sqrt_ps(d), _mm512_mask_blend_ps(r, scale_l, scale_r));
+    const __m512 d = _mm512_max_ps(_mm512_setzero_ps(), _mm512_sub_ps(y, y0_));
+    const __m512 u = _mm512_mul_ps(_mm512_sqrt_ps(d), _mm512_mask_blend_ps(r, scale_l_, scale_r_));
     // For u in [0, 16) truncation is the scalar cast; other lanes (the tail, NaN) are replaced below
     // or turn NaN through z, whatever piece they read.
-    const __m512i piece = _mm512_and_si512(_mm512_cvttps_epi32(u), low4);
+    const __m512i piece = _mm512_and_si512(_mm512_cvttps_epi32(u), _mm512_set1_epi32(15));
     const __m512 z = _mm512_sub_ps(u, _mm512_cvtepi32_ps(piece));
-    const __m512i idx = _mm512_mask_or_epi32(piece, r, piece, branch_bit);
-    __m512 p = _mm512_permutex2var_ps(left[kInvactDegree], idx, right[kInvactDegree]);
+    const __m512i idx = _mm512_mask_or_epi32(piece, r, piece, _mm512_set1_epi32(16));
+    __m512 p = _mm512_permutex2var_ps(left_[kInvactDegree], idx, right_[kInvactDegree]);
     for (int k = kInvactDegree - 1; k >= 0; --k) {
-      p = _mm512_add_ps(_mm512_mul_ps(p, z), _mm512_permutex2var_ps(left[k], idx, right[k]));
+      p = _mm512_add_ps(_mm512_mul_ps(p, z), _mm512_permutex2var_ps(left_[k], idx, right_[k]));
     }
     const __mmask16 tail = _mm512_cmp_ps_mask(u, pieces, _CMP_GE_OQ);
-    p = _mm512_mask_blend_ps(tail, p, _mm512_mask_blend_ps(r, tail_l, tail_r));
-    store16(out + i, _mm512_mul_ps(load16(grad + i), p));
+    return _mm512_mask_blend_ps(tail, p, _mm512_mask_blend_ps(r, tail_l_, tail_r_));
+  }
+
+ private:
+  static constexpr int kPowers = kInvactDegree + 1;
+  static_assert(kInvactPieces == 16, "one register per branch and power");
+  __m512 left_[kPowers], right_[kPowers];
+  __m512 y0_, scale_l_, scale_r_, tail_l_, tail_r_;
+};
+
+// The branch bits of elements i..i+15 as a mask.
+inline __mmask16 branch_mask(const uint8_t* bits, int i) {
+  uint16_t m16 = 0;
+  std::memcpy(&m16, bits + i / 8, 2);
+  return m16;
+}
+
+// grad * invact_slope(y, bit) for fp32.
+LB_TARGET void invact_tile(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
+                           const float* params, int cnt, float* out) {
+  const InvactSlope16 slope(coeffs, params);
+  for (int i = 0; i + 16 <= cnt; i += 16) {
+    const __m512 p = slope(_mm512_loadu_ps(y + i), branch_mask(bits, i));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(grad + i), p));
   }
 }
 
+// grad * table[bit << 16 | bits of y] for the 16-bit types: the slope by one gather.
 template <typename E>
-void invact_grad_any(const E* grad, const E* y, const uint8_t* bits, const float* coeffs, const float* params, int cnt,
-                     E* out) {
-  invact_tile(grad, y, bits, coeffs, params, cnt, out);
+LB_TARGET void invact_table_tile(const E* grad, const E* y, const uint8_t* bits, const float* table, int cnt, E* out) {
+  const __m512i right = _mm512_set1_epi32(1 << 16);
+  for (int i = 0; i + 16 <= cnt; i += 16) {
+    const __m512i pattern = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + i)));
+    const __m512i index = _mm512_mask_or_epi32(pattern, branch_mask(bits, i), pattern, right);
+    store16(out + i, _mm512_mul_ps(load16(grad + i), _mm512_i32gather_ps(index, table, 4)));
+  }
 }
 
 template <typename E>
@@ -247,11 +275,22 @@ void fewbit_grad_any(int bits, const E* grad, const uint8_t* in, const float* le
 
 void invact_grad_avx512(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
                         const float* params, int cnt, float* out) {
-  invact_grad_any(grad, y, bits, coeffs, params, cnt, out);
+  invact_tile(grad, y, bits, coeffs, params, cnt, out);
 }
-void invact_grad_avx512(const BFloat16* grad, const BFloat16* y, const uint8_t* bits, const float* coeffs,
-                        const float* params, int cnt, BFloat16* out) {
-  invact_grad_any(grad, y, bits, coeffs, params, cnt, out);
+LB_TARGET void invact_slopes_avx512(const float* y, const uint8_t* bits, const float* coeffs, const float* params,
+                                    int cnt, float* out) {
+  const InvactSlope16 slope(coeffs, params);
+  for (int i = 0; i + 16 <= cnt; i += 16) {
+    _mm512_storeu_ps(out + i, slope(_mm512_loadu_ps(y + i), branch_mask(bits, i)));
+  }
+}
+void invact_grad_table_avx512(const BFloat16* grad, const BFloat16* y, const uint8_t* bits, const float* table,
+                              int cnt, BFloat16* out) {
+  invact_table_tile(grad, y, bits, table, cnt, out);
+}
+void invact_grad_table_avx512(const Half* grad, const Half* y, const uint8_t* bits, const float* table, int cnt,
+                              Half* out) {
+  invact_table_tile(grad, y, bits, table, cnt, out);
 }
 void fewbit_encode_avx512(int bits, const float* x, int cnt, const float* bounds, uint8_t* out) {
   fewbit_encode_any(bits, x, cnt, bounds, out);
@@ -270,7 +309,9 @@ void fewbit_grad_avx512(int bits, const BFloat16* grad, const uint8_t* in, const
 #else
 
 void invact_grad_avx512(const float*, const float*, const uint8_t*, const float*, const float*, int, float*) {}
-void invact_grad_avx512(const BFloat16*, const BFloat16*, const uint8_t*, const float*, const float*, int, BFloat16*) {}
+void invact_slopes_avx512(const float*, const uint8_t*, const float*, const float*, int, float*) {}
+void invact_grad_table_avx512(const BFloat16*, const BFloat16*, const uint8_t*, const float*, int, BFloat16*) {}
+void invact_grad_table_avx512(const Half*, const Half*, const uint8_t*, const float*, int, Half*) {}
 void fewbit_encode_avx512(int, const float*, int, const float*, uint8_t*) {}
 void fewbit_encode_avx512(int, const BFloat16*, int, const float*, uint8_t*) {}
 void fewbit_grad_avx512(int, const float*, const uint8_t*, const float*, int, float*) {}

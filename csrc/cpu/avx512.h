@@ -82,7 +82,13 @@ void fewbit_grad_avx512(int bits, const BFloat16* grad, const uint8_t* in, const
 // out = grad * invact_slope(y, bit) (lowbit/invact.h) for the first cnt - cnt % 16 elements.
 void invact_grad_avx512(const float* grad, const float* y, const uint8_t* bits, const float* coeffs,
                         const float* params, int cnt, float* out);
-void invact_grad_avx512(const BFloat16* grad, const BFloat16* y, const uint8_t* bits, const float* coeffs,
-                        const float* params, int cnt, BFloat16* out);
+// out = invact_slope(y, bit) for the first cnt - cnt % 16 elements.
+void invact_slopes_avx512(const float* y, const uint8_t* bits, const float* coeffs, const float* params, int cnt,
+                          float* out);
+// out = grad * table[bit << 16 | bits of y] (invact.cpp's slope table) for the first cnt - cnt % 16 elements.
+void invact_grad_table_avx512(const BFloat16* grad, const BFloat16* y, const uint8_t* bits, const float* table,
+                              int cnt, BFloat16* out);
+void invact_grad_table_avx512(const Half* grad, const Half* y, const uint8_t* bits, const float* table, int cnt,
+                              Half* out);
 
 }  // namespace lowbit::cpu
