@@ -178,10 +178,14 @@ LB_TARGET int decode_u4_avx2(const float* map, const uint8_t* packed, int cnt, f
   return vec;
 }
 
-LB_TARGET int nearest_codes_u4_avx2(const float* map, const float* x, int cnt, float absmax, uint8_t* packed) {
+LB_TARGET int nearest_codes_u4_avx2(const MapIndex& index, bool gather, const float* x, int cnt, float absmax,
+                                    uint8_t* packed) {
   const float inv = block_inverse(absmax);
   if (absmax > 0.f && inv == 0.f) return 0;
+  const float* map = index.padded();
   const __m256 m0 = _mm256_loadu_ps(map), m1 = _mm256_loadu_ps(map + 8);
+  const bool by_sums = gather && index.nearest_direct();
+  const int* sums = by_sums ? reinterpret_cast<const int*>(index.nearest_sums()) - kFirstBucket : nullptr;
   const bool scale = absmax > 0.f;
   const __m256 am = _mm256_set1_ps(absmax);
   const __m256 neg_am = _mm256_set1_ps(-absmax);
@@ -191,7 +195,7 @@ LB_TARGET int nearest_codes_u4_avx2(const float* map, const float* x, int cnt, f
     __m256i code[2];
     for (int h = 0; h < 2; ++h) {
       const __m256 xn = scale ? normalise8(_mm256_loadu_ps(x + j + 8 * h), vinv, am, neg_am) : _mm256_setzero_ps();
-      code[h] = nearest16(m0, m1, xn);
+      code[h] = by_sums ? sum_codes8(sums, order_keys8(xn)) : nearest16(m0, m1, xn);
     }
     pack_u4_16x8(code[0], code[1], packed + j / 2);
   }
@@ -205,7 +209,7 @@ void nearest_codes_u8_avx2(const MapIndex&, const float*, int, float, uint8_t*) 
 void nearest_tile_avx2(const MapIndex&, const float*, const uint32_t*, int, uint32_t*) {}
 void stochastic_tile_avx2(const MapIndex&, const float*, const uint32_t*, RngKey, uint64_t, int, uint32_t*) {}
 int decode_u4_avx2(const float*, const uint8_t*, int, float, float*) { return 0; }
-int nearest_codes_u4_avx2(const float*, const float*, int, float, uint8_t*) { return 0; }
+int nearest_codes_u4_avx2(const MapIndex&, bool, const float*, int, float, uint8_t*) { return 0; }
 
 #endif
 

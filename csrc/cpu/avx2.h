@@ -33,8 +33,11 @@ void stochastic_tile_avx2(const MapIndex& index, const float* xn, const uint32_t
 // decode_u4_avx512 and nearest_codes_u4_avx512 (avx512.h) 8 lanes wide: the 16-entry map is two
 // registers, a lookup two permutes and a blend. Same results and the same contract: they handle the
 // first cnt - cnt % 32 (decode) or cnt - cnt % 16 (encode) elements and return that count; the encoder
-// returns 0 for a subnormal absmax.
+// returns 0 for a subnormal absmax. With gathers in use (the calibrated encoder) and a nearest_direct()
+// index, the encoder takes each code from its bucket's sum word (sum_codes8) by one gather per 8 elements
+// instead of a register binary search over the map.
 int decode_u4_avx2(const float* map, const uint8_t* packed, int cnt, float scale, float* out);
-int nearest_codes_u4_avx2(const float* map, const float* x, int cnt, float absmax, uint8_t* packed);
+int nearest_codes_u4_avx2(const MapIndex& index, bool gather, const float* x, int cnt, float absmax,
+                          uint8_t* packed);
 
 }  // namespace lowbit::cpu

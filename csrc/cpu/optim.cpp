@@ -183,7 +183,7 @@ void store_rank1(const TensorView& t, int k, int64_t lo, int cnt, const MapIndex
   uint32_t tile[kTile];
   const MapSpan span{*index, gather};
   const int done = avx512_active() ? nearest_codes_u4_avx512(index->padded(), normalised, cnt, 1.f, packed)
-                   : avx2_active()   ? nearest_codes_u4_avx2(index->padded(), normalised, cnt, 1.f, packed)
+                   : avx2_active()   ? nearest_codes_u4_avx2(*index, gather, normalised, cnt, 1.f, packed)
                                      : 0;
   for (int j = done; j < cnt; j += kTile) {
     const int m = std::min(kTile, cnt - j);
@@ -231,7 +231,7 @@ void store_state(const TensorView& t, int k, int64_t block, int64_t lo, int cnt,
     uint32_t tile[kTile];
     const MapSpan span{*index, gather};
     const int done = avx512_active() ? nearest_codes_u4_avx512(index->padded(), in, cnt, amax, packed)
-                     : avx2_active()   ? nearest_codes_u4_avx2(index->padded(), in, cnt, amax, packed)
+                     : avx2_active()   ? nearest_codes_u4_avx2(*index, gather, in, cnt, amax, packed)
                                        : 0;
     for (int j = done; j < cnt; j += kTile) {
       const int m = std::min(kTile, cnt - j);
