@@ -106,9 +106,14 @@ LB_TARGET void gather_codes(const MapIndex& index, const float* x, int cnt, floa
 }
 
 
-// map_encode_nearest (qmap.h) of 8 normalised lanes against a 16-entry map: map_floor_index's four
-// probes, then nearest_up between lo and hi = min(lo + 1, 15).
-LB_TARGET inline __m256i nearest16(__m256 m0, __m256 m1, __m256 xn) {
+// The entries of a 16-entry map that bracket 8 normalised lanes: map_floor_index's four probes give lo, and
+// hi = min(lo + 1, 15) (map_encode_nearest and map_encode_stochastic, qmap.h).
+struct U4Brackets8 {
+  __m256i lo, hi;
+  __m256 lo_value, hi_value;
+};
+
+LB_TARGET inline U4Brackets8 brackets16(__m256 m0, __m256 m1, __m256 xn) {
   __m256i lo = _mm256_setzero_si256();
   for (int step = 8; step > 0; step >>= 1) {
     const __m256i probe = _mm256_add_epi32(lo, _mm256_set1_epi32(step));
@@ -116,10 +121,49 @@ LB_TARGET inline __m256i nearest16(__m256 m0, __m256 m1, __m256 xn) {
     lo = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(probe), le));
   }
   const __m256i hi = _mm256_min_epu32(_mm256_add_epi32(lo, _mm256_set1_epi32(1)), _mm256_set1_epi32(15));
-  const __m256 up_gap = _mm256_sub_ps(lookup16(m0, m1, hi), xn);
-  const __m256 down_gap = _mm256_sub_ps(xn, lookup16(m0, m1, lo));
-  const __m256 up = _mm256_cmp_ps(up_gap, down_gap, _CMP_LT_OQ);
-  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(lo), _mm256_castsi256_ps(hi), up));
+  return {lo, hi, lookup16(m0, m1, lo), lookup16(m0, m1, hi)};
+}
+
+// map_encode_nearest (nearest_up: hi - x < x - lo) or, given the draws u, map_encode_stochastic (stochastic_up:
+// u * (hi - lo) < x - lo) of 8 normalised lanes, each operation rounded once as in the scalar rules.
+template <bool kStochastic>
+LB_TARGET inline __m256i encode16(__m256 m0, __m256 m1, __m256 xn, __m256 u) {
+  const U4Brackets8 b = brackets16(m0, m1, xn);
+  const __m256 down_gap = _mm256_sub_ps(xn, b.lo_value);
+  const __m256 lhs =
+      kStochastic ? _mm256_mul_ps(u, _mm256_sub_ps(b.hi_value, b.lo_value)) : _mm256_sub_ps(b.hi_value, xn);
+  const __m256 up = _mm256_cmp_ps(lhs, down_gap, _CMP_LT_OQ);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(b.lo), _mm256_castsi256_ps(b.hi), up));
+}
+
+// codes_u4 of avx512.cpp 8 lanes at a time; the nearest codes come from the bucket's sum word where by_sums.
+template <bool kStochastic>
+LB_TARGET int codes_u4(const MapIndex& index, bool by_sums, const float* x, int cnt, float absmax, const float* u,
+                       uint8_t* packed) {
+  const float inv = block_inverse(absmax);
+  if (absmax > 0.f && inv == 0.f) return 0;
+  const float* map = index.padded();
+  const __m256 m0 = _mm256_loadu_ps(map), m1 = _mm256_loadu_ps(map + 8);
+  const int* sums = by_sums ? reinterpret_cast<const int*>(index.nearest_sums()) - kFirstBucket : nullptr;
+  const bool scale = absmax > 0.f;
+  const __m256 am = _mm256_set1_ps(absmax);
+  const __m256 neg_am = _mm256_set1_ps(-absmax);
+  const __m256 vinv = _mm256_set1_ps(inv);
+  const int vec = cnt - cnt % 16;
+  for (int j = 0; j < vec; j += 16) {
+    __m256i code[2];
+    for (int h = 0; h < 2; ++h) {
+      const int i = j + 8 * h;
+      const __m256 xn = scale ? normalise8(_mm256_loadu_ps(x + i), vinv, am, neg_am) : _mm256_setzero_ps();
+      if constexpr (kStochastic) {
+        code[h] = encode16<true>(m0, m1, xn, _mm256_loadu_ps(u + i));
+      } else {
+        code[h] = by_sums ? sum_codes8(sums, order_keys8(xn)) : encode16<false>(m0, m1, xn, xn);
+      }
+    }
+    pack_u4_16x8(code[0], code[1], packed + j / 2);
+  }
+  return vec;
 }
 
 }  // namespace
@@ -178,28 +222,14 @@ LB_TARGET int decode_u4_avx2(const float* map, const uint8_t* packed, int cnt, f
   return vec;
 }
 
-LB_TARGET int nearest_codes_u4_avx2(const MapIndex& index, bool gather, const float* x, int cnt, float absmax,
-                                    uint8_t* packed) {
-  const float inv = block_inverse(absmax);
-  if (absmax > 0.f && inv == 0.f) return 0;
-  const float* map = index.padded();
-  const __m256 m0 = _mm256_loadu_ps(map), m1 = _mm256_loadu_ps(map + 8);
-  const bool by_sums = gather && index.nearest_direct();
-  const int* sums = by_sums ? reinterpret_cast<const int*>(index.nearest_sums()) - kFirstBucket : nullptr;
-  const bool scale = absmax > 0.f;
-  const __m256 am = _mm256_set1_ps(absmax);
-  const __m256 neg_am = _mm256_set1_ps(-absmax);
-  const __m256 vinv = _mm256_set1_ps(inv);
-  const int vec = cnt - cnt % 16;
-  for (int j = 0; j < vec; j += 16) {
-    __m256i code[2];
-    for (int h = 0; h < 2; ++h) {
-      const __m256 xn = scale ? normalise8(_mm256_loadu_ps(x + j + 8 * h), vinv, am, neg_am) : _mm256_setzero_ps();
-      code[h] = by_sums ? sum_codes8(sums, order_keys8(xn)) : nearest16(m0, m1, xn);
-    }
-    pack_u4_16x8(code[0], code[1], packed + j / 2);
-  }
-  return vec;
+int nearest_codes_u4_avx2(const MapIndex& index, bool gather, const float* x, int cnt, float absmax,
+                          uint8_t* packed) {
+  return codes_u4<false>(index, gather && index.nearest_direct(), x, cnt, absmax, nullptr, packed);
+}
+
+int stochastic_codes_u4_avx2(const MapIndex& index, const float* x, int cnt, float absmax, const float* u,
+                             uint8_t* packed) {
+  return codes_u4<true>(index, false, x, cnt, absmax, u, packed);
 }
 
 #else
@@ -210,6 +240,7 @@ void nearest_tile_avx2(const MapIndex&, const float*, const uint32_t*, int, uint
 void stochastic_tile_avx2(const MapIndex&, const float*, const uint32_t*, RngKey, uint64_t, int, uint32_t*) {}
 int decode_u4_avx2(const float*, const uint8_t*, int, float, float*) { return 0; }
 int nearest_codes_u4_avx2(const MapIndex&, bool, const float*, int, float, uint8_t*) { return 0; }
+int stochastic_codes_u4_avx2(const MapIndex&, const float*, int, float, const float*, uint8_t*) { return 0; }
 
 #endif
 

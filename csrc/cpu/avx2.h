@@ -39,5 +39,8 @@ void stochastic_tile_avx2(const MapIndex& index, const float* xn, const uint32_t
 int decode_u4_avx2(const float* map, const uint8_t* packed, int cnt, float scale, float* out);
 int nearest_codes_u4_avx2(const MapIndex& index, bool gather, const float* x, int cnt, float absmax,
                           uint8_t* packed);
+// stochastic_codes_u4_avx512 (avx512.h) 8 lanes wide, u the draws of the elements: the same contract.
+int stochastic_codes_u4_avx2(const MapIndex& index, const float* x, int cnt, float absmax, const float* u,
+                             uint8_t* packed);
 
 }  // namespace lowbit::cpu

@@ -89,12 +89,15 @@ void store_stochastic(const TensorView& t, int k, int64_t lo, int cnt, float ama
     const int m = std::min(kTile, cnt - j);
     const uint64_t counter = t.round_offset + static_cast<uint64_t>(lo + j);
     if (t.bits == 4) {
-      // The 16-entry map in one register: the draws of the tile, then the vector rule on whole groups of 16
-      // (pack.h: they end on a whole byte), the rest by the tile encoder.
+      // The 16-entry map in one register (two with AVX2): the draws of the tile, then the vector rule on whole
+      // groups of 16 (pack.h: they end on a whole byte), the rest by the tile encoder.
       int done = 0;
       if (avx512_active()) {
         uniform_tile(key, counter, m, u);
         done = stochastic_codes_u4_avx512(index->padded(), in + j, m, amax, u, out + j / 2);
+      } else if (avx2_active()) {
+        uniform_tile(key, counter, m, u);
+        done = stochastic_codes_u4_avx2(*index, in + j, m, amax, u, out + j / 2);
       }
       if (done < m) {
         span.encode<true>(in + j + done, m - done, amax, key, counter + static_cast<uint64_t>(done), tile);
