@@ -124,16 +124,23 @@ LB_TARGET inline U4Brackets8 brackets16(__m256 m0, __m256 m1, __m256 xn) {
   return {lo, hi, lookup16(m0, m1, lo), lookup16(m0, m1, hi)};
 }
 
-// map_encode_nearest (nearest_up: hi - x < x - lo) or, given the draws u, map_encode_stochastic (stochastic_up:
-// u * (hi - lo) < x - lo) of 8 normalised lanes, each operation rounded once as in the scalar rules.
-template <bool kStochastic>
-LB_TARGET inline __m256i encode16(__m256 m0, __m256 m1, __m256 xn, __m256 u) {
-  const U4Brackets8 b = brackets16(m0, m1, xn);
-  const __m256 down_gap = _mm256_sub_ps(xn, b.lo_value);
-  const __m256 lhs =
-      kStochastic ? _mm256_mul_ps(u, _mm256_sub_ps(b.hi_value, b.lo_value)) : _mm256_sub_ps(b.hi_value, xn);
-  const __m256 up = _mm256_cmp_ps(lhs, down_gap, _CMP_LT_OQ);
+// The upper entry where up is set, else the lower one.
+LB_TARGET inline __m256i pick16(const U4Brackets8& b, __m256 up) {
   return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(b.lo), _mm256_castsi256_ps(b.hi), up));
+}
+
+// map_encode_nearest (qmap.h) of 8 normalised lanes: nearest_up, hi - x < x - lo.
+LB_TARGET inline __m256i nearest16(__m256 m0, __m256 m1, __m256 xn) {
+  const U4Brackets8 b = brackets16(m0, m1, xn);
+  return pick16(b, _mm256_cmp_ps(_mm256_sub_ps(b.hi_value, xn), _mm256_sub_ps(xn, b.lo_value), _CMP_LT_OQ));
+}
+
+// map_encode_stochastic (qmap.h) of 8 normalised lanes with draws u: stochastic_up, u * (hi - lo) < x - lo, each
+// operation rounded once as in the scalar rule.
+LB_TARGET inline __m256i stochastic16(__m256 m0, __m256 m1, __m256 xn, __m256 u) {
+  const U4Brackets8 b = brackets16(m0, m1, xn);
+  const __m256 lhs = _mm256_mul_ps(u, _mm256_sub_ps(b.hi_value, b.lo_value));
+  return pick16(b, _mm256_cmp_ps(lhs, _mm256_sub_ps(xn, b.lo_value), _CMP_LT_OQ));
 }
 
 // codes_u4 of avx512.cpp 8 lanes at a time; the nearest codes come from the bucket's sum word where by_sums.
@@ -156,9 +163,9 @@ LB_TARGET int codes_u4(const MapIndex& index, bool by_sums, const float* x, int 
       const int i = j + 8 * h;
       const __m256 xn = scale ? normalise8(_mm256_loadu_ps(x + i), vinv, am, neg_am) : _mm256_setzero_ps();
       if constexpr (kStochastic) {
-        code[h] = encode16<true>(m0, m1, xn, _mm256_loadu_ps(u + i));
+        code[h] = stochastic16(m0, m1, xn, _mm256_loadu_ps(u + i));
       } else {
-        code[h] = by_sums ? sum_codes8(sums, order_keys8(xn)) : encode16<false>(m0, m1, xn, xn);
+        code[h] = by_sums ? sum_codes8(sums, order_keys8(xn)) : nearest16(m0, m1, xn);
       }
     }
     pack_u4_16x8(code[0], code[1], packed + j / 2);
