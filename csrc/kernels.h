@@ -310,6 +310,8 @@ bool set_avx512_enabled(bool enabled);
 bool gather_encode_active();
 void set_gather_encode(int mode);
 bool set_vbmi_decode(bool enabled);
+bool vbmi_first_moment_active();
+void set_vbmi_first_moment(int mode);
 // The AVX2 kernels of the step and the map encoders (cpu/avx2.h), where AVX-512 is not in use.
 bool avx2_active();
 bool set_avx2_enabled(bool enabled);

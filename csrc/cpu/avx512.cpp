@@ -47,8 +47,11 @@ std::atomic<bool> g_vbmi{true};
 // The gather encoder's choice for the AVX-512 and the AVX2 encoders; -1: not yet calibrated.
 std::atomic<int> g_gather{-1};
 std::atomic<int> g_gather_avx2{-1};
+// vbmi_first_moment_active's choice; -1: not yet timed.
+std::atomic<int> g_planes_first{-1};
 
 bool calibrate_gather(bool wide);
+bool calibrate_planes();
 
 }  // namespace
 
@@ -84,6 +87,20 @@ bool vbmi_decode_active() { return kHasVbmi && avx512_active() && g_vbmi.load(st
 bool set_vbmi_decode(bool enabled) {
   g_vbmi.store(enabled, std::memory_order_relaxed);
   return kHasVbmi;
+}
+
+bool vbmi_first_moment_active() {
+  if (!vbmi_decode_active()) return false;
+  int v = g_planes_first.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = calibrate_planes() ? 1 : 0;
+    g_planes_first.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void set_vbmi_first_moment(int mode) {
+  g_planes_first.store(mode < 0 ? -1 : (mode > 0 ? 1 : 0), std::memory_order_relaxed);
 }
 
 void set_gather_encode(int mode) {
@@ -320,6 +337,38 @@ bool calibrate_gather(bool wide) {
   return best[1] < best[0];
 }
 
+// Whether the gather decode of 8-bit codes (decode_u8_avx512) takes over twice as long as the byte planes'
+// (decode_u8_vbmi) on this CPU: best of several alternated runs on an L1-resident tile. Twice, because the fused
+// Adam loops gain from the gathers where they are about as fast: they keep the load ports busy while the planes'
+// permutes and the arithmetic share the vector ones (decode_moments_vbmi's split, chosen on an Intel Xeon).
+bool calibrate_planes() {
+  constexpr int kN = 4096;
+  std::vector<float> map(256);
+  for (int i = 0; i < 256; ++i) map[i] = -1.f + 2.f * static_cast<float>(i) / 255.f;
+  const BytePlanes planes(map.data());
+  std::vector<uint8_t> codes(kN);
+  uint32_t state = 12345u;
+  for (auto& c : codes) {
+    state = state * 1664525u + 1013904223u;
+    c = static_cast<uint8_t>(state >> 24);
+  }
+  std::vector<float> out(kN);
+  double best[2] = {1e30, 1e30};
+  for (int rep = 0; rep < 16; ++rep) {
+    for (int which = 0; which < 2; ++which) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (which == 0) {
+        decode_u8_avx512(map.data(), codes.data(), kN, 1.f, out.data());
+      } else {
+        decode_u8_vbmi(planes, map.data(), codes.data(), kN, 1.f, out.data());
+      }
+      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+      best[which] = std::min(best[which], dt.count());
+    }
+  }
+  return best[0] > 2 * best[1];
+}
+
 }  // namespace
 
 #else
@@ -335,6 +384,7 @@ int stochastic_codes_u4_avx512(const float*, const float*, int, float, const flo
 
 namespace {
 bool calibrate_gather(bool) { return false; }
+bool calibrate_planes() { return false; }
 }  // namespace
 
 #endif

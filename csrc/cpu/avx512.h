@@ -42,6 +42,15 @@ bool vbmi_decode_active();
 // Turns the VBMI decoder on or off (tests compare it with lookup256); returns whether the CPU has it.
 bool set_vbmi_decode(bool enabled);
 
+// Whether the fused Adam and LAMB loops (optim.cpp) decode the first 8-bit moment by the VBMI byte planes as they
+// do the second, not by gathers: vbmi_decode_active(), and a timing at first use found a gather decode over twice
+// as slow as the planes' on this CPU (Zen 4 gathers about one element per cycle, Intel's cores several). Both
+// give the same values, so the choice affects speed only.
+bool vbmi_first_moment_active();
+
+// Forces that choice (tests run both): 1 planes, 0 gathers, -1 time it again.
+void set_vbmi_first_moment(int mode);
+
 // A 256-entry map as four byte planes: p[k][i] is byte k of map[i].
 struct BytePlanes {
   alignas(64) uint8_t p[4][256];

@@ -451,6 +451,8 @@ struct StateCoders {
   // Adam's and LAMB's 8-bit blocks, and the 4-bit ones adam_fused takes, take adam_block (below): the AVX-512
   // gather encoder is in use for both states.
   bool adam_split = false;
+  // adam_split's 8-bit loops decode the first moment by its byte planes too (vbmi_first_moment_active).
+  bool planes_first = false;
   // Adam's and LAMB's 8-bit and 4-bit blocks of fp32 parameters take adam_block_avx2 (below): the AVX2 gather
   // encoder is in use (AVX-512 is not), and both maps are unit-stable.
   bool adam_avx2 = false;
@@ -708,24 +710,29 @@ __attribute__((target("avx512f"))) void adam_moments_u4(const StepHyper& h, cons
 // The decode of a block's two 8-bit moments for the fused loops, 64 elements at a time (cnt a multiple of 64):
 // the first moment by gathers from its map (the load ports, idle in the moments' arithmetic), the second by the
 // VBMI byte-plane permutes (port 5), while the square roots keep the divider busy. Where the decode was a pass
-// of its own, each of the three waited on one unit. Calls body(i, m, root_old) as decode_moments_u4 does, with
-// the values of block_states (map[code] * absmax either way).
-template <typename T, typename Body>
+// of its own, each of the three waited on one unit. kPlanes1 (vbmi_first_moment_active: where gathers are slow)
+// decodes the first moment by its planes too, planes1. Calls body(i, m, root_old) as decode_moments_u4 does,
+// with the values of block_states (map[code] * absmax either way).
+template <bool kPlanes1, typename T, typename Body>
 __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) inline void decode_moments_vbmi(
     const uint8_t* __restrict q1, const uint8_t* __restrict q2, float absmax1, float absmax2, const float* map1,
-    const BytePlanes& planes2, int cnt, const AdamAhead& ahead, Body&& body) {
+    const BytePlanes* planes1, const BytePlanes& planes2, int cnt, const AdamAhead& ahead, Body&& body) {
   const PlaneRegisters t2 = plane_registers(planes2);
   const __m512i order = _mm512_load_si512(kPlaneOrder);
   const __m512 scale1 = _mm512_set1_ps(absmax1), scale2 = _mm512_set1_ps(absmax2);
   for (int j = 0; j < cnt; j += 64) {
-    __m512 root_old[4];
+    __m512 root_old[4], m[4];
     ahead.codes_at(j);
     vbmi_decode64(t2, order, q2 + j, scale2, root_old);
+    if constexpr (kPlanes1) vbmi_decode64(plane_registers(*planes1), order, q1 + j, scale1, m);
     for (int k = 0; k < 4; ++k) {
       const int i = j + 16 * k;
       ahead.grad.at(static_cast<int>(i * sizeof(T)));
-      const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + i)));
-      body(i, _mm512_mul_ps(_mm512_i32gather_ps(codes, map1, 4), scale1), root_old[k]);
+      if constexpr (!kPlanes1) {
+        const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q1 + i)));
+        m[k] = _mm512_mul_ps(_mm512_i32gather_ps(codes, map1, 4), scale1);
+      }
+      body(i, m[k], root_old[k]);
     }
   }
 }
@@ -733,15 +740,15 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) inline voi
 // adam_moments_avx512 on fp32 or bf16 parameters with the states' decode in the same loop
 // (decode_moments_vbmi). The same operations on the same values as block_states and adam_moments_avx512, so
 // the same results; s1 and s2 receive the new m and root of v.
-template <int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
+template <bool kPlanes1, int32_t kFlags, bool kSmall, bool kL2, bool kScaled, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void adam_moments_vbmi(
     const StepHyper& h, const StepScalars& sc, const T* __restrict param, const T* __restrict grad,
     const uint8_t* __restrict q1, const uint8_t* __restrict q2, float absmax1, float absmax2, const float* map1,
-    const BytePlanes& planes2, float* __restrict s1, float* __restrict s2, int cnt, uint32_t* max_bits,
-    const AdamAhead& ahead) {
+    const BytePlanes* planes1, const BytePlanes& planes2, float* __restrict s1, float* __restrict s2, int cnt,
+    uint32_t* max_bits, const AdamAhead& ahead) {
   const AdamMomentConstants c = adam_moment_constants<kSmall>(h, sc);
   __m512i max1 = _mm512_setzero_si512(), max2 = _mm512_setzero_si512();
-  decode_moments_vbmi<T>(q1, q2, absmax1, absmax2, map1, planes2, cnt, ahead,
+  decode_moments_vbmi<kPlanes1, T>(q1, q2, absmax1, absmax2, map1, planes1, planes2, cnt, ahead,
                          [&](int i, __m512 m, __m512 root_old) __attribute__((target("avx512f"), always_inline)) {
                            adam_moments16<kFlags, kSmall, kL2, kScaled>(c, m, root_old, param, grad, i, s1, s2,
                                                                         max1, max2);
@@ -994,8 +1001,11 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
                                                  ahead);
         }
 #ifdef LB_VBMI_DECODE
-        adam_moments_vbmi<kF, kS, kL, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
-                                          *coders.planes[1], s[0], s[1], cnt, max_bits, ahead);
+        with_bool(coders.planes_first, [&](auto planes1) LB_ALWAYS_INLINE {
+          adam_moments_vbmi<decltype(planes1)::value, kF, kS, kL, kG>(
+              a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0), coders.planes[0],
+              *coders.planes[1], s[0], s[1], cnt, max_bits, ahead);
+        });
 #endif
       };
       with_adam_moment_options<kLamb>(a.hyper, t.scalars, options);
@@ -1110,15 +1120,15 @@ __attribute__((target("avx512f"))) void lamb_norms_u4(const StepHyper& h, const 
 
 #ifdef LB_VBMI_DECODE
 // lamb_norms_u4 for 8-bit states, by decode_moments_vbmi.
-template <int32_t kFlags, bool kSmall, bool kScaled, typename T>
+template <bool kPlanes1, int32_t kFlags, bool kSmall, bool kScaled, typename T>
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) void lamb_norms_vbmi(
     const StepHyper& h, const StepScalars& sc, const T* __restrict param, const T* __restrict grad,
-    const uint8_t* q1, const uint8_t* q2, float absmax1, float absmax2, const float* map1, const BytePlanes& planes2,
-    int cnt, const AdamAhead& ahead, double* sums) {
+    const uint8_t* q1, const uint8_t* q2, float absmax1, float absmax2, const float* map1, const BytePlanes* planes1,
+    const BytePlanes& planes2, int cnt, const AdamAhead& ahead, double* sums) {
   const AdamMomentConstants mc = adam_moment_constants<kSmall>(h, sc);
   const AdamStepConstants c = adam_step_constants(h, sc, 0.f, 0.f);
   __m512d pp = _mm512_setzero_pd(), uu = _mm512_setzero_pd();
-  decode_moments_vbmi<T>(q1, q2, absmax1, absmax2, map1, planes2, cnt, ahead,
+  decode_moments_vbmi<kPlanes1, T>(q1, q2, absmax1, absmax2, map1, planes1, planes2, cnt, ahead,
                          [&](int i, __m512 m, __m512 root_old) __attribute__((target("avx512f"), always_inline)) {
                            lamb_norms16<kFlags, kSmall, kScaled>(mc, c, m, root_old, param, grad, i, ahead, pp, uu);
                          });
@@ -1665,8 +1675,11 @@ bool lamb_norms_block(const OptimArgs& a, const TensorView& t, int64_t block, in
                                            state_map(a, 1), cnt, ahead, sums);
         }
 #ifdef LB_VBMI_DECODE
-        lamb_norms_vbmi<kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1, amax2, state_map(a, 0),
-                                    *coders.planes[1], cnt, ahead, sums);
+        with_bool(coders.planes_first, [&](auto planes1) LB_ALWAYS_INLINE {
+          lamb_norms_vbmi<decltype(planes1)::value, kF, kS, kG>(a.hyper, t.scalars, param, grad, q1, q2, amax1,
+                                                                 amax2, state_map(a, 0), coders.planes[0],
+                                                                 *coders.planes[1], cnt, ahead, sums);
+        });
 #endif
       };
       with_adam_moment_options<true>(a.hyper, t.scalars, norms);
@@ -2008,6 +2021,7 @@ void step_all(const OptimArgs& a, int threads) {
   }
   coders.adam_split = (kRule == Rule::Adam || kRule == Rule::Lamb) && a.n_states == 2 && coders.gather &&
                       avx512_active() && coders.index[0]->nearest_direct() && coders.index[1]->nearest_direct();
+  coders.planes_first = coders.adam_split && vbmi && vbmi_first_moment_active();
   coders.adam_avx2 = (kRule == Rule::Adam || kRule == Rule::Lamb) && a.n_states == 2 && coders.gather &&
                      !avx512_active() && avx2_active() && coders.index[0]->nearest_direct() &&
                      coders.index[1]->nearest_direct() && coders.index[0]->unit_stable() &&
