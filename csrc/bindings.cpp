@@ -292,6 +292,7 @@ py::dict build_info() {
   info["cpu_avx2"] = lowbit::cpu::avx2_active();
   info["cpu_gather_encode"] = lowbit::cpu::gather_encode_active();
   info["cpu_vbmi_first_moment"] = lowbit::cpu::vbmi_first_moment_active();
+  info["cpu_search_u4"] = lowbit::cpu::search_u4_active();
 #ifdef LOWBIT_WITH_CUDA
   info["cuda"] = true;
   info["cuda_archs"] = LOWBIT_CUDA_ARCHS;
@@ -393,6 +394,7 @@ PYBIND11_MODULE(LOWBIT_MODULE_NAME, m) {
   m.def("_set_cpu_gather_encode", &lowbit::cpu::set_gather_encode);
   m.def("_set_cpu_vbmi_decode", &lowbit::cpu::set_vbmi_decode);
   m.def("_set_cpu_vbmi_first_moment", &lowbit::cpu::set_vbmi_first_moment);
+  m.def("_set_cpu_search_u4", &lowbit::cpu::set_search_u4);
 #endif
 
   def_loop(m, "quantize", &quantize_args, LB_CPU_LOOP(quantize), LB_CUDA_LOOP(quantize));

@@ -312,6 +312,8 @@ void set_gather_encode(int mode);
 bool set_vbmi_decode(bool enabled);
 bool vbmi_first_moment_active();
 void set_vbmi_first_moment(int mode);
+bool search_u4_active();
+void set_search_u4(int mode);
 // The AVX2 kernels of the step and the map encoders (cpu/avx2.h), where AVX-512 is not in use.
 bool avx2_active();
 bool set_avx2_enabled(bool enabled);

@@ -51,8 +51,9 @@ def device(request: pytest.FixtureRequest) -> str:
 def cpu_kernels(request):
     """Runs a test with the CPU's AVX-512 kernels (where it has them) in the variants of the 8-bit
     state coders (gather encoder and VBMI decoder, normally chosen by timing and CPU features, the fused
-    Adam loops decoding the first moment by gathers or, "planes", by its byte planes like the second;
-    scalar table encoder and permute decoder), with the AVX2 kernels (AVX-512 off; gather encoder and
+    Adam loops decoding the first 8-bit moment by gathers and encoding 4-bit states by gathers or, the
+    "planes" variant chosen where gathers are slow, by byte planes and a register search; scalar table
+    encoder and permute decoder), with the AVX2 kernels (AVX-512 off; gather encoder and
     gather decoder), and with the portable loops (both off)."""
     avx512 = request.param.startswith("avx512")
     avx2 = request.param != "portable"
@@ -62,6 +63,7 @@ def cpu_kernels(request):
     lowbit._C._set_cpu_gather_encode(1 if gather else 0)
     lowbit._C._set_cpu_vbmi_decode(request.param.startswith("avx512-gather"))
     lowbit._C._set_cpu_vbmi_first_moment(1 if request.param == "avx512-gather-planes" else 0)
+    lowbit._C._set_cpu_search_u4(1 if request.param == "avx512-gather-planes" else 0)
     try:
         if avx512 and not has_avx512:
             pytest.skip("this CPU has no AVX-512F")
@@ -74,6 +76,7 @@ def cpu_kernels(request):
         lowbit._C._set_cpu_gather_encode(-1)
         lowbit._C._set_cpu_vbmi_decode(True)
         lowbit._C._set_cpu_vbmi_first_moment(-1)
+        lowbit._C._set_cpu_search_u4(-1)
 
 
 def sample(dist: str, n: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.Tensor:

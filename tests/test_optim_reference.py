@@ -242,7 +242,8 @@ def _codes(stored: torch.Tensor, bits: int) -> torch.Tensor:
 @pytest.mark.parametrize("bits", [8, 4])
 def test_adam_codes_of_exact_ties_and_block_edges_match_reference(bits, cpu_kernels):
     """Adam's block loops on the values where a fast encoder can go wrong, for both moments: exact ties between
-    two map entries, the map entries themselves, +-absmax, -0, an all-zero block, a poisoned (NaN) block and a
+    two map entries, the floats next to every midpoint (where the nearest code steps up), the map entries
+    themselves, +-absmax, -0, an all-zero block, a poisoned (NaN) block and a
     block whose absmax is subnormal (no finite inverse). With beta1 = beta2 = 0 the new moments are m = g and
     v = g * g, whose stored root is |g| exactly, so the gradients are the values both encoders see; every block's
     absmax is exactly 1. Blocks of whole groups of 64 take the fused loops (adam_moments_vbmi and
@@ -260,10 +261,21 @@ def test_adam_codes_of_exact_ties_and_block_edges_match_reference(bits, cpu_kern
         mid = (lo + hi) / 2
         return mid[((hi - mid) == (mid - lo)) & (hi > lo)]
 
+    def steps_of(m: torch.Tensor) -> torch.Tensor:
+        """The floats one and two ulps either side of each midpoint: where the nearest code steps up (the
+        least x of each code, the key a register search compares with) lies among them and the midpoint."""
+        mid = (m[:-1] + m[1:]) / 2
+        up, down = torch.full_like(mid, math.inf), torch.full_like(mid, -math.inf)
+        near = [torch.nextafter(mid, up), torch.nextafter(mid, down)]
+        return torch.cat(near + [torch.nextafter(near[0], up), torch.nextafter(near[1], down)])
+
     signed_ties, unsigned_ties = ties_of(maps[0]), ties_of(maps[1])
     assert signed_ties.numel() >= 8 and unsigned_ties.numel() >= 8, "the maps should have exact midpoints"
     gen = torch.Generator().manual_seed(0)
-    values = torch.cat([signed_ties, maps[0], maps[1], unsigned_ties, -unsigned_ties, torch.tensor([-0.0, 0.0])])
+    values = torch.cat(
+        [signed_ties, maps[0], maps[1], unsigned_ties, -unsigned_ties, torch.tensor([-0.0, 0.0])]
+        + [steps_of(maps[0]), steps_of(maps[1]), -steps_of(maps[1])]
+    )
     n = 40 * block + 48
     grad = values[torch.randint(values.numel(), (n,), generator=gen)]
     grad[::block] = 1.0  # every block's absmax is exactly 1 ...

@@ -49,9 +49,12 @@ std::atomic<int> g_gather{-1};
 std::atomic<int> g_gather_avx2{-1};
 // vbmi_first_moment_active's choice; -1: not yet timed.
 std::atomic<int> g_planes_first{-1};
+// search_u4_active's choice; -1: not yet timed.
+std::atomic<int> g_search_u4{-1};
 
 bool calibrate_gather(bool wide);
 bool calibrate_planes();
+bool calibrate_search_u4();
 
 }  // namespace
 
@@ -102,6 +105,18 @@ bool vbmi_first_moment_active() {
 void set_vbmi_first_moment(int mode) {
   g_planes_first.store(mode < 0 ? -1 : (mode > 0 ? 1 : 0), std::memory_order_relaxed);
 }
+
+bool search_u4_active() {
+  if (!avx512_active()) return false;
+  int v = g_search_u4.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = calibrate_search_u4() ? 1 : 0;
+    g_search_u4.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void set_search_u4(int mode) { g_search_u4.store(mode < 0 ? -1 : (mode > 0 ? 1 : 0), std::memory_order_relaxed); }
 
 void set_gather_encode(int mode) {
   const int v = mode < 0 ? -1 : (mode > 0 ? 1 : 0);
@@ -369,6 +384,45 @@ bool calibrate_planes() {
   return best[0] > 2 * best[1];
 }
 
+// Whether search_codes16 encodes 4-bit states faster than sum_codes16 on this CPU: best of several alternated
+// runs of each over an L1-resident tile of the default signed 4-bit map's keys. The same codes either way.
+LB_TARGET bool calibrate_search_u4() {
+  constexpr int kN = 4096;
+  float map[16];
+  for (int i = 0; i < 16; ++i) map[i] = -1.f + 2.f * static_cast<float>(i) / 15.f;
+  const auto index = map_index(map, 16);
+  if (!index->nearest_direct()) return false;
+  const int* sums = reinterpret_cast<const int*>(index->nearest_sums()) - kFirstBucket;
+  alignas(64) uint32_t padded[16];
+  for (int j = 0; j < 16; ++j) padded[j] = index->nearest_keys()[j];
+  const __m512i steps = _mm512_load_si512(padded);
+  std::vector<float> x(kN);
+  uint32_t state = 12345u;
+  for (auto& v : x) {
+    state = state * 1664525u + 1013904223u;
+    v = static_cast<float>(static_cast<int32_t>(state)) * (1.f / 2147483648.f);
+  }
+  std::vector<uint8_t> out(kN);
+  double best[2] = {1e30, 1e30};
+  for (int rep = 0; rep < 16; ++rep) {
+    for (int which = 0; which < 2; ++which) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (which == 0) {
+        for (int i = 0; i < kN; i += 16) {
+          pack_u4_16(sum_codes16(sums, order_keys(_mm512_loadu_ps(x.data() + i))), out.data() + i / 2);
+        }
+      } else {
+        for (int i = 0; i < kN; i += 16) {
+          pack_u4_16(search_codes16(steps, order_keys(_mm512_loadu_ps(x.data() + i))), out.data() + i / 2);
+        }
+      }
+      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+      best[which] = std::min(best[which], dt.count());
+    }
+  }
+  return best[1] < best[0];
+}
+
 }  // namespace
 
 #else
@@ -385,6 +439,7 @@ int stochastic_codes_u4_avx512(const float*, const float*, int, float, const flo
 namespace {
 bool calibrate_gather(bool) { return false; }
 bool calibrate_planes() { return false; }
+bool calibrate_search_u4() { return false; }
 }  // namespace
 
 #endif

@@ -51,6 +51,13 @@ bool vbmi_first_moment_active();
 // Forces that choice (tests run both): 1 planes, 0 gathers, -1 time it again.
 void set_vbmi_first_moment(int mode);
 
+// Whether the fused Adam and LAMB loops encode 4-bit states by search_codes16 (avx512_codes.h), not by
+// sum_codes16's gathers: AVX-512 is active and a timing at first use found the search faster on this CPU.
+bool search_u4_active();
+
+// Forces that choice (tests run both): 1 search, 0 gathers, -1 time it again.
+void set_search_u4(int mode);
+
 // A 256-entry map as four byte planes: p[k][i] is byte k of map[i].
 struct BytePlanes {
   alignas(64) uint8_t p[4][256];

@@ -59,6 +59,11 @@ MapIndex::MapIndex(const float* map, uint32_t n)
     low_gap_.push_back(padded_[i + 1] - padded_[i]);
   }
   const std::vector<uint32_t> up = nearest_jumps(map, n);
+  nearest_keys_ = up;
+  nearest_keys_[0] = 0;
+  for (uint32_t j = 1; j < n; ++j) {
+    if (up[j] == order_key(-1.f)) nearest_keys_[j] = 0;
+  }
   uint32_t lo = 0;
   for (uint32_t b = kFirstBucket; b <= kLastBucket; ++b) {
     const uint32_t first_key = b << 16;

@@ -76,6 +76,12 @@ class MapIndex {
   // is set exactly when the key's low half low >= step.
   const uint32_t* nearest_sums() const { return nearest_sums_.data(); }
 
+  // The order keys at which the nearest code steps up: nearest_keys()[j], j = 1..size()-1, is the least key of
+  // [-1, 1] whose nearest code is j or more (0 where that is -1's, so that keys below -1 take -1's code as in
+  // the index's first bucket; UINT32_MAX where no x up to 1 has it); [0] is 0. The nearest code of a key of
+  // [-1, 1], or of the index's first and last buckets, is then the number of j >= 1 with nearest_keys()[j] <= key:
+  // a search over size() - 1 sorted words that needs no table of buckets (search_codes16 of avx512_codes.h).
+  const uint32_t* nearest_keys() const { return nearest_keys_.data(); }
   // True when no bucket holds more than one step of the nearest code.
   bool nearest_direct() const { return nearest_direct_; }
   // True when the nearest codes of +-1 and of +-(1 - 2^-24) agree. x * (1 / absmax) at x = +-absmax
@@ -102,6 +108,7 @@ class MapIndex {
   std::vector<uint32_t> floor_steps_;
   std::vector<uint32_t> nearest_steps_;
   std::vector<uint32_t> nearest_sums_;
+  std::vector<uint32_t> nearest_keys_;
 };
 
 // The index for this map, built on first use and kept in a small cache keyed by the map values.

@@ -453,6 +453,8 @@ struct StateCoders {
   bool adam_split = false;
   // adam_split's 8-bit loops decode the first moment by its byte planes too (vbmi_first_moment_active).
   bool planes_first = false;
+  // adam_split's 4-bit loops encode by search_codes16 (search_u4_active).
+  bool search_u4 = false;
   // Adam's and LAMB's 8-bit and 4-bit blocks of fp32 parameters take adam_block_avx2 (below): the AVX2 gather
   // encoder is in use (AVX-512 is not), and both maps are unit-stable.
   bool adam_avx2 = false;
@@ -814,24 +816,39 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 step16(const Ada
   return _mm512_div_ps(_mm512_mul_ps(c.step_size, m), denom);
 }
 
+// The nearest codes of 16 keys by an index's nearest_sums (the table less kFirstBucket): sum_codes16.
+struct SumCodes {
+  const int* sums;
+  __attribute__((target("avx512f"), always_inline)) __m512i operator()(__m512i key) const {
+    return sum_codes16(sums, key);
+  }
+};
+
+// The same codes of a map of at most 16 entries by its nearest_keys in a register: search_codes16.
+struct SearchCodes {
+  __m512i steps;
+  __attribute__((target("avx512f"), always_inline)) __m512i operator()(__m512i key) const {
+    return search_codes16(steps, key);
+  }
+};
+
 // adam_encode_step_avx512's work on 16 elements at i of a block with unit-stable maps: the nearest codes
-// of the new m (s1) and root of v (s2) by the indexes' nearest_sums (sums1, sums2: the tables less
-// kFirstBucket), the root keyed as non-negative (it is +0 or positive: v is a sum of products of like-signed
+// of the new m (s1) and root of v (s2) by code1 and code2 (SumCodes or SearchCodes), the root keyed as non-negative (it is +0 or positive: v is a sum of products of like-signed
 // factors, its root is finite here), into c1 and c2; and the parameters' step, step16 and stepped
 // (optim_rules.h) operation for operation. An inverse of 0 (absmax <= 0) gives x * 0 = +-0, keyed as +0,
 // which is normalise()'s 0 for such blocks (nearest_codes16's normalisation for unit-stable maps).
 // kScaled: an update scale other than 1 (u * 1 is u, and the subtraction quiets a signaling NaN as the
 // product would).
-template <bool kLamb, bool kDecay, bool kScaled, typename T>
+template <bool kLamb, bool kDecay, bool kScaled, typename T, typename Codes1, typename Codes2>
 __attribute__((target("avx512f"), always_inline)) inline void adam_step16(const AdamStepConstants& c,
                                                                          T* __restrict param,
                                                                          const float* __restrict s1,
                                                                          const float* __restrict s2, int i,
-                                                                         const int* sums1, const int* sums2,
+                                                                         const Codes1& code1, const Codes2& code2,
                                                                          __m512i& c1, __m512i& c2) {
   const __m512 m = _mm512_loadu_ps(s1 + i), root = _mm512_loadu_ps(s2 + i);
-  c1 = sum_codes16(sums1, order_keys(_mm512_mul_ps(m, c.inv1)));
-  c2 = sum_codes16(sums2, nonnegative_keys(_mm512_mul_ps(root, c.inv2)));
+  c1 = code1(order_keys(_mm512_mul_ps(m, c.inv1)));
+  c2 = code2(nonnegative_keys(_mm512_mul_ps(root, c.inv2)));
   __m512 p = load16(param + i);
   const __m512 u = step16<kLamb>(c, m, root, p);
   if (kDecay) p = _mm512_mul_ps(p, c.decay);
@@ -839,20 +856,31 @@ __attribute__((target("avx512f"), always_inline)) inline void adam_step16(const 
 }
 
 // adam_encode_step_avx512 for fp32 or bf16 parameters and 4-bit states, unit-stable maps and cnt a multiple of
-// 16: adam_step16, and each 16 codes of a state packed to 8 bytes at q1, q2 (the block's packed codes). Same
-// codes as store_state's 4-bit encoder, same parameters as adam_params.
-template <bool kLamb, bool kDecay, bool kScaled, typename T>
+// 16: adam_step16, and each 16 codes of a state packed to 8 bytes at q1, q2 (the block's packed codes). The codes
+// by the indexes' nearest_sums (sums1, sums2) or, kSearch (search_u4_active), by a search over their
+// nearest_keys (keys1, keys2). Same codes as store_state's 4-bit encoder, same parameters as adam_params.
+template <bool kSearch, bool kLamb, bool kDecay, bool kScaled, typename T>
 __attribute__((target("avx512f"))) void adam_encode_step_u4(const StepHyper& h, const StepScalars& sc,
                                                             T* __restrict param, const float* __restrict s1,
                                                             const float* __restrict s2, int cnt, const int* sums1,
-                                                            const int* sums2, float inv1, float inv2,
+                                                            const int* sums2, const uint32_t* keys1,
+                                                            const uint32_t* keys2, float inv1, float inv2,
                                                             uint8_t* __restrict q1, uint8_t* __restrict q2,
                                                             const AdamAhead& ahead) {
   const AdamStepConstants c = adam_step_constants(h, sc, inv1, inv2);
+  const auto codes = [&](const int* sums, const uint32_t* keys)
+                         __attribute__((target("avx512f"), always_inline)) {
+    if constexpr (kSearch) {
+      return SearchCodes{_mm512_loadu_si512(keys)};
+    } else {
+      return SumCodes{sums};
+    }
+  };
+  const auto code1 = codes(sums1, keys1), code2 = codes(sums2, keys2);
   for (int i = 0; i < cnt; i += 16) {
     ahead.param.at(static_cast<int>(i * sizeof(T)));
     __m512i c1, c2;
-    adam_step16<kLamb, kDecay, kScaled>(c, param, s1, s2, i, sums1, sums2, c1, c2);
+    adam_step16<kLamb, kDecay, kScaled>(c, param, s1, s2, i, code1, code2, c1, c2);
     pack_u4_16(c1, q1 + i / 2);
     pack_u4_16(c2, q2 + i / 2);
   }
@@ -874,7 +902,8 @@ __attribute__((target("avx512f,avx512bw"))) void adam_encode_step_sums(const Ste
     __m512i c1[4], c2[4];
     for (int k = 0; k < 4; ++k) {
       ahead.param.at(static_cast<int>((j + 16 * k) * sizeof(T)));
-      adam_step16<kLamb, kDecay, kScaled>(c, param, s1, s2, j + 16 * k, sums1, sums2, c1[k], c2[k]);
+      adam_step16<kLamb, kDecay, kScaled>(c, param, s1, s2, j + 16 * k, SumCodes{sums1}, SumCodes{sums2}, c1[k],
+                                          c2[k]);
     }
     _mm512_storeu_si512(q1 + j, pack_codes64(c1[0], c1[1], c1[2], c1[3]));
     _mm512_storeu_si512(q2 + j, pack_codes64(c2[0], c2[1], c2[2], c2[3]));
@@ -1046,8 +1075,11 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
         with_bool(scaled, [&](auto kScaled) LB_ALWAYS_INLINE {
           constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
           if (t.bits == 4) {
-            return adam_encode_step_u4<kLamb, kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv,
-                                               b2.inv, q1, q2, ahead);
+            return with_bool(coders.search_u4, [&](auto search) LB_ALWAYS_INLINE {
+              adam_encode_step_u4<decltype(search)::value, kLamb, kD, kG>(
+                  a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, coders.index[0]->nearest_keys(),
+                  coders.index[1]->nearest_keys(), b1.inv, b2.inv, q1, q2, ahead);
+            });
           }
 #ifdef LB_VBMI_DECODE
           adam_encode_step_sums<kLamb, kD, kG>(a.hyper, t.scalars, param, s[0], s[1], cnt, sums1, sums2, b1.inv,
@@ -2022,6 +2054,7 @@ void step_all(const OptimArgs& a, int threads) {
   coders.adam_split = (kRule == Rule::Adam || kRule == Rule::Lamb) && a.n_states == 2 && coders.gather &&
                       avx512_active() && coders.index[0]->nearest_direct() && coders.index[1]->nearest_direct();
   coders.planes_first = coders.adam_split && vbmi && vbmi_first_moment_active();
+  coders.search_u4 = coders.adam_split && a.state_bits == 4 && search_u4_active();
   coders.adam_avx2 = (kRule == Rule::Adam || kRule == Rule::Lamb) && a.n_states == 2 && coders.gather &&
                      !avx512_active() && avx2_active() && coders.index[0]->nearest_direct() &&
                      coders.index[1]->nearest_direct() && coders.index[0]->unit_stable() &&
