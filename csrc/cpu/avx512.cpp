@@ -208,40 +208,6 @@ LB_TARGET int decode_u4_avx512(const float* map, const uint8_t* packed, int cnt,
 
 namespace {
 
-// The 16 codes of a 4-bit state at x[0..16): normalise() of blockwise.h as written (the product, its clamp,
-// exact +-1 at +-absmax; 0 for a zero absmax), then map_floor_index's four probes. Returns the floor codes
-// and sets xn (the normalised values) and the map values at the floor and at the code above it (the top
-// code's own value at the top), from which nearest and stochastic rounding choose (qmap.h).
-struct U4Brackets {
-  __m512i lo;
-  __m512i hi;
-  __m512 xn;
-  __m512 lo_value;
-  __m512 hi_value;
-};
-
-LB_TARGET inline U4Brackets u4_brackets(const __m512 m, const float* x, float absmax, float inv) {
-  __m512 xn = _mm512_setzero_ps();
-  if (absmax > 0.f) {
-    const __m512 v = _mm512_loadu_ps(x);
-    xn = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, _mm512_set1_ps(inv)), _mm512_set1_ps(-1.f)), _mm512_set1_ps(1.f));
-    xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(absmax), _CMP_EQ_OQ), xn, _mm512_set1_ps(1.f));
-    xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-absmax), _CMP_EQ_OQ), xn, _mm512_set1_ps(-1.f));
-  }
-  __m512i lo = _mm512_setzero_si512();
-  for (int step = 8; step > 0; step >>= 1) {
-    const __m512i probe = _mm512_add_epi32(lo, _mm512_set1_epi32(step));
-    const __mmask16 le = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(probe, m), xn, _CMP_LE_OQ);
-    lo = _mm512_mask_mov_epi32(lo, le, probe);
-  }
-  const __m512i hi = _mm512_min_epu32(_mm512_add_epi32(lo, _mm512_set1_epi32(1)), _mm512_set1_epi32(15));
-  return {lo, hi, xn, _mm512_permutexvar_ps(lo, m), _mm512_permutexvar_ps(hi, m)};
-}
-
-}  // namespace
-
-namespace {
-
 // The 4-bit encoders' loop: for each whole group of 16, the brackets, then the rounding rule of qmap.h
 // (nearest_up, or stochastic_up with element i drawing u[i]), packed. Returns the count handled (0 for a
 // subnormal absmax, whose reciprocal is not finite).
@@ -254,17 +220,14 @@ LB_TARGET inline int codes_u4(const float* map, const float* x, int cnt, float a
   const int vec = cnt - cnt % 16;
   for (int j = 0; j < vec; j += 16) {
     const U4Brackets b = u4_brackets(m, x + j, absmax, inv);
-    const __m512 down_gap = _mm512_sub_ps(b.xn, b.lo_value);
-    __mmask16 up;
     if constexpr (kStochastic) {
-      // stochastic_up: u * (hi - lo) < x - lo, each operation rounded once as in the scalar rule.
-      const __m512 lhs = _mm512_mul_ps(_mm512_loadu_ps(u + j), _mm512_sub_ps(b.hi_value, b.lo_value));
-      up = _mm512_cmp_ps_mask(lhs, down_gap, _CMP_LT_OQ);
+      pack_u4_16(stochastic_codes16(b, _mm512_loadu_ps(u + j)), packed + j / 2);
     } else {
       // nearest_up: hi - x < x - lo.
-      up = _mm512_cmp_ps_mask(_mm512_sub_ps(b.hi_value, b.xn), down_gap, _CMP_LT_OQ);
+      const __mmask16 up = _mm512_cmp_ps_mask(_mm512_sub_ps(b.hi_value, b.xn), _mm512_sub_ps(b.xn, b.lo_value),
+                                              _CMP_LT_OQ);
+      pack_u4_16(_mm512_mask_mov_epi32(b.lo, up, b.hi), packed + j / 2);
     }
-    pack_u4_16(_mm512_mask_mov_epi32(b.lo, up, b.hi), packed + j / 2);
   }
   return vec;
 }

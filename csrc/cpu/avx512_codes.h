@@ -91,6 +91,45 @@ __attribute__((target("avx512f"))) inline void pack_u4_16(__m512i code, uint8_t*
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm512_cvtepi64_epi8(pair));
 }
 
+// The 16 codes of a 4-bit state at x[0..16): normalise() of blockwise.h as written (the product, its clamp,
+// exact +-1 at +-absmax; 0 for a zero absmax), then map_floor_index's four probes. Returns the floor codes
+// and sets xn (the normalised values) and the map values at the floor and at the code above it (the top
+// code's own value at the top), from which nearest and stochastic rounding choose (qmap.h).
+struct U4Brackets {
+  __m512i lo;
+  __m512i hi;
+  __m512 xn;
+  __m512 lo_value;
+  __m512 hi_value;
+};
+
+__attribute__((target("avx512f"))) inline U4Brackets u4_brackets(const __m512 m, const float* x, float absmax,
+                                                                float inv) {
+  __m512 xn = _mm512_setzero_ps();
+  if (absmax > 0.f) {
+    const __m512 v = _mm512_loadu_ps(x);
+    const __m512 product = _mm512_mul_ps(v, _mm512_set1_ps(inv));
+    xn = _mm512_min_ps(_mm512_max_ps(product, _mm512_set1_ps(-1.f)), _mm512_set1_ps(1.f));
+    xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(absmax), _CMP_EQ_OQ), xn, _mm512_set1_ps(1.f));
+    xn = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-absmax), _CMP_EQ_OQ), xn, _mm512_set1_ps(-1.f));
+  }
+  __m512i lo = _mm512_setzero_si512();
+  for (int step = 8; step > 0; step >>= 1) {
+    const __m512i probe = _mm512_add_epi32(lo, _mm512_set1_epi32(step));
+    const __mmask16 le = _mm512_cmp_ps_mask(_mm512_permutexvar_ps(probe, m), xn, _CMP_LE_OQ);
+    lo = _mm512_mask_mov_epi32(lo, le, probe);
+  }
+  const __m512i hi = _mm512_min_epu32(_mm512_add_epi32(lo, _mm512_set1_epi32(1)), _mm512_set1_epi32(15));
+  return {lo, hi, xn, _mm512_permutexvar_ps(lo, m), _mm512_permutexvar_ps(hi, m)};
+}
+
+// The codes stochastic_up (qmap.h) picks from brackets b, element i drawing u[i]: the code above the floor when
+// u * (hi - lo) < x - lo, each operation rounded once as in the scalar rule.
+__attribute__((target("avx512f"))) inline __m512i stochastic_codes16(const U4Brackets& b, __m512 u) {
+  const __m512 lhs = _mm512_mul_ps(u, _mm512_sub_ps(b.hi_value, b.lo_value));
+  return _mm512_mask_mov_epi32(b.lo, _mm512_cmp_ps_mask(lhs, _mm512_sub_ps(b.xn, b.lo_value), _CMP_LT_OQ), b.hi);
+}
+
 // step_code (map_index.h) of 16 elements with order keys `key` in buckets `bucket`: the step words by
 // one gather.
 __attribute__((target("avx512f"))) inline __m512i step_codes16(const int* table, __m512i key, __m512i bucket) {

@@ -8,6 +8,7 @@
 
 
 #include "avx512.h"
+#include "avx512_draws.h"
 #include "lowbit/blockwise.h"
 #include "map_index.h"
 
@@ -71,23 +72,6 @@ LB_TARGET inline void store_codes16(__m512i codes, int bits, __m512i index12, ui
   const __m512i even = _mm512_and_si512(codes, _mm512_set1_epi64(0xFFFFFFFFll));
   const __m512i pair = _mm512_or_si512(even, _mm512_slli_epi64(_mm512_srli_epi64(codes, 32), 12));
   _mm512_mask_storeu_epi8(p, kBytes12, _mm512_permutexvar_epi8(index12, pair));
-}
-
-// hash32 (lowbit/rounding.h) of 16 lanes.
-LB_TARGET inline __m512i hash32x16(__m512i x) {
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7FEB352D));
-  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
-  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846CA68Bu)));
-  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
-}
-
-// uniform01(key, lo, hi) of 16 counters (lowbit/rounding.h).
-LB_TARGET inline __m512 uniform01x16(RngKey key, __m512i lo, __m512i hi) {
-  const __m512i h1 = hash32x16(_mm512_xor_si512(lo, _mm512_set1_epi32(static_cast<int>(key.lo))));
-  const __m512i h2 =
-      hash32x16(_mm512_xor_si512(_mm512_xor_si512(h1, hi), _mm512_set1_epi32(static_cast<int>(key.hi))));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(h2, 8)), _mm512_set1_ps(5.9604644775390625e-08f));
 }
 
 // a < b ? x : y, lane-wise, for the selects of blockwise.h.

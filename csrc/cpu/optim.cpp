@@ -17,6 +17,7 @@
 #include "avx512.h"
 #include "avx512_codes.h"
 #include "avx512_convert.h"
+#include "avx512_draws.h"
 #include "encode.h"
 #include "kernels.h"
 #include "lowbit/blockwise.h"
@@ -816,6 +817,19 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 step16(const Ada
   return _mm512_div_ps(_mm512_mul_ps(c.step_size, m), denom);
 }
 
+// The parameters' step of 16 elements at i from their new m and root of v: step16 and stepped (optim_rules.h)
+// operation for operation. kScaled: an update scale other than 1 (u * 1 is u, and the subtraction quiets a
+// signaling NaN as the product would).
+template <bool kLamb, bool kDecay, bool kScaled, typename T>
+__attribute__((target("avx512f"), always_inline)) inline void adam_param16(const AdamStepConstants& c,
+                                                                          T* __restrict param, __m512 m, __m512 root,
+                                                                          int i) {
+  __m512 p = load16(param + i);
+  const __m512 u = step16<kLamb>(c, m, root, p);
+  if (kDecay) p = _mm512_mul_ps(p, c.decay);
+  store16(param + i, _mm512_sub_ps(p, kScaled ? _mm512_mul_ps(c.update_scale, u) : u));
+}
+
 // The nearest codes of 16 keys by an index's nearest_sums (the table less kFirstBucket): sum_codes16.
 struct SumCodes {
   const int* sums;
@@ -832,13 +846,11 @@ struct SearchCodes {
   }
 };
 
-// adam_encode_step_avx512's work on 16 elements at i of a block with unit-stable maps: the nearest codes
-// of the new m (s1) and root of v (s2) by code1 and code2 (SumCodes or SearchCodes), the root keyed as non-negative (it is +0 or positive: v is a sum of products of like-signed
-// factors, its root is finite here), into c1 and c2; and the parameters' step, step16 and stepped
-// (optim_rules.h) operation for operation. An inverse of 0 (absmax <= 0) gives x * 0 = +-0, keyed as +0,
-// which is normalise()'s 0 for such blocks (nearest_codes16's normalisation for unit-stable maps).
-// kScaled: an update scale other than 1 (u * 1 is u, and the subtraction quiets a signaling NaN as the
-// product would).
+// adam_encode_step_avx512's work on 16 elements at i of a block with unit-stable maps: the nearest codes of the new
+// m (s1) and root of v (s2) by code1 and code2 (SumCodes or SearchCodes), the root keyed as non-negative (it is +0
+// or positive: v is a sum of products of like-signed factors, its root is finite here), into c1 and c2; and the
+// parameters' step (adam_param16). An inverse of 0 (absmax <= 0) gives x * 0 = +-0, keyed as +0, which is
+// normalise()'s 0 for such blocks (nearest_codes16's normalisation for unit-stable maps).
 template <bool kLamb, bool kDecay, bool kScaled, typename T, typename Codes1, typename Codes2>
 __attribute__((target("avx512f"), always_inline)) inline void adam_step16(const AdamStepConstants& c,
                                                                          T* __restrict param,
@@ -849,10 +861,7 @@ __attribute__((target("avx512f"), always_inline)) inline void adam_step16(const 
   const __m512 m = _mm512_loadu_ps(s1 + i), root = _mm512_loadu_ps(s2 + i);
   c1 = code1(order_keys(_mm512_mul_ps(m, c.inv1)));
   c2 = code2(nonnegative_keys(_mm512_mul_ps(root, c.inv2)));
-  __m512 p = load16(param + i);
-  const __m512 u = step16<kLamb>(c, m, root, p);
-  if (kDecay) p = _mm512_mul_ps(p, c.decay);
-  store16(param + i, _mm512_sub_ps(p, kScaled ? _mm512_mul_ps(c.update_scale, u) : u));
+  adam_param16<kLamb, kDecay, kScaled>(c, param, m, root, i);
 }
 
 // adam_encode_step_avx512 for fp32 or bf16 parameters and 4-bit states, unit-stable maps and cnt a multiple of
@@ -883,6 +892,31 @@ __attribute__((target("avx512f"))) void adam_encode_step_u4(const StepHyper& h, 
     adam_step16<kLamb, kDecay, kScaled>(c, param, s1, s2, i, code1, code2, c1, c2);
     pack_u4_16(c1, q1 + i / 2);
     pack_u4_16(c2, q2 + i / 2);
+  }
+}
+
+// adam_encode_step_u4 with both states rounded stochastically, as store_stochastic rounds them: each state's floor
+// code and its map values by u4_brackets (normalise as written, since a stochastic code can tell 1 - 2^-24 from
+// 1), then stochastic_codes16 against the draw of the element's counter, counter0 + its index in the block,
+// under its state's key (key1, key2). maps: the indexes' padded(), 16 values each; b1, b2: the blocks' absmax
+// and inverse. Same codes as store_stochastic, same parameters as adam_params.
+template <bool kLamb, bool kDecay, bool kScaled, typename T>
+__attribute__((target("avx512f"))) void adam_encode_step_u4_stochastic(
+    const StepHyper& h, const StepScalars& sc, T* __restrict param, const float* __restrict s1,
+    const float* __restrict s2, int cnt, const float* map1, const float* map2, const NearestBlock& b1,
+    const NearestBlock& b2, RngKey key1, RngKey key2, uint64_t counter0, uint8_t* __restrict q1,
+    uint8_t* __restrict q2, const AdamAhead& ahead) {
+  const AdamStepConstants c = adam_step_constants(h, sc, b1.inv, b2.inv);
+  const __m512 m1 = _mm512_loadu_ps(map1), m2 = _mm512_loadu_ps(map2);
+  // Copies: the stores through q1 and q2 (bytes) may alias anything, and GCC reloaded b1 and b2 after each.
+  const NearestBlock n1 = b1, n2 = b2;
+  for (int i = 0; i < cnt; i += 16) {
+    ahead.param.at(static_cast<int>(i * sizeof(T)));
+    const uint64_t counter = counter0 + static_cast<uint64_t>(i);
+    const U4Brackets r1 = u4_brackets(m1, s1 + i, n1.absmax, n1.inv), r2 = u4_brackets(m2, s2 + i, n2.absmax, n2.inv);
+    pack_u4_16(stochastic_codes16(r1, counter_draws16(key1, counter)), q1 + i / 2);
+    pack_u4_16(stochastic_codes16(r2, counter_draws16(key2, counter)), q2 + i / 2);
+    adam_param16<kLamb, kDecay, kScaled>(c, param, _mm512_loadu_ps(s1 + i), _mm512_loadu_ps(s2 + i), i);
   }
 }
 
@@ -1074,6 +1108,12 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
       with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
         with_bool(scaled, [&](auto kScaled) LB_ALWAYS_INLINE {
           constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
+          if (t.stochastic) {
+            const uint64_t counter0 = t.round_offset + static_cast<uint64_t>(lo);
+            return adam_encode_step_u4_stochastic<kLamb, kD, kG>(
+                a.hyper, t.scalars, param, s[0], s[1], cnt, coders.index[0]->padded(), coders.index[1]->padded(), b1,
+                b2, state_stream_key(t.round_seed, 0), state_stream_key(t.round_seed, 1), counter0, q1, q2, ahead);
+          }
           if (t.bits == 4) {
             return with_bool(coders.search_u4, [&](auto search) LB_ALWAYS_INLINE {
               adam_encode_step_u4<decltype(search)::value, kLamb, kD, kG>(
@@ -1459,8 +1499,8 @@ void step_block(const OptimArgs& a, const TensorView& t, int64_t block, const St
 #endif
 #ifdef LB_AVX512_CODES
   if constexpr ((kRule == Rule::Adam || kRule == Rule::Lamb) && kStates == 2) {
-    if (coders.adam_split && !t.stochastic && t.rank1_slot < 0 &&
-        (t.bits == 8 || (t.bits == 4 && adam_fused<T>(t, coders, cnt)))) {
+    if (coders.adam_split && t.rank1_slot < 0 &&
+        ((t.bits == 8 && !t.stochastic) || (t.bits == 4 && adam_fused<T>(t, coders, cnt)))) {
       return adam_block<kRule == Rule::Lamb>(a, t, block, lo, cnt, coders, param, grad);
     }
   }
