@@ -16,25 +16,37 @@ import lowbit
 
 
 def cpu_model() -> str:
-    """The first ``model name`` in /proc/cpuinfo, or "unknown"."""
+    """The first ``model name`` in /proc/cpuinfo with its ``cpu family`` and ``model`` numbers (a virtual machine
+    may name only the vendor's line, "AMD EPYC": family 25 model 17 is Zen 4), or "unknown"."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break
     except OSError:
         pass
-    return "unknown"
+    if "model name" not in fields:
+        return "unknown"
+    numbers = f" (family {fields['cpu family']}, model {fields['model']})" if "cpu family" in fields else ""
+    return fields["model name"] + numbers
 
 
 def environment(device: str, **settings: object) -> dict[str, object]:
-    """What a benchmark's numbers depend on, for its header and JSON file: versions, threads, CPU, the device,
-    then ``settings`` in their order, then the GPU's name on CUDA."""
+    """What a benchmark's numbers depend on, for its header and JSON file: versions, threads, CPU, the CPU code
+    paths in use (``build_info()``'s ``cpu_*`` entries: the kernels and the coders that timing chose), the
+    device, then ``settings`` in their order, then the GPU's name on CUDA."""
+    info = lowbit._C.build_info()
     env: dict[str, object] = {
         "torch": torch.__version__,
         "lowbit": lowbit.__version__,
         "threads": torch.get_num_threads(),
         "cpu": cpu_model(),
+        **{key: value for key, value in info.items() if key.startswith("cpu_")},
         "device": device,
         **settings,
     }
