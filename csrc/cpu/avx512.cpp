@@ -8,6 +8,7 @@
 #include "avx2.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
@@ -280,109 +281,109 @@ LB_TARGET void stochastic_tile_avx512(const MapIndex& index, const float* xn, co
 
 namespace {
 
+// The best times (seconds) of 16 alternated runs of first() and second(): a busy host slows both alike, and the
+// best of each is what the code can do.
+template <typename First, typename Second>
+std::array<double, 2> best_alternated(First&& first, Second&& second) {
+  std::array<double, 2> best = {1e30, 1e30};
+  for (int rep = 0; rep < 16; ++rep) {
+    for (int which = 0; which < 2; ++which) {
+      const auto t0 = std::chrono::steady_clock::now();
+      if (which == 0) {
+        first();
+      } else {
+        second();
+      }
+      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+      best[which] = std::min(best[which], dt.count());
+    }
+  }
+  return best;
+}
+
+// The calibrations' data: n words of a fixed linear congruential sequence.
+std::vector<uint32_t> calibration_words(int n) {
+  std::vector<uint32_t> words(n);
+  uint32_t state = 12345u;
+  for (auto& w : words) {
+    state = state * 1664525u + 1013904223u;
+    w = state;
+  }
+  return words;
+}
+
+// Those words as floats in [-1, 1).
+std::vector<float> calibration_values(int n) {
+  std::vector<float> x;
+  for (const uint32_t w : calibration_words(n)) x.push_back(static_cast<float>(static_cast<int32_t>(w)) * 0x1p-31f);
+  return x;
+}
+
+constexpr int kCalibrationSize = 4096;
+
 // Whether the gather encoder (AVX-512 where wide, else AVX2) beats the scalar-table one on this CPU:
 // gathers are fast on some x86 cores and slow on others (microcode mitigations, AMD's split gathers),
-// and only timing tells. Both return the same codes, so the choice affects speed only. Best of
-// several alternated runs on an L1-resident tile, once per process and encoder.
+// and only timing tells. Both return the same codes, so the choice affects speed only. Timed on an
+// L1-resident tile, once per process and encoder.
 bool calibrate_gather(bool wide) {
-  constexpr int kN = 4096;
   std::vector<float> map(256);
   for (int i = 0; i < 256; ++i) map[i] = -1.f + 2.f * static_cast<float>(i) / 255.f;
   const auto index = map_index(map.data(), 256);
   if (!index->nearest_direct()) return false;
-  std::vector<float> x(kN);
-  uint32_t state = 12345u;
-  for (auto& v : x) {
-    state = state * 1664525u + 1013904223u;
-    v = static_cast<float>(static_cast<int32_t>(state)) * (1.f / 2147483648.f);
-  }
-  std::vector<uint8_t> out(kN);
-  double best[2] = {1e30, 1e30};
-  for (int rep = 0; rep < 16; ++rep) {
-    for (int which = 0; which < 2; ++which) {
-      const auto t0 = std::chrono::steady_clock::now();
-      if (which == 0) {
-        nearest_codes_u8(*index, x.data(), kN, 1.f, out.data());
-      } else if (wide) {
-        nearest_codes_u8_avx512(*index, x.data(), kN, 1.f, out.data());
-      } else {
-        nearest_codes_u8_avx2(*index, x.data(), kN, 1.f, out.data());
-      }
-      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
-      best[which] = std::min(best[which], dt.count());
-    }
-  }
+  const std::vector<float> x = calibration_values(kCalibrationSize);
+  std::vector<uint8_t> out(kCalibrationSize);
+  const auto best = best_alternated([&] { nearest_codes_u8(*index, x.data(), kCalibrationSize, 1.f, out.data()); },
+                                    [&] {
+                                      if (wide) {
+                                        nearest_codes_u8_avx512(*index, x.data(), kCalibrationSize, 1.f, out.data());
+                                      } else {
+                                        nearest_codes_u8_avx2(*index, x.data(), kCalibrationSize, 1.f, out.data());
+                                      }
+                                    });
   return best[1] < best[0];
 }
 
 // Whether the gather decode of 8-bit codes (decode_u8_avx512) takes over twice as long as the byte planes'
-// (decode_u8_vbmi) on this CPU: best of several alternated runs on an L1-resident tile. Twice, because the fused
-// Adam loops gain from the gathers where they are about as fast: they keep the load ports busy while the planes'
-// permutes and the arithmetic share the vector ones (decode_moments_vbmi's split, chosen on an Intel Xeon).
+// (decode_u8_vbmi) on this CPU, on an L1-resident tile. Twice, because the fused Adam loops gain from the
+// gathers where they are about as fast: they keep the load ports busy while the planes' permutes and the
+// arithmetic share the vector ones (decode_moments_vbmi's split, chosen on an Intel Xeon).
 bool calibrate_planes() {
-  constexpr int kN = 4096;
   std::vector<float> map(256);
   for (int i = 0; i < 256; ++i) map[i] = -1.f + 2.f * static_cast<float>(i) / 255.f;
   const BytePlanes planes(map.data());
-  std::vector<uint8_t> codes(kN);
-  uint32_t state = 12345u;
-  for (auto& c : codes) {
-    state = state * 1664525u + 1013904223u;
-    c = static_cast<uint8_t>(state >> 24);
-  }
-  std::vector<float> out(kN);
-  double best[2] = {1e30, 1e30};
-  for (int rep = 0; rep < 16; ++rep) {
-    for (int which = 0; which < 2; ++which) {
-      const auto t0 = std::chrono::steady_clock::now();
-      if (which == 0) {
-        decode_u8_avx512(map.data(), codes.data(), kN, 1.f, out.data());
-      } else {
-        decode_u8_vbmi(planes, map.data(), codes.data(), kN, 1.f, out.data());
-      }
-      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
-      best[which] = std::min(best[which], dt.count());
-    }
-  }
+  std::vector<uint8_t> codes;
+  for (const uint32_t w : calibration_words(kCalibrationSize)) codes.push_back(static_cast<uint8_t>(w >> 24));
+  std::vector<float> out(kCalibrationSize);
+  const auto best =
+      best_alternated([&] { decode_u8_avx512(map.data(), codes.data(), kCalibrationSize, 1.f, out.data()); },
+                      [&] { decode_u8_vbmi(planes, map.data(), codes.data(), kCalibrationSize, 1.f, out.data()); });
   return best[0] > 2 * best[1];
 }
 
-// Whether search_codes16 encodes 4-bit states faster than sum_codes16 on this CPU: best of several alternated
-// runs of each over an L1-resident tile of the default signed 4-bit map's keys. The same codes either way.
-LB_TARGET bool calibrate_search_u4() {
-  constexpr int kN = 4096;
+// The 4-bit codes of x[0..n) by sum_codes16 (kSearch false) or search_codes16 over steps, packed to out.
+template <bool kSearch>
+LB_TARGET void calibration_codes_u4(const int* sums, const uint32_t* steps, const float* x, int n, uint8_t* out) {
+  const __m512i keys = _mm512_loadu_si512(steps);
+  for (int i = 0; i < n; i += 16) {
+    const __m512i key = order_keys(_mm512_loadu_ps(x + i));
+    pack_u4_16(kSearch ? search_codes16(keys, key) : sum_codes16(sums, key), out + i / 2);
+  }
+}
+
+// Whether search_codes16 encodes 4-bit states faster than sum_codes16 on this CPU, on an L1-resident tile of
+// a 16-entry map's keys. The same codes either way.
+bool calibrate_search_u4() {
   float map[16];
   for (int i = 0; i < 16; ++i) map[i] = -1.f + 2.f * static_cast<float>(i) / 15.f;
   const auto index = map_index(map, 16);
   if (!index->nearest_direct()) return false;
   const int* sums = reinterpret_cast<const int*>(index->nearest_sums()) - kFirstBucket;
-  alignas(64) uint32_t padded[16];
-  for (int j = 0; j < 16; ++j) padded[j] = index->nearest_keys()[j];
-  const __m512i steps = _mm512_load_si512(padded);
-  std::vector<float> x(kN);
-  uint32_t state = 12345u;
-  for (auto& v : x) {
-    state = state * 1664525u + 1013904223u;
-    v = static_cast<float>(static_cast<int32_t>(state)) * (1.f / 2147483648.f);
-  }
-  std::vector<uint8_t> out(kN);
-  double best[2] = {1e30, 1e30};
-  for (int rep = 0; rep < 16; ++rep) {
-    for (int which = 0; which < 2; ++which) {
-      const auto t0 = std::chrono::steady_clock::now();
-      if (which == 0) {
-        for (int i = 0; i < kN; i += 16) {
-          pack_u4_16(sum_codes16(sums, order_keys(_mm512_loadu_ps(x.data() + i))), out.data() + i / 2);
-        }
-      } else {
-        for (int i = 0; i < kN; i += 16) {
-          pack_u4_16(search_codes16(steps, order_keys(_mm512_loadu_ps(x.data() + i))), out.data() + i / 2);
-        }
-      }
-      const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
-      best[which] = std::min(best[which], dt.count());
-    }
-  }
+  const uint32_t* steps = index->nearest_keys();
+  const std::vector<float> x = calibration_values(kCalibrationSize);
+  std::vector<uint8_t> out(kCalibrationSize / 2);
+  const auto best =
+      best_alternated([&] { calibration_codes_u4<false>(sums, steps, x.data(), kCalibrationSize, out.data()); },
+                      [&] { calibration_codes_u4<true>(sums, steps, x.data(), kCalibrationSize, out.data()); });
   return best[1] < best[0];
 }
 

@@ -1108,7 +1108,7 @@ void adam_block(const OptimArgs& a, const TensorView& t, int64_t block, int64_t 
       with_bool(decay, [&](auto kDecay) LB_ALWAYS_INLINE {
         with_bool(scaled, [&](auto kScaled) LB_ALWAYS_INLINE {
           constexpr bool kD = decltype(kDecay)::value, kG = decltype(kScaled)::value;
-          if (t.stochastic) {
+          if (t.stochastic) {  // 4-bit states only: step_block keeps 8-bit stochastic blocks out of adam_block
             const uint64_t counter0 = t.round_offset + static_cast<uint64_t>(lo);
             return adam_encode_step_u4_stochastic<kLamb, kD, kG>(
                 a.hyper, t.scalars, param, s[0], s[1], cnt, coders.index[0]->padded(), coders.index[1]->padded(), b1,
