@@ -57,6 +57,20 @@ bool calibrate_gather(bool wide);
 bool calibrate_planes();
 bool calibrate_search_u4();
 
+// A timed choice: its stored value, or on first use (-1) calibrate()'s answer, stored.
+template <typename Calibrate>
+bool timed_choice(std::atomic<int>& choice, Calibrate&& calibrate) {
+  int v = choice.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = calibrate() ? 1 : 0;
+    choice.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+// A test hook's mode as a stored choice: 1 on, 0 off, -1 time it again.
+int choice_of_mode(int mode) { return mode < 0 ? -1 : (mode > 0 ? 1 : 0); }
+
 }  // namespace
 
 bool avx512_active() { return kHasAvx512 && g_enabled.load(std::memory_order_relaxed); }
@@ -69,13 +83,7 @@ bool set_avx512_enabled(bool enabled) {
 bool gather_encode_active() {
   const bool wide = avx512_active();
   if (!wide && !avx2_active()) return false;
-  std::atomic<int>& choice = wide ? g_gather : g_gather_avx2;
-  int v = choice.load(std::memory_order_relaxed);
-  if (v < 0) {
-    v = calibrate_gather(wide) ? 1 : 0;
-    choice.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
+  return timed_choice(wide ? g_gather : g_gather_avx2, [wide] { return calibrate_gather(wide); });
 }
 
 BytePlanes::BytePlanes(const float* map) {
@@ -93,34 +101,16 @@ bool set_vbmi_decode(bool enabled) {
   return kHasVbmi;
 }
 
-bool vbmi_first_moment_active() {
-  if (!vbmi_decode_active()) return false;
-  int v = g_planes_first.load(std::memory_order_relaxed);
-  if (v < 0) {
-    v = calibrate_planes() ? 1 : 0;
-    g_planes_first.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
+bool vbmi_first_moment_active() { return vbmi_decode_active() && timed_choice(g_planes_first, calibrate_planes); }
 
-void set_vbmi_first_moment(int mode) {
-  g_planes_first.store(mode < 0 ? -1 : (mode > 0 ? 1 : 0), std::memory_order_relaxed);
-}
+void set_vbmi_first_moment(int mode) { g_planes_first.store(choice_of_mode(mode), std::memory_order_relaxed); }
 
-bool search_u4_active() {
-  if (!avx512_active()) return false;
-  int v = g_search_u4.load(std::memory_order_relaxed);
-  if (v < 0) {
-    v = calibrate_search_u4() ? 1 : 0;
-    g_search_u4.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
+bool search_u4_active() { return avx512_active() && timed_choice(g_search_u4, calibrate_search_u4); }
 
-void set_search_u4(int mode) { g_search_u4.store(mode < 0 ? -1 : (mode > 0 ? 1 : 0), std::memory_order_relaxed); }
+void set_search_u4(int mode) { g_search_u4.store(choice_of_mode(mode), std::memory_order_relaxed); }
 
 void set_gather_encode(int mode) {
-  const int v = mode < 0 ? -1 : (mode > 0 ? 1 : 0);
+  const int v = choice_of_mode(mode);
   g_gather.store(v, std::memory_order_relaxed);
   g_gather_avx2.store(v, std::memory_order_relaxed);
 }
