@@ -49,8 +49,8 @@ __attribute__((target("avx512f"))) inline __m512i sum_codes16(const int* sums, _
   return _mm512_srli_epi32(_mm512_add_epi32(word, key), 16);
 }
 
-// The nearest codes of 16 keys for a map of at most 16 entries by a binary search over its step keys in one
-// register (steps: MapIndex::nearest_keys(), padded with UINT32_MAX): the count of steps at or below each key,
+// The nearest codes of 16 keys for a 16-entry map by a binary search over its step keys in one register
+// (steps: MapIndex::nearest_keys()): the count of steps at or below each key,
 // found bit by bit from the top, each probe's step key permuted from the register. Four permutes and four
 // compares where sum_codes16 gathers: gathers take about a cycle per element on Zen 4. The same codes as
 // sum_codes16 for any key of a nearest_direct() index's buckets (MapIndex::nearest_keys).

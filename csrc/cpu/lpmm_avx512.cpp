@@ -144,19 +144,12 @@ LB_TARGET int linear_codes_avx512(const float* x, int cnt, int bits, float absma
   const __m512 inv = _mm512_set1_ps(inv_s);
   const bool divide = inv_s == 0.f;
   const bool zero = !(absmax > 0.f);  // all-zero or poisoned block: every normalised value is 0
-  const uint32_t lo0 = static_cast<uint32_t>(counter0);
-  const __m512i lo0v = _mm512_set1_epi32(static_cast<int>(lo0));
-  const __m512i hi0v = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(counter0 >> 32)));
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int j = 0; j < done; j += 16) {
     const __m512 y = zero ? _mm512_setzero_ps() : linear_scaled16(_mm512_loadu_ps(x + j), a, inv, divide, q);
     const __m512 r = round_even16(y);
     __m512 level;
     if (stochastic) {
-      const __m512i lo = _mm512_add_epi32(lo0v, _mm512_add_epi32(iota, _mm512_set1_epi32(j)));
-      // The carry into the counter's high half, as uniform_tile takes it.
-      const __m512i hi = _mm512_mask_add_epi32(hi0v, _mm512_cmplt_epu32_mask(lo, lo0v), hi0v, _mm512_set1_epi32(1));
-      const __m512 u = uniform01x16(key, lo, hi);
+      const __m512 u = counter_draws16(key, counter0 + static_cast<uint64_t>(j));
       const __m512 f = _mm512_mask_sub_ps(r, _mm512_cmp_ps_mask(r, y, _CMP_GT_OQ), r, _mm512_set1_ps(1.f));
       const __m512 up = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u, _mm512_sub_ps(y, f), _CMP_LT_OQ), _mm512_set1_ps(1.f));
       level = _mm512_add_ps(_mm512_add_ps(f, up), q);
@@ -198,10 +191,6 @@ LB_TARGET int map_codes_u8_avx512(const MapIndex& index, const float* x, int cnt
   const __m512 inv = _mm512_set1_ps(inv_s);
   const bool divide = inv_s == 0.f;
   const bool zero = !(absmax > 0.f);
-  const uint32_t lo0 = static_cast<uint32_t>(counter0);
-  const __m512i lo0v = _mm512_set1_epi32(static_cast<int>(lo0));
-  const __m512i hi0v = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(counter0 >> 32)));
-  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i one = _mm512_set1_epi32(1);
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   for (int j = 0; j < done; j += 16) {
@@ -216,9 +205,7 @@ LB_TARGET int map_codes_u8_avx512(const MapIndex& index, const float* x, int cnt
     __m512i code = _mm512_mask_add_epi32(_mm512_srli_epi32(word, kStepBits), step, _mm512_srli_epi32(word, kStepBits), one);
     if (stochastic) {
       // stochastic_tile (encode.cpp): up by one when u * gap < xn - map[floor].
-      const __m512i lo = _mm512_add_epi32(lo0v, _mm512_add_epi32(iota, _mm512_set1_epi32(j)));
-      const __m512i hi = _mm512_mask_add_epi32(hi0v, _mm512_cmplt_epu32_mask(lo, lo0v), hi0v, one);
-      const __m512 u = uniform01x16(key, lo, hi);
+      const __m512 u = counter_draws16(key, counter0 + static_cast<uint64_t>(j));
       // Each (map value, gap) pair by one 8-byte gather: half the gathered elements of two 4-byte ones.
       const __m512 lo_pairs = _mm512_castsi512_ps(_mm512_i32gather_epi64(_mm512_castsi512_si256(code), low_gap, 8));
       const __m512 hi_pairs =

@@ -838,7 +838,7 @@ struct SumCodes {
   }
 };
 
-// The same codes of a map of at most 16 entries by its nearest_keys in a register: search_codes16.
+// The same codes of a 16-entry map by its nearest_keys in a register: search_codes16.
 struct SearchCodes {
   __m512i steps;
   __attribute__((target("avx512f"), always_inline)) __m512i operator()(__m512i key) const {
